@@ -1,0 +1,213 @@
+"""Typed study configuration: `TrialConfig` (one point to measure) and `StudyConfig` (the study file).
+
+Precedence for a study: command line > study file > the defaults below. `load_study` does the merge and raises
+`ConfigError` with every problem named (file, dotted key, value, fix). Pure apart from reading the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import ConfigError, format_validation_error
+from serve.spec import FrozenModel, NoSpec, SpecConfig, Violation, validate_spec
+
+DEFAULT_STUDY_NAME = "default"
+SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+
+# Engines implement different algorithms; this is static knowledge, so it belongs to validation, not preflight.
+ENGINE_ALGORITHMS: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"none", "ngram", "standalone"}),
+    "sglang": frozenset({"none", "ngram", "eagle", "eagle3", "standalone"}),
+}
+
+
+class TrialConfig(FrozenModel):
+    """One configuration to deploy and measure: what the engine is told plus how the trial drives it."""
+
+    spec: SpecConfig = Field(default_factory=NoSpec)
+    warmup_requests: int = Field(0, ge=0, description="requests sent after the flush and before measuring")
+    max_running_requests: int | None = Field(None, ge=1, description="engine batch bound; None = engine default")
+    concurrency: int = Field(1, ge=1, description="client requests in flight while measuring")
+
+
+def validate_trial(trial: TrialConfig, engine: str = "cpu") -> list[Violation]:
+    """Every reason this trial must not be deployed on `engine`; empty means valid. Pure."""
+    found = list(validate_spec(trial.spec))
+    supported = ENGINE_ALGORITHMS.get(engine, frozenset())
+    if trial.spec.algorithm not in supported:
+        found.append(Violation(
+            "spec.algorithm", f"the {engine} engine implements only {sorted(supported)}",
+            f"algorithm={trial.spec.algorithm}"))
+    return found
+
+
+class ModelSettings(FrozenModel):
+    target: str = Field("smollm2-135m", description="model id (cpu engine) or path / HF id (sglang)")
+    drafts: dict[str, str] = Field(default_factory=dict, description="draft model per algorithm, e.g. standalone: ...")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="cpu engine: fp32 is exact, bf16 is faster")
+
+    @field_validator("drafts")
+    @classmethod
+    def _known_algorithms(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(set(value) - {"eagle", "eagle3", "standalone"})
+        if bad:
+            raise ValueError(f"drafts keys must be eagle, eagle3 or standalone; got {bad}")
+        return value
+
+
+class EngineSettings(FrozenModel):
+    kind: Literal["cpu", "sglang"] = "cpu"
+    tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
+    threads: int | None = Field(None, ge=1, description="cpu engine torch threads; None = all cores")
+    start_timeout_s: float = Field(600.0, gt=0, description="readiness timeout; minutes for big models")
+    request_timeout_s: float = Field(300.0, gt=0)
+    extra_flags: list[str] = Field(default_factory=list, description="passed to the engine after validation")
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class WorkloadSettings(FrozenModel):
+    source: str = Field("code-edit", description="bundled workload name or a JSONL/Parquet file of prompts")
+    warmup_prompts: int = Field(16, ge=0, description="size of the warm-up split (warmup_requests draw from it)")
+    measure_prompts: int = Field(8, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+
+
+class BudgetSettings(FrozenModel):
+    max_trials: int = Field(8, ge=1, description="trials including the baseline")
+    time_budget_s: float | None = Field(None, gt=0, description="stop starting new trials after this")
+
+
+class ObjectiveSettings(FrozenModel):
+    metrics: list[str] = Field(default_factory=lambda: ["tput_tok_s"], min_length=1)
+    modes: list[Literal["max", "min"]] = Field(default_factory=lambda: ["max"], min_length=1)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> ObjectiveSettings:
+        if len(self.metrics) != len(self.modes):
+            raise ValueError(f"metrics and modes must have the same length, got {self.metrics} and {self.modes}")
+        return self
+
+
+class PromotionPolicySettings(FrozenModel):
+    finalists: int = Field(2, ge=1, description="best trials re-measured against the baseline")
+    runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (fresh replica each)")
+    margin: float = Field(0.03, ge=0, description="score must beat the baseline's by this fraction")
+    tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction are ties: fewer drafts win")
+    equivalence_threshold: float = Field(1.0, ge=0, le=1, description="share of outputs identical to baseline")
+
+
+class TrackingSettings(FrozenModel):
+    uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite under the output folder")
+    experiment: str | None = Field(None, description="None = the study name")
+    registered_model: str | None = Field(None, description="None = specdec-<study name>")
+
+
+class StorageSettings(FrozenModel):
+    url: str | None = Field(None, description="Optuna RDB URL; None = sqlite under the output folder")
+
+
+class RaySettings(FrozenModel):
+    address: str | None = Field(None, description="None = start a local Ray; 'auto' or ray://... for a cluster")
+
+
+class StudyConfig(FrozenModel):
+    """A study file (YAML). Every key is optional; `python -m pipeline.tune --dry-run` prints the resolved one."""
+
+    name: str = Field(DEFAULT_STUDY_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    seed: int = 0
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    workload: WorkloadSettings = Field(default_factory=WorkloadSettings)
+    search_space: str = Field("default.yaml", description="a file in search_spaces/ or a path")
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1, description="first = target level")
+    promotion: PromotionPolicySettings = Field(default_factory=PromotionPolicySettings)
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+    output_dir: str | None = Field(None, description="None = ./runs/<name> in the current directory")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(level < 1 for level in value):
+            raise ValueError(f"every concurrency level must be >= 1, got {value}")
+        return value
+
+    def output_path(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path.cwd() / "runs" / self.name
+
+    def search_space_path(self) -> Path:
+        return resolve_space_path(self.search_space)
+
+
+def resolve_space_path(name: str) -> Path:
+    """A bare file name is looked up in search_spaces/ first, then relative to the current directory."""
+    candidate = Path(name)
+    bundled = SEARCH_SPACES_DIR / name
+    if not candidate.is_absolute() and candidate.parent == Path(".") and bundled.exists():
+        return bundled
+    return candidate
+
+
+def read_yaml(path: Path, what: str) -> dict[str, Any]:
+    """Read a YAML mapping; any problem is a ConfigError naming the file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set data['a']['b'] = value for 'a.b', creating mappings on the way."""
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def known_keys(model: type[FrozenModel], prefix: str = "") -> dict[str, list[str]]:
+    """Allowed keys per dotted parent path, for did-you-mean hints on misspelled keys."""
+    table = {prefix: list(model.model_fields)}
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, FrozenModel):
+            table.update(known_keys(kind, f"{prefix}.{name}" if prefix else name))
+    return table
+
+
+def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudyConfig:
+    """Defaults < file < overrides (dotted keys, e.g. {"budget.max_trials": 4}). Raises ConfigError."""
+    data: dict[str, Any] = read_yaml(Path(path), "study file") if path else {}
+    for dotted, value in (overrides or {}).items():
+        set_dotted(data, dotted, value)
+    source = f"study file {path}" if path else "study (defaults + command line)"
+    try:
+        return StudyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source, known_keys(StudyConfig))) from None
+
+
+def study_to_yaml(study: StudyConfig) -> str:
+    """The resolved study as YAML: what --dry-run prints and what is logged to MLflow."""
+    return yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,127 @@
+"""`python -m pipeline.tune`: the composition root. Resolves the study, prints it, and runs (or dry-runs) it.
+
+Everything is resolved here from the study file and the command line (CLI > file > defaults); one seed is threaded
+through. The stages themselves live in their own modules (space, trial, load, measure, record, promote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Any, Sequence
+
+import yaml
+
+from pipeline.config import StudyConfig, load_study, study_to_yaml
+from pipeline.errors import PipelineError
+from pipeline.space import Resolution, SearchSpace, define_by_run, enqueue_baseline, load_space, resolve
+
+# Command-line flags that override one study key each: (flag, dotted key, type, help).
+_OVERRIDES: list[tuple[str, str, Any, str]] = [
+    ("--name", "name", str, "study name (default: 'default'); outputs go to ./runs/<name>"),
+    ("--search-space", "search_space", str, "search-space file: a name in search_spaces/ or a path"),
+    ("--output", "output_dir", str, "output folder (default: ./runs/<name>)"),
+    ("--model", "model.target", str, "target model: cpu engine id (smollm2-135m, gemma3-270m, ...) or a path"),
+    ("--engine", "engine.kind", str, "engine: cpu (embedded, default) or sglang (GPU node)"),
+    ("--workload", "workload.source", str, "bundled workload (code-edit, free-text, templated) or a JSONL/Parquet file"),
+    ("--trials", "budget.max_trials", int, "number of trials including the baseline"),
+    ("--time-budget", "budget.time_budget_s", float, "seconds after which no new trial starts"),
+    ("--seed", "seed", int, "one seed for sampling, workload order and bootstrap"),
+    ("--tracking-uri", "tracking.uri", str, "MLflow tracking URI (default: sqlite under the output folder)"),
+    ("--storage", "storage.url", str, "Optuna storage URL (default: sqlite under the output folder)"),
+    ("--ray-address", "ray.address", str, "Ray cluster address (default: start a local Ray)"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.tune",
+        description="Search speculative-decoding configs (Ray Tune + Optuna), deploy each through Ray Serve, "
+                    "measure it, log it to MLflow, and promote the winner. With no arguments: the default study "
+                    "(CPU engine, smallest model, baseline + NGRAM).",
+        epilog="Precedence: command line > --study file > defaults. Example: "
+               "python -m pipeline.tune --dry-run --search-space ngram.yaml",
+    )
+    parser.add_argument("--study", metavar="FILE", help="study YAML file (see docs/configuration.md)")
+    for flag, dotted, kind, text in _OVERRIDES:
+        parser.add_argument(flag, dest=dotted, type=kind, default=None, help=f"{text} [{dotted}]")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override any study key, e.g. --set promotion.margin=0.05 (value parsed as YAML); "
+                             "repeatable")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved study and the first sampled trial configs with their validation "
+                             "verdicts; starts nothing (no Ray, no engine, no MLflow)")
+    parser.add_argument("--samples", type=int, default=8, metavar="N",
+                        help="with --dry-run: how many trial configs to sample (default 8)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the study in the output folder instead of refusing to overwrite it")
+    return parser
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The dotted-key overrides the command line asks for; --set values are parsed as YAML scalars/lists."""
+    found = {dotted: getattr(args, dotted) for _, dotted, _, _ in _OVERRIDES if getattr(args, dotted) is not None}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise PipelineError(f"--set {item!r}: expected KEY=VALUE, e.g. --set budget.max_trials=4")
+        found[key.strip()] = yaml.safe_load(raw)
+    return found
+
+
+def sample_configs(space: SearchSpace, study: StudyConfig, count: int) -> list[Resolution]:
+    """The first `count` points the tuner would try (baseline first), without telling Optuna any result."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=study.seed, multivariate=True, group=True)
+    ot_study = optuna.create_study(direction="maximize", sampler=sampler)
+    enqueue_baseline(ot_study, space)
+    sample = define_by_run(space)
+    out = []
+    for _ in range(count):
+        trial = ot_study.ask()
+        constants = sample(trial)
+        out.append(resolve(space, {**trial.params, **constants}, study))
+    return out
+
+
+def describe(resolution: Resolution) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in resolution.params.items() if k != "algorithm")
+    head = f"{resolution.params.get('algorithm')}" + (f" ({params})" if params else "")
+    if resolution.valid:
+        return f"VALID    {head}"
+    reasons = "; ".join(str(v) for v in resolution.violations)
+    return f"INVALID  {head}\n           -> {reasons}"
+
+
+def dry_run(study: StudyConfig, space: SearchSpace, samples: int) -> None:
+    print("# resolved study")
+    print(study_to_yaml(study))
+    print(f"# search space: {study.search_space_path()} ({space.description or space.name})")
+    print(f"# first {samples} trial configs (trial 0 is the baseline); nothing was started")
+    for number, resolution in enumerate(sample_configs(space, study, samples)):
+        print(f"  #{number:<3} {describe(resolution)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        study = load_study(args.study, overrides_from_args(args))
+        space = load_space(study.search_space_path())
+        if args.dry_run:
+            dry_run(study, space, args.samples)
+            return 0
+        from pipeline.study import run_study  # heavy imports (Ray, MLflow) only for a real run
+
+        return run_study(study, space, resume=args.resume)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
