@@ -1,0 +1,150 @@
+"""Search-space files: loading errors, conditional sampling, baseline first, resolution into TrialConfig."""
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from pipeline.config import SEARCH_SPACES_DIR, load_study
+from pipeline.errors import ConfigError
+from pipeline.space import (
+    BASELINE_ATTR, baseline_point, define_by_run, enqueue_baseline, load_space, resolve,
+)
+from pipeline.tune import sample_configs
+from serve.spec import NgramSpec, NoSpec
+
+BUNDLED = sorted(SEARCH_SPACES_DIR.glob("*.yaml"))
+
+
+def space_file(tmp_path, text):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_bundled_spaces_exist_and_load():
+    names = {p.name for p in BUNDLED}
+    assert {"default.yaml", "ngram.yaml", "eagle3.yaml", "standalone.yaml", "all.yaml"} <= names
+    for path in BUNDLED:
+        assert "none" in load_space(path).algorithms
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokns: {type: int, low: 2, high: 4}\n",
+     ["branches.ngram.num_draft_tokns", "did you mean 'num_draft_tokens'"]),
+    ("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: int, low: 8, high: 4}\n",
+     ["branches.ngram.num_draft_tokens", "low=8, high=4"]),
+    ("algorithms: [none, ngram]\nbranches:\n  ngram:\n    match_type: {type: categorical, choices: []}\n",
+     ["branches.ngram.match_type.categorical.choices"]),
+    ("algorithms: [none, ngram]\nbranches:\n  ngram:\n    match_type: {type: categorical, choices: [BFS, bfs]}\n",
+     ["'bfs' is not a valid match_type"]),
+    ("algorithms: [none, medusa]\n", ["algorithms.1", "'medusa'"]),
+    ("algorithms: [ngram]\n", ["must include 'none'"]),
+    ("algorithms: [none]\n", ["at least one speculative algorithm"]),
+    ("algorithms: [none, ngram]\nbranches:\n  eagle3: {}\n", ["branches.eagle3", "not listed in algorithms"]),
+    ("algorithms: [none, ngram]\nbranchs: {}\n", ["branchs", "did you mean 'branches'"]),
+    ("algorithms: [none, ngram]\ncommon:\n  num_draft_tokens: {type: fixed, value: 4}\n",
+     ["common.num_draft_tokens", "belong under branches"]),
+    ("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 9}\n"
+     "    max_bfs_breadth: {type: int, low: 1, high: num_draft_tokens + later}\n",
+     ["branches.ngram.max_bfs_breadth.high", "['later']"]),
+    ("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: int, low: 0, high: 4}\n",
+     ["branches.ngram.num_draft_tokens.low", "greater than or equal to 1"]),
+])
+def test_bad_space_files_name_file_key_and_value(tmp_path, text, fragments):
+    path = space_file(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_space(path)
+    message = str(err.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def sampled(space_path, count=30, seed=0):
+    space = load_space(space_path)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    enqueue_baseline(study, space)
+    fn = define_by_run(space)
+    trials = []
+    for _ in range(count):
+        trial = study.ask()
+        constants = fn(trial)  # suggest first: trial.params fills as the function runs
+        trials.append((trial, {**trial.params, **constants}))
+    return space, study, trials
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.name)
+def test_params_of_other_branches_never_appear(path):
+    _, _, trials = sampled(path)
+    for _, params in trials:
+        algorithm = params["algorithm"]
+        for name in params:
+            if "." in name:
+                assert name.startswith(f"{algorithm}."), (algorithm, params)
+
+
+def test_baseline_is_trial_zero_and_never_resampled():
+    _, study, trials = sampled(SEARCH_SPACES_DIR / "default.yaml")
+    first, params = trials[0]
+    assert first.number == 0 and first.user_attrs[BASELINE_ATTR] and params["algorithm"] == "none"
+    assert all(p["algorithm"] != "none" for _, p in trials[1:])
+
+
+def test_enqueue_baseline_is_idempotent_for_a_resumed_study():
+    space = load_space(SEARCH_SPACES_DIR / "default.yaml")
+    study = optuna.create_study()
+    assert enqueue_baseline(study, space) is True
+    study.ask()
+    assert enqueue_baseline(study, space) is False
+
+
+def test_dependent_bounds_keep_points_valid():
+    study_cfg = load_study(None, {"engine.kind": "sglang", "model.drafts": {"eagle3": "head"}})
+    space, _, trials = sampled(SEARCH_SPACES_DIR / "eagle3.yaml", count=60)
+    for _, params in trials:
+        resolution = resolve(space, params, study_cfg)
+        assert resolution.valid, resolution.violations
+    space, _, trials = sampled(SEARCH_SPACES_DIR / "ngram.yaml", count=60)
+    for _, params in trials[1:]:
+        assert params["ngram.min_bfs_breadth"] <= params["ngram.max_bfs_breadth"]
+
+
+def test_resolve_builds_trial_configs_with_fixed_values_and_study_settings():
+    space = load_space(SEARCH_SPACES_DIR / "default.yaml")
+    study = load_study(None, {"concurrency": [4, 8]})
+    base = resolve(space, {"algorithm": "none", **baseline_point(space)}, study)
+    assert base.valid and base.config.spec == NoSpec() and base.config.warmup_requests == 2
+    assert base.config.concurrency == 4  # the target level is the first one
+    point = {"algorithm": "ngram", "ngram.num_draft_tokens": 3, "ngram.max_bfs_breadth": 2,
+             "ngram.match_type": "PROB", "ngram.max_trie_depth": 6, "ngram.warmup_requests": 12}
+    cfg = resolve(space, point, study).config
+    assert cfg.spec == NgramSpec(num_draft_tokens=3, max_bfs_breadth=2, min_bfs_breadth=1, match_type="PROB",
+                                 max_trie_depth=6, capacity=1_000_000)
+    assert cfg.warmup_requests == 12  # the branch overrides the common fixed value
+
+
+def test_invalid_points_carry_their_reasons():
+    space = load_space(SEARCH_SPACES_DIR / "standalone.yaml")
+    point = {"algorithm": "standalone", "standalone.num_steps": 2, "standalone.topk": 2,
+             "standalone.num_draft_tokens": 5}
+    missing = resolve(space, point, load_study(None))
+    assert not missing.valid and [v.field for v in missing.violations] == ["spec.draft_model"]
+    ok = resolve(space, point, load_study(None, {"model.drafts": {"standalone": "qwen2.5-coder-0.5b"}}))
+    assert ok.valid and ok.config.spec.draft_model == "qwen2.5-coder-0.5b"
+
+
+def test_dry_run_sampling_is_seeded():
+    space = load_space(SEARCH_SPACES_DIR / "ngram.yaml")
+    study = load_study(None, {"seed": 3})
+    first = [r.params for r in sample_configs(space, study, 6)]
+    assert first == [r.params for r in sample_configs(space, study, 6)]
+    assert first[0] == {"algorithm": "none"}
+    assert first != [r.params for r in sample_configs(space, load_study(None, {"seed": 4}), 6)]
+
+
+def test_space_files_only_use_known_keys():
+    # Guard against a bundled file silently growing keys the loader ignores (extra="forbid" everywhere).
+    for path in BUNDLED:
+        assert Path(path).read_text().strip()
+        load_space(path)
