@@ -1,0 +1,157 @@
+"""End of a study: the table of trials, finalists re-measured on fresh replicas, the promotion decision and action.
+
+The decision itself is pure (`pipeline.promote.decide`); this module gathers its inputs by measuring, then hands the
+result to the registry action and writes `promoted.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import TrialConfig
+from pipeline.equivalence import check_equivalence
+from pipeline.measure import summarize, to_records, to_table
+from pipeline.promote import Decision, Finalist, PromotionPolicy, decide
+from pipeline.registry import register_config
+from pipeline.trial import Outcome, TrialContext, measure_config
+
+TABLE_METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms")
+
+
+def trial_rows(ctx: TrialContext) -> list[dict[str, Any]]:
+    """One row per trial child run, baseline first then by throughput."""
+    rows = []
+    for run in ctx.tracker.trial_runs(ctx.parent_run_id):
+        if run.data.tags.get("specdec.kind") != "trial":
+            continue
+        params = {k: v for k, v in run.data.params.items()}
+        rows.append({
+            "run_id": run.info.run_id, "name": run.info.run_name, "outcome": run.data.tags.get("outcome", "?"),
+            "reason": run.data.tags.get("reason", ""), "algorithm": params.get("spec.algorithm", "?"),
+            "params": {k: v for k, v in params.items() if k not in ("spec.algorithm", "trial.concurrency")},
+            **{m: run.data.metrics.get(m) for m in TABLE_METRICS},
+        })
+    rows.sort(key=lambda r: (r["algorithm"] != "none", -(r["tput_tok_s"] or 0.0)))
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    base = next((r["tput_tok_s"] for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
+    lines = [f"{'trial':<22} {'algorithm':<10} {'outcome':<14} {'tok/s':>7} {'vs base':>7} {'accept':>6}  params"]
+    for r in rows:
+        tput = r["tput_tok_s"]
+        ratio = f"{tput / base:.2f}x" if tput and base else "-"
+        accept = f"{r['accept_len']:.2f}" if r["accept_len"] else "-"
+        params = " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in sorted(r["params"].items())
+                          if k.startswith("spec.") or k == "trial.warmup_requests")
+        mark = " (baseline)" if r["algorithm"] == "none" else ""
+        lines.append(f"{r['name']:<22} {r['algorithm']:<10} {r['outcome']:<14} {tput or 0:>7.2f} {ratio:>7} "
+                     f"{accept:>6}  {params}{mark}")
+        if r["outcome"] != "COMPLETE" and r["reason"]:
+            lines.append(f"{'':<22} -> {r['reason'][:160]}")
+    return "\n".join(lines)
+
+
+def _config_of(ctx: TrialContext, run_id: str) -> TrialConfig:
+    client = ctx.tracker.client()
+    path = client.download_artifacts(run_id, "trial_config.json")
+    return TrialConfig.model_validate(json.loads(Path(path).read_text()))
+
+
+def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int) -> tuple[list[float], bool, list[str]]:
+    """`runs` fresh deploy+flush+warm-up+measure passes; (throughputs, all outputs equivalent, failures)."""
+    import pyarrow.parquet as pq
+
+    throughputs, failures, equivalent = [], [], True
+    baseline = to_records(pq.read_table(ctx.baseline_outputs)) if ctx.baseline_outputs.exists() else None
+    for k in range(runs):
+        label = f"{name}-run{k}"
+        m = measure_config(ctx, config, label, Path(ctx.output_dir) / "finalists" / label)
+        summary = summarize(m.records, seed=ctx.study.seed) if m.records else None
+        outcome, reason = m.failure or (Outcome.COMPLETE, "")
+        if config.spec.algorithm != "none" and ctx.study.workload.temperature == 0 and m.failure is None:
+            if baseline is None:
+                equivalent, reason = False, "no baseline outputs"
+            else:
+                report = check_equivalence(baseline, m.records, threshold=ctx.study.promotion.equivalence_threshold)
+                equivalent = equivalent and report.passed
+                if not report.passed:
+                    outcome, reason = Outcome.NOT_EQUIVALENT, report.reason
+        if m.failure is not None:
+            failures.append(f"{label}: {m.failure[1][:200]}")
+            equivalent = False
+        throughputs.append(summary.tput_tok_s if summary and m.failure is None else 0.0)
+        ctx.tracker.log_trial(
+            ctx.parent_run_id, study_name=ctx.study.name, run_name=label, kind="finalist",
+            config=config.model_dump(mode="json"), outcome=outcome.value, reason=reason,
+            metrics=summary.to_metrics() if summary else {}, requests=to_table(m.records) if m.records else None,
+            texts={"engine.log": m.engine_log}, extra_tags={"finalist": name})
+    return throughputs, equivalent, failures
+
+
+def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
+    """Print the trials, re-measure finalists, decide, promote; returns the exit code (0 also for keep-baseline)."""
+    study = ctx.study
+    rows = trial_rows(ctx)
+    print("\n" + format_table(rows), flush=True)
+    base_row = next((r for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
+    if base_row is None:
+        print("\nno baseline measurement completed: nothing can be promoted (see the baseline trial's reason)")
+        ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "no_baseline"}, metrics={}, texts={},
+                                 status="FAILED")
+        return 1
+    candidates = [r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"]
+    finalists = candidates[: study.promotion.finalists]
+    runs = study.promotion.runs
+    print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each ...", flush=True)
+    base_config = _config_of(ctx, base_row["run_id"])
+    base_tputs, _, base_failures = remeasure(ctx, "final-baseline", base_config, runs)
+    entries, configs = [], {"baseline": base_config}
+    for i, row in enumerate(finalists):
+        config = _config_of(ctx, row["run_id"])
+        name = f"final-{i}-{row['name']}"
+        tputs, equivalent, _ = remeasure(ctx, name, config, runs)
+        entries.append(Finalist(id=name, throughputs=tuple(tputs), equivalent=equivalent, spec=config.spec))
+        configs[name] = config
+    policy = PromotionPolicy(min_runs=runs, margin=study.promotion.margin, tie_tolerance=study.promotion.tie_tolerance)
+    decision = decide(base_tputs, entries, policy)
+    chosen_name = decision.winner or "baseline"
+    chosen = configs[chosen_name]
+    model_name = study.tracking.registered_model or f"specdec-{study.name}"
+    serving = {"study": study.name, "engine": study.engine.kind, "model": study.model.target,
+               "dtype": study.model.dtype, "trial": chosen.model_dump(mode="json"), "decision": decision.kind,
+               "source": chosen_name}
+    version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving,
+                              move_production=decision.kind == "promote")
+    promoted = Path(ctx.output_dir) / "promoted.yaml"
+    promoted.write_text(yaml.safe_dump({**serving, "registered_model": model_name, "version": version},
+                                       sort_keys=False))
+    _report(ctx, decision, model_name, version, base_failures)
+    return 0
+
+
+def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str | None, failures: list[str]) -> None:
+    summary = {"decision": decision.kind, "winner": decision.winner or "", "registered_model": model_name,
+               "registered_version": version or ""}
+    ctx.tracker.finish_study(
+        ctx.parent_run_id, tags=summary,
+        metrics={"baseline_score": decision.baseline.score, "bar": decision.bar},
+        texts={"decision.json": decision.model_dump_json(indent=2), "decision.txt": decision.reason})
+    print(f"\ndecision: {decision.kind.upper()} -- {decision.reason}")
+    for c in decision.candidates:
+        print(f"  {c.id}: median {c.median:.2f} tok/s, MAD {c.mad:.2f}, score {c.score:.2f}"
+              + (f" -- {c.lost_because}" if c.lost_because else " -- winner"))
+    print(f"  baseline: median {decision.baseline.median:.2f} tok/s, score {decision.baseline.score:.2f}")
+    if failures:
+        print("  baseline re-run failures: " + "; ".join(failures))
+    if version:
+        print(f"registered {model_name} version {version}; alias 'production' -> "
+              f"{'this version' if decision.kind == 'promote' else 'unchanged unless it was unset'}")
+    print(f"promoted config: {Path(ctx.output_dir) / 'promoted.yaml'}")
+    uri = ctx.tracker.tracking_uri
+    print(f"compare the trials: mlflow ui --backend-store-uri {uri}"
+          + (f"   (then open http://127.0.0.1:5000)" if uri.startswith("sqlite") else ""))

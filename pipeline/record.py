@@ -1,0 +1,127 @@
+"""MLflow I/O only: one experiment per study, a parent run for the study, one child run per trial.
+
+Uses `MlflowClient` with explicit run ids (no global "active run"), so the driver and the trial processes can log
+without stepping on each other. Names are chosen to sort and read well in the MLflow UI's table and compare view:
+params `spec.*` / `trial.*`, metrics from `Summary.to_metrics()` (`tput_tok_s`, `accept_len`, `ttft_p50_ms`, ...),
+tags `outcome` and `reason`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STUDY_TAG = "specdec.study"
+KIND_TAG = "specdec.kind"  # "study" | "trial" | "finalist"
+
+
+def default_tracking_uri(output_dir: Path) -> str:
+    return f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
+
+
+def flatten_trial(config: dict[str, Any]) -> dict[str, str]:
+    """TrialConfig dict -> MLflow params: spec fields as `spec.<name>`, the rest as `trial.<name>`."""
+    params = {f"spec.{k}": v for k, v in config.get("spec", {}).items()}
+    params.update({f"trial.{k}": v for k, v in config.items() if k != "spec"})
+    return {k: str(v) for k, v in params.items() if v is not None}
+
+
+class Tracker:
+    """Thin wrapper over MlflowClient for one study. Picklable: it holds only strings."""
+
+    def __init__(self, tracking_uri: str, experiment: str, artifact_dir: Path | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.artifact_dir = str(artifact_dir.resolve()) if artifact_dir else None
+        self._experiment_id: str | None = None
+
+    def client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+    def experiment_id(self) -> str:
+        if self._experiment_id is None:
+            client = self.client()
+            found = client.get_experiment_by_name(self.experiment)
+            if found is not None:
+                self._experiment_id = found.experiment_id
+            else:
+                # With a SQLite store, artifacts would land in ./mlruns of whatever cwd; keep them with the study.
+                location = Path(self.artifact_dir).as_uri() if self.artifact_dir else None
+                self._experiment_id = client.create_experiment(self.experiment, artifact_location=location)
+        return self._experiment_id
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_experiment_id": None}
+
+    # --- study (parent) run ------------------------------------------------------------------------------------
+
+    def start_study(self, study_name: str, resolved_yaml: str, resume: bool) -> str:
+        """The parent run: reused when resuming (same study name, still open or not), else a new one."""
+        client = self.client()
+        exp = self.experiment_id()
+        if resume:
+            runs = client.search_runs([exp], filter_string=f"tags.`{KIND_TAG}` = 'study' and "
+                                                           f"tags.`{STUDY_TAG}` = '{study_name}'",
+                                       order_by=["attributes.start_time DESC"], max_results=1)
+            if runs:
+                client.update_run(runs[0].info.run_id, status="RUNNING")
+                return runs[0].info.run_id
+        run = client.create_run(exp, run_name=f"study-{study_name}", tags={KIND_TAG: "study", STUDY_TAG: study_name})
+        client.log_text(run.info.run_id, resolved_yaml, "study/resolved_study.yaml")
+        return run.info.run_id
+
+    def finish_study(self, run_id: str, *, tags: dict[str, str], metrics: dict[str, float],
+                     texts: dict[str, str], status: str = "FINISHED") -> None:
+        client = self.client()
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        for key, value in metrics.items():
+            client.log_metric(run_id, key, value)
+        for path, text in texts.items():
+            client.log_text(run_id, text, path)
+        client.set_terminated(run_id, status=status)
+
+    def log_study_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        self.client().log_artifact(run_id, str(path), artifact_path)
+
+    # --- trial (child) runs ------------------------------------------------------------------------------------
+
+    def log_trial(self, parent_id: str, *, study_name: str, run_name: str, kind: str, config: dict[str, Any],
+                  outcome: str, reason: str, metrics: dict[str, float], requests: pa.Table | None,
+                  texts: dict[str, str], extra_tags: dict[str, str] | None = None) -> str:
+        """One child run with everything about a trial; returns its run id."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        client = self.client()
+        tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
+                "reason": reason[:4000], **(extra_tags or {})}
+        run = client.create_run(self.experiment_id(), run_name=run_name, tags=tags)
+        run_id = run.info.run_id
+        now = int(time.time() * 1000)
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if v is not None],
+            params=[Param(k, v[:6000]) for k, v in flatten_trial(config).items()],
+        )
+        client.log_text(run_id, json.dumps(config, indent=2), "trial_config.json")
+        for path, text in texts.items():
+            client.log_text(run_id, text, path)
+        if requests is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                target = Path(tmp) / "requests.parquet"
+                pq.write_table(requests, target)
+                client.log_artifact(run_id, str(target))
+        client.set_terminated(run_id, status="FINISHED" if outcome == "COMPLETE" else "FAILED")
+        return run_id
+
+    def trial_runs(self, parent_id: str) -> list[Any]:
+        return self.client().search_runs([self.experiment_id()], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                                         max_results=5000)

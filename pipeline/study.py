@@ -1,0 +1,152 @@
+"""A whole study: Ray + Serve up, Optuna study (baseline first) driven by Ray Tune, trials, table, promotion.
+
+Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` and `SearchSpace`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import StudyConfig, study_to_yaml
+from pipeline.errors import PipelineError
+from pipeline.load import LoadRequest
+from pipeline.record import Tracker, default_tracking_uri
+from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve
+from pipeline.trial import Outcome, TrialContext, run_trial, teardown
+from pipeline.workloads import load_workload
+
+TUNE_DIR = "tune"
+SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst value, so TPE steers away from it
+
+
+def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace) -> None:
+    from ray import tune
+
+    label = tune.get_context().get_trial_id()
+    result = run_trial(ctx, label, resolve(space, config, ctx.study))
+    report: dict[str, Any] = {"outcome": result.outcome.value, "mlflow_run_id": result.run_id or ""}
+    for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
+        value = result.objective(metric) if result.outcome is Outcome.COMPLETE else None
+        report[metric] = float(value) if value is not None else SENTINEL[mode]
+    if result.summary is not None:
+        report["accept_len"] = result.summary.accept_len or 1.0
+    tune.report(report)  # once, after the measurement: a report-then-crash would reach Optuna as COMPLETE
+
+
+def _progress_callback(total: int, metric: str) -> Any:
+    from ray import tune
+
+    class Progress(tune.Callback):
+        """Live view: trial n/N, its outcome and objective, the best so far vs the baseline."""
+
+        def __init__(self) -> None:
+            self.done = 0
+            self.best: float | None = None
+            self.baseline: float | None = None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
+            self.done += 1
+            algorithm = trial.config.get("algorithm", "?")
+            value = result.get(metric)
+            if result.get("outcome") == "COMPLETE":
+                if algorithm == "none" and self.baseline is None:
+                    self.baseline = value
+                elif self.best is None or value > self.best:
+                    self.best = value
+            vs = f"{self.best / self.baseline:.2f}x baseline" if self.best and self.baseline else "-"
+            params = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in trial.config.items() if k != "algorithm")
+            print(f"[trial {self.done}/{total}] {algorithm:<10} {result.get('outcome'):<14} {metric}={value:.2f}  "
+                  f"best={self.best or 0:.2f} ({vs})  {params}", flush=True)
+
+        def on_trial_complete(self, iteration, trials, trial, **info):  # noqa: ANN001
+            teardown(f"trial-{trial.trial_id}")  # belt and braces: the trial's own finally may not have run
+
+        def on_trial_error(self, iteration, trials, trial, **info):  # noqa: ANN001
+            teardown(f"trial-{trial.trial_id}")
+
+    return Progress()
+
+
+def _connect_ray(study: StudyConfig, out: Path) -> str:
+    """Start or join Ray, start Serve on a free local port; returns the Serve HTTP base URL."""
+    import ray
+    from ray import serve
+
+    from serve.replica import free_port
+
+    if not ray.is_initialized():
+        ray.init(address=study.ray.address, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for name in list(serve.status().applications):
+        if name.startswith("trial-"):  # left behind by a killed driver on a long-lived cluster
+            serve.delete(name)
+    return f"http://127.0.0.1:{port}"
+
+
+def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str) -> TrialContext:
+    workload = load_workload(study.workload.source, seed=study.seed, n_warmup=study.workload.warmup_prompts,
+                             n_measure=study.workload.measure_prompts, max_new_tokens=study.workload.max_new_tokens)
+
+    def items(prompts: Any) -> tuple[LoadRequest, ...]:
+        return tuple(LoadRequest(p.index, p.text, p.max_new_tokens) for p in prompts)
+
+    return TrialContext(study=study, output_dir=str(out), serve_url=serve_url, tracker=tracker,
+                        parent_run_id=parent, warmup=items(workload.warmup), measure=items(workload.measure))
+
+
+def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> int:
+    """Run the study end to end; returns the process exit code."""
+    import optuna
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from pipeline.finalize import finalize_study
+
+    started = time.monotonic()
+    out = study.output_path().resolve()
+    tune_path = out / TUNE_DIR
+    if (out / "study.yaml").exists() and not resume:
+        raise PipelineError(f"{out} already holds a study; pass --resume to continue it, or choose another "
+                            f"--name/--output")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.yaml").write_text(study_to_yaml(study))
+    print(f"study '{study.name}': {study.budget.max_trials} trials, engine {study.engine.kind}, "
+          f"model {study.model.target}, space {space.name or study.search_space}, output {out}", flush=True)
+
+    tracker = Tracker(study.tracking.uri or default_tracking_uri(out), study.tracking.experiment or study.name,
+                      artifact_dir=out / "mlartifacts")
+    parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
+    serve_url = _connect_ray(study, out)
+    ctx = build_context(study, out, serve_url, tracker, parent)
+
+    storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
+    directions = ["maximize" if m == "max" else "minimize" for m in study.objective.modes]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    ot_study = optuna.create_study(study_name=study.name, storage=storage, directions=directions, load_if_exists=True)
+    enqueue_baseline(ot_study, space)  # no-op when resuming: the baseline is never enqueued twice
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=study.seed, multivariate=True, group=True)
+    single = len(study.objective.metrics) == 1
+    searcher = OptunaSearch(define_by_run(space), metric=study.objective.metrics[0] if single else
+                            study.objective.metrics, mode=study.objective.modes[0] if single else study.objective.modes,
+                            sampler=sampler, storage=storage, study_name=study.name, seed=study.seed)
+    trainable = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space), {"cpu": 0.25})
+    # Concurrent trials = engine replicas that fit: one on a CPU box (the engine uses every core).
+    concurrency = 1 if study.engine.kind == "cpu" else None
+    run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0,
+                                callbacks=[_progress_callback(study.budget.max_trials, study.objective.metrics[0])])
+    if resume and tune.Tuner.can_restore(str(tune_path)):
+        tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
+            search_alg=searcher, num_samples=study.budget.max_trials, max_concurrent_trials=concurrency,
+            time_budget_s=study.budget.time_budget_s))
+    tuner.fit()
+    code = finalize_study(ctx, ot_study)
+    print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)
+    return code

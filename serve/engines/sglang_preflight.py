@@ -1,0 +1,128 @@
+"""Run SGLang's own argument parser and resolution on an argv, in this (sub)process; print one JSON line.
+
+`python -m serve.engines.sglang_preflight` reads {"argvs": [[...], ...], "parse_only": bool} on stdin and prints
+{"results": [{"ok": bool, "stage": "import|parse|resolve|check", "error": str|None, "resolved": {...}}, ...]}.
+parse_only checks flag names, types and choices with SGLang's argparse parser (fast: one parser for all argvs);
+otherwise each argv also goes through `resolve_once()` and `check_server_args()` (seconds each). It needs only
+`sglang` (installed `--no-deps`) and what `sglang.srt.server_args` imports (reference/sglang-0.5.23.md §8); GPU-only
+packages are replaced by SGLang's own mock modules, so it runs on a CPU machine. The model path (and any draft path)
+must be a local directory holding the model's `config.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import io
+import json
+import sys
+import traceback
+from typing import Any
+
+# GPU-only or optional packages that sglang imports at module level (reference §8, checked on 0.5.23).
+GPU_ONLY = {"torchvision", "sgl_kernel", "flashinfer", "deep_gemm", "vllm", "aiter", "torch_npu", "petit_kernel",
+            "amdsmi", "pymtml", "tvm_ffi", "modelscope", "torchcodec", "pynvml"}
+RESOLVED_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                 "speculative_num_draft_tokens", "speculative_draft_model_path", "speculative_ngram_min_bfs_breadth",
+                 "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type",
+                 "speculative_ngram_max_trie_depth", "speculative_ngram_capacity", "max_running_requests",
+                 "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, mock_cls: type) -> None:
+        self.mock_cls = mock_cls
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name.split(".")[0] in GPU_ONLY:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        module = self.mock_cls(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        return None
+
+
+def _install_stubs() -> None:
+    from sglang._platform_stubs import _MockModule
+
+    sys.meta_path.insert(0, _StubFinder(_MockModule))
+
+
+def _argparse_error(text: str) -> str:
+    """argparse prints the whole usage (532 options) before its one-line error: keep the error."""
+    errors = [line for line in text.splitlines() if "error:" in line]
+    return errors[-1].strip() if errors else text.strip()[-500:]
+
+
+def _for_this_machine(argv: list[str]) -> list[str]:
+    """Resolve as a GPU node would: SGLang refuses to resolve without an accelerator unless told the device.
+    The tokenizer is not needed for argument resolution (only a local config.json is)."""
+    extra = [] if "--device" in argv else ["--device", "cuda"]
+    extra += [] if "--skip-tokenizer-init" in argv else ["--skip-tokenizer-init"]
+    return argv + extra
+
+
+def parse_many(argvs: list[list[str]]) -> list[dict[str, Any]]:
+    """Flag names, types and choices only, with one parser (argparse abbreviations are SGLang's, not ours)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    results = []
+    for argv in argvs:
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                parser.parse_args(argv)
+            results.append({"ok": True, "stage": "parse", "error": None, "resolved": {}})
+        except (SystemExit, argparse.ArgumentError) as exc:
+            message = _argparse_error(captured.getvalue()) or str(exc)
+            results.append({"ok": False, "stage": "parse", "error": message, "resolved": {}})
+    return results
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """Parse, resolve and check one argv exactly as `sglang serve` would before launching anything."""
+    stage = "parse"
+    try:
+        from sglang.srt.server_args import prepare_server_args
+
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                args = prepare_server_args(_for_this_machine(argv))
+        except SystemExit:  # argparse: unknown or ambiguous flag, bad choice
+            return {"ok": False, "stage": stage, "error": _argparse_error(captured.getvalue()), "resolved": {}}
+        stage = "resolve"
+        args.resolve_once()
+        stage = "check"
+        args.check_server_args()
+        resolved = args.resolved_dict()
+        return {"ok": True, "stage": stage, "error": None,
+                "resolved": {k: resolved.get(k) for k in RESOLVED_KEYS}}
+    except Exception as exc:  # noqa: BLE001 - SGLang's errors are reported verbatim, whatever their type
+        detail = str(exc) or traceback.format_exc(limit=3)
+        return {"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {detail}", "resolved": {}}
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    argvs = [list(a) for a in request["argvs"]]
+    try:
+        _install_stubs()
+        results = parse_many(argvs) if request.get("parse_only") else [run(a) for a in argvs]
+    except Exception as exc:  # noqa: BLE001 - an import failure answers every argv the same way
+        results = [{"ok": False, "stage": "import", "error": f"{type(exc).__name__}: {exc}", "resolved": {}}] * len(argvs)
+    sys.stdout.write("\n" + json.dumps({"results": results}, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

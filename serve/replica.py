@@ -1,0 +1,166 @@
+"""The Ray Serve deployment that owns one engine process. Trials and the production endpoint share it.
+
+Lifecycle: the constructor starts the engine (`serve.engines.base.engine_argv`) on a free port in its own process
+group, with its output in a log file, and waits for `GET /health` up to `start_timeout_s`. If the engine exits or
+never gets ready, the constructor raises with the log tail, so Serve marks the app DEPLOY_FAILED and the trial can
+record LAUNCH_FAILED with the reason. Every route is proxied to the engine (streaming included). Serve's health
+check asks the process and `/health`. Shutdown kills the whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from ray import serve
+
+from serve.engines.base import ReplicaConfig, engine_argv
+
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
+LOG_TAIL_BYTES = 8000
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return ""
+    return data[-limit:].decode("utf-8", "replace")
+
+
+class EngineProcess:
+    """One engine process: start, wait for readiness, stop. Usable without Ray (tests, benchmarks)."""
+
+    def __init__(self, config: ReplicaConfig, host: str = "127.0.0.1") -> None:
+        if config.engine == "sglang":
+            from serve.engines.sglang import gpu_problem
+
+            problem = gpu_problem(config.tp_size)
+            if problem:
+                raise RuntimeError(problem)
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://{host}:{self.port}"
+        log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="specdec-engine-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"engine-{self.port}.log"
+        self.argv = engine_argv(config, host, self.port)
+        env = {**os.environ, **config.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            # Own session = own process group: teardown kills the engine and anything it spawned.
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True, cwd=os.getcwd())
+
+    def wait_ready(self) -> None:
+        """Poll /health until 200; raise RuntimeError with the log tail on exit or timeout."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine exited with code {self.process.returncode} before it was ready; "
+                                   f"command: {' '.join(self.argv)}\n--- engine log tail ---\n{log_tail(self.log_path)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"engine not ready after {self.config.start_timeout_s:.0f} s (start_timeout_s); "
+                           f"--- engine log tail ---\n{log_tail(self.log_path)}")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=grace_s)
+
+
+app = FastAPI()
+
+
+@serve.deployment(
+    max_ongoing_requests=256,  # the engine queues (FIFO, max_running_requests); the proxy must not
+    max_constructor_retry_count=1,  # a config that cannot start fails fast instead of 20 retries
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_wait_loop_s=1,
+    graceful_shutdown_timeout_s=20,
+    ray_actor_options={"num_cpus": 0.1},
+)
+@serve.ingress(app)
+class EngineReplica:
+    """A Serve replica around one engine process; every engine route is available under the app's prefix."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = ReplicaConfig.model_validate(config)
+        self.engine = EngineProcess(self.config)
+        self.engine.wait_ready()
+        self.client = httpx.AsyncClient(base_url=self.engine.url, timeout=httpx.Timeout(None, connect=10))
+
+    async def check_health(self) -> None:
+        if not self.engine.alive():
+            raise RuntimeError(f"engine exited with code {self.engine.process.returncode}")
+        response = await self.client.get("/health", timeout=20)
+        if response.status_code != 200:
+            raise RuntimeError(f"engine /health answered {response.status_code}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()
+
+    @app.get("/replica/log")
+    async def engine_log(self) -> PlainTextResponse:
+        """The engine log's tail: trials attach it to their MLflow run."""
+        return PlainTextResponse(log_tail(self.engine.log_path, 200_000))
+
+    @app.get("/replica/argv")
+    async def engine_command(self) -> dict[str, Any]:
+        return {"argv": self.engine.argv, "pid": self.engine.process.pid}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def proxy(self, path: str, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        upstream = self.client.build_request(request.method, f"/{path}", params=request.query_params,
+                                             content=await request.body(), headers=headers)
+        response = await self.client.send(upstream, stream=True)
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+        if "text/event-stream" in response.headers.get("content-type", ""):
+            async def relay():
+                try:
+                    async for chunk in response.aiter_raw():
+                        yield chunk
+                finally:
+                    await response.aclose()
+
+            return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
+        body = await response.aread()
+        await response.aclose()
+        return Response(body, status_code=response.status_code, headers=out_headers)
