@@ -106,9 +106,21 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
         return 1
     candidates = [r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"]
     finalists = candidates[: study.promotion.finalists]
+    base_config = _config_of(ctx, base_row["run_id"])
+    model_name = study.tracking.registered_model or f"specdec-{study.name}"
+    if not finalists:
+        # Nothing to compare: re-measuring the baseline alone would decide nothing.
+        reason = "keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
+        version = _promote(ctx, model_name, base_config, "keep_baseline", "baseline")
+        ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "keep_baseline", "winner": "",
+                                                          "registered_model": model_name,
+                                                          "registered_version": version or ""},
+                                 metrics={}, texts={"decision.txt": reason})
+        print(f"\ndecision: KEEP_BASELINE -- {reason}")
+        _print_footer(ctx, model_name, version, moved=False)
+        return 0
     runs = study.promotion.runs
     print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each ...", flush=True)
-    base_config = _config_of(ctx, base_row["run_id"])
     base_tputs, _, base_failures = remeasure(ctx, "final-baseline", base_config, runs)
     entries, configs = [], {"baseline": base_config}
     for i, row in enumerate(finalists):
@@ -120,18 +132,22 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     policy = PromotionPolicy(min_runs=runs, margin=study.promotion.margin, tie_tolerance=study.promotion.tie_tolerance)
     decision = decide(base_tputs, entries, policy)
     chosen_name = decision.winner or "baseline"
-    chosen = configs[chosen_name]
-    model_name = study.tracking.registered_model or f"specdec-{study.name}"
+    version = _promote(ctx, model_name, configs[chosen_name], decision.kind, chosen_name)
+    _report(ctx, decision, model_name, version, base_failures)
+    return 0
+
+
+def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str, source: str) -> str | None:
+    """Registry action + promoted.yaml. Keep-baseline registers the baseline only if nothing is in production yet."""
+    study = ctx.study
     serving = {"study": study.name, "engine": study.engine.kind, "model": study.model.target,
-               "dtype": study.model.dtype, "trial": chosen.model_dump(mode="json"), "decision": decision.kind,
-               "source": chosen_name}
-    version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving,
-                              move_production=decision.kind == "promote")
+               "dtype": study.model.dtype, "trial": chosen.model_dump(mode="json"), "decision": kind,
+               "source": source}
+    version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving, move_production=kind == "promote")
     promoted = Path(ctx.output_dir) / "promoted.yaml"
     promoted.write_text(yaml.safe_dump({**serving, "registered_model": model_name, "version": version},
                                        sort_keys=False))
-    _report(ctx, decision, model_name, version, base_failures)
-    return 0
+    return version
 
 
 def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str | None, failures: list[str]) -> None:
@@ -148,10 +164,16 @@ def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str
     print(f"  baseline: median {decision.baseline.median:.2f} tok/s, score {decision.baseline.score:.2f}")
     if failures:
         print("  baseline re-run failures: " + "; ".join(failures))
+    _print_footer(ctx, model_name, version, moved=decision.kind == "promote")
+
+
+def _print_footer(ctx: TrialContext, model_name: str, version: str | None, moved: bool) -> None:
     if version:
-        print(f"registered {model_name} version {version}; alias 'production' -> "
-              f"{'this version' if decision.kind == 'promote' else 'unchanged unless it was unset'}")
+        print(f"registered {model_name} version {version} as alias 'production'"
+              + ("" if moved else " (nothing was in production yet)"))
+    else:
+        print(f"production alias of {model_name} unchanged")
     print(f"promoted config: {Path(ctx.output_dir) / 'promoted.yaml'}")
     uri = ctx.tracker.tracking_uri
     print(f"compare the trials: mlflow ui --backend-store-uri {uri}"
-          + (f"   (then open http://127.0.0.1:5000)" if uri.startswith("sqlite") else ""))
+          + ("   (then open http://127.0.0.1:5000)" if uri.startswith("sqlite") else ""))

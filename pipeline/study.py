@@ -70,7 +70,10 @@ def _progress_callback(total: int, metric: str) -> Any:
     return Progress()
 
 
-def _connect_ray(study: StudyConfig, out: Path) -> str:
+_SERVE_URLS: dict[str, str] = {}  # Serve started by this process, per Ray session: reuse it, never restart it
+
+
+def _connect_ray(study: StudyConfig) -> str:
     """Start or join Ray, start Serve on a free local port; returns the Serve HTTP base URL."""
     import ray
     from ray import serve
@@ -79,12 +82,15 @@ def _connect_ray(study: StudyConfig, out: Path) -> str:
 
     if not ray.is_initialized():
         ray.init(address=study.ray.address, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    session = ray.get_runtime_context().get_job_id()
+    if session not in _SERVE_URLS:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _SERVE_URLS[session] = f"http://127.0.0.1:{port}"
     for name in list(serve.status().applications):
         if name.startswith("trial-"):  # left behind by a killed driver on a long-lived cluster
             serve.delete(name)
-    return f"http://127.0.0.1:{port}"
+    return _SERVE_URLS[session]
 
 
 def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str) -> TrialContext:
@@ -120,7 +126,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     tracker = Tracker(study.tracking.uri or default_tracking_uri(out), study.tracking.experiment or study.name,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
-    serve_url = _connect_ray(study, out)
+    serve_url = _connect_ray(study)
     ctx = build_context(study, out, serve_url, tracker, parent)
 
     storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
