@@ -237,7 +237,32 @@ def _parser() -> Any:
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--rollback", action="store_true", help="swap aliases production and previous")
     action.add_argument("--set-version", metavar="N", help="point production at registered version N")
+    parser.add_argument("--deploy", metavar="URL", help="after moving the alias, wait until the production endpoint "
+                        "at URL (started with `python -m serve.production`, which follows the alias and rolls with "
+                        "a new replica before the old one stops) serves the new version")
+    parser.add_argument("--api-key", help="API key for --deploy's /v1/config check (default: $SPECDEC_API_KEYS)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds --deploy waits (default 900)")
     return parser
+
+
+def wait_for_endpoint(url: str, version: str, api_key: str | None, timeout_s: float) -> None:
+    """Poll `<url>/v1/config` until it reports `version`; raises TimeoutError."""
+    import time
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline, seen = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            seen = httpx.get(f"{url.rstrip('/')}/v1/config", headers=headers, timeout=10).json().get("version")
+            if str(seen) == str(version):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} still serves version {seen} after {timeout_s:.0f} s (wanted {version}); is "
+                       f"`python -m serve.production` running with --follow-alias-s > 0?")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,6 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: production -> version {args.set_version}")
         config = load_serving_config(uri, f"models:/{name}@{PRODUCTION}")
         print(json.dumps(config, indent=2))
+        if args.deploy:
+            from mlflow.tracking import MlflowClient
+
+            import os
+
+            version = MlflowClient(tracking_uri=uri).get_model_version_by_alias(name, PRODUCTION).version
+            key = args.api_key or (os.environ.get("SPECDEC_API_KEYS", "").split(",")[0] or None)
+            wait_for_endpoint(args.deploy, str(version), key, args.timeout)
+            print(f"{args.deploy} now serves {name} version {version}")
         return 0
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -101,6 +101,10 @@ class Tracker:
         from mlflow.entities import Metric, Param, RunTag
 
         client = self.client()
+        # A trial interrupted after logging and then resumed logs again: keep only the newest record of it.
+        for old in client.search_runs([self.experiment_id()], filter_string=(
+                f"tags.mlflow.parentRunId = '{parent_id}' and attributes.run_name = '{run_name}'")):
+            client.delete_run(old.info.run_id)
         tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
                 "reason": reason[:4000], **(extra_tags or {})}
         run = client.create_run(self.experiment_id(), run_name=run_name, tags=tags)

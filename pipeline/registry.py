@@ -15,9 +15,9 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.record import Tracker
+from serve.production import CONFIG_FILE, PRODUCTION, load_serving_config  # noqa: F401 - re-exported
 
-PRODUCTION, PREVIOUS = "production", "previous"
-CONFIG_FILE = "serving_config.json"
+PREVIOUS = "previous"
 
 
 def _alias_version(client: Any, name: str, alias: str) -> str | None:
@@ -78,12 +78,3 @@ def rollback(tracker: Tracker, name: str) -> tuple[str, str]:
     client.set_registered_model_alias(name, PRODUCTION, previous)
     client.set_registered_model_alias(name, PREVIOUS, current)
     return previous, current
-
-
-def load_serving_config(tracking_uri: str, uri: str) -> dict[str, Any]:
-    """Read a serving config from `models:/<name>@<alias>` or `models:/<name>/<version>`."""
-    import mlflow
-
-    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
-    target = folder / CONFIG_FILE if folder.is_dir() else folder
-    return json.loads(target.read_text())

@@ -73,7 +73,7 @@ def _progress_callback(total: int, metric: str) -> Any:
 _SERVE_URLS: dict[str, str] = {}  # Serve started by this process, per Ray session: reuse it, never restart it
 
 
-def _connect_ray(study: StudyConfig) -> str:
+def connect_ray(address: str | None = None) -> str:
     """Start or join Ray, start Serve on a free local port; returns the Serve HTTP base URL."""
     import ray
     from ray import serve
@@ -81,7 +81,7 @@ def _connect_ray(study: StudyConfig) -> str:
     from serve.replica import free_port
 
     if not ray.is_initialized():
-        ray.init(address=study.ray.address, include_dashboard=False, log_to_driver=False)
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
     session = ray.get_runtime_context().get_job_id()
     if session not in _SERVE_URLS:
         port = free_port()
@@ -126,7 +126,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     tracker = Tracker(study.tracking.uri or default_tracking_uri(out), study.tracking.experiment or study.name,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
-    serve_url = _connect_ray(study)
+    serve_url = connect_ray(study.ray.address)
     ctx = build_context(study, out, serve_url, tracker, parent)
 
     storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")

@@ -136,6 +136,25 @@ class EngineReplica:
         if engine is not None:
             engine.stop()
 
+    # --- handle API: the production ingress calls these (HTTP routes of a child deployment are not exposed) -----
+
+    async def call(self, method: str, path: str, body: bytes = b"",
+                   headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+        """One engine request, whole response: (status, content type, body)."""
+        response = await self.client.request(method, path, content=body, headers=headers or {})
+        return response.status_code, response.headers.get("content-type", ""), response.content
+
+    async def call_stream(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
+        """Streaming engine request: yields (status, content type) first, then the raw body chunks."""
+        request = self.client.build_request(method, path, content=body, headers=headers or {})
+        response = await self.client.send(request, stream=True)
+        try:
+            yield response.status_code, response.headers.get("content-type", "")
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
+
     @app.get("/replica/log")
     async def engine_log(self) -> PlainTextResponse:
         """The engine log's tail: trials attach it to their MLflow run."""

@@ -1,0 +1,149 @@
+"""The production endpoint on the CPU engine, through Ray Serve, with the real `openai` client.
+
+Two serving configs are registered in MLflow (SQLite): version 1 = baseline, version 2 = NGRAM. The endpoint serves
+alias `production`; promotion and rollback move the alias and roll the app while a client keeps sending requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pipeline.record import Tracker
+from pipeline.registry import register_config, set_production
+from pipeline.study import connect_ray
+from serve.engines.base import ReplicaConfig
+from serve.production import ProductionSettings, deploy
+from serve.replica import EngineProcess
+
+pytestmark = pytest.mark.integration
+KEY = "test-key-123"
+MODEL = "smollm2-135m"
+BASELINE = {"spec": {"algorithm": "none"}, "warmup_requests": 0, "max_running_requests": None, "concurrency": 1}
+NGRAM = {"spec": {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1,
+                  "match_type": "BFS", "max_trie_depth": 8, "capacity": 100000},
+         "warmup_requests": 0, "max_running_requests": None, "concurrency": 1}
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prod")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    tracker = Tracker(uri, "prod-test", artifact_dir=tmp / "artifacts")
+    run = tracker.client().create_run(tracker.experiment_id(), run_name="study-prod")
+    for trial, decision in ((BASELINE, "keep_baseline"), (NGRAM, "promote")):
+        register_config(tracker, run.info.run_id, "specdec-prod",
+                        {"engine": "cpu", "model": MODEL, "dtype": "float32", "trial": trial, "decision": decision},
+                        move_production=True)
+    set_production(tracker, "specdec-prod", "1")
+    keys = tmp / "keys.txt"
+    keys.write_text(KEY + "\n")
+    base_url = connect_ray()
+    settings = ProductionSettings(registered_model="specdec-prod", tracking_uri=uri, require_auth=True,
+                                  api_key_file=str(keys), max_request_bytes=4096, max_tokens_limit=64)
+    deploy(settings)
+    yield base_url, settings, tracker
+    from ray import serve
+
+    serve.delete(settings.app_name)
+
+
+def client(base_url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_openai_routes_match_the_engine_directly(endpoint):
+    base_url, _, _ = endpoint
+    api = client(base_url)
+    assert [m.id for m in api.models.list().data]
+    prompt = "def add(a, b):\n    return"
+    served = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chat_streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
+    engine = EngineProcess(ReplicaConfig(model=MODEL))
+    try:
+        engine.wait_ready()
+        direct = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="none", max_retries=0)
+        expected = direct.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        expected_chat = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    finally:
+        engine.stop()
+    assert served == streamed == expected.choices[0].text and served
+    assert chat.choices[0].message.content == chat_streamed == expected_chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("headers, body, status", [
+    ({}, b'{"model": "m", "prompt": "x", "max_tokens": 4}', 401),
+    ({"Authorization": "Bearer wrong"}, b'{"model": "m", "prompt": "x", "max_tokens": 4}', 401),
+    ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": ', 400),
+    ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}', 413),
+    ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": "x", "max_tokens": 100000}', 422),
+])
+def test_bad_requests_are_refused_and_the_endpoint_keeps_serving(endpoint, headers, body, status):
+    base_url, _, _ = endpoint
+    response = httpx.post(f"{base_url}/v1/completions", content=body,
+                          headers={"content-type": "application/json", **headers}, timeout=60)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["message"]
+    ok = client(base_url).completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.choices[0].text is not None
+
+
+def _served_version(base_url: str) -> str:
+    return httpx.get(f"{base_url}/v1/config", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["version"]
+
+
+def _roll_under_load(base_url: str, settings: ProductionSettings) -> tuple[int, int]:
+    """Roll the app while a client sends requests back to back; returns (sent, failed)."""
+    api = client(base_url)
+    done = threading.Event()
+    counts = {"sent": 0, "failed": 0}
+
+    def traffic() -> None:
+        deadline = time.monotonic() + 600  # bounded even if the roll hangs
+        while not done.is_set() and time.monotonic() < deadline:
+            counts["sent"] += 1
+            try:
+                api.completions.create(model=MODEL, prompt="x = 1\ny = 2\n", max_tokens=4, temperature=0)
+            except openai.OpenAIError:
+                counts["failed"] += 1
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        deploy(settings)
+        sent_at_ready = counts["sent"]
+        while counts["sent"] < sent_at_ready + 3:  # a few requests on the new version too
+            time.sleep(0.1)
+    finally:
+        done.set()
+        worker.join()
+    return counts["sent"], counts["failed"]
+
+
+def test_promotion_and_rollback_drop_no_request(endpoint):
+    base_url, settings, tracker = endpoint
+    assert _served_version(base_url) == "1"
+    set_production(tracker, "specdec-prod", "2")  # promote
+    sent, failed = _roll_under_load(base_url, settings)
+    assert failed == 0 and sent > 3
+    config = httpx.get(f"{base_url}/v1/config", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert config["version"] == "2" and config["speculative"]["algorithm"] == "ngram"
+    set_production(tracker, "specdec-prod", "1")  # roll back
+    sent, failed = _roll_under_load(base_url, settings)
+    assert failed == 0 and sent > 3
+    assert _served_version(base_url) == "1"
+
+
+def test_metrics_are_exposed(endpoint):
+    base_url, _, _ = endpoint
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    assert "specdec_requests_total" in text and "specdec_request_latency_seconds" in text

@@ -1,0 +1,139 @@
+"""The tuning loop end to end: local Ray, Ray Serve replicas of the real CPU engine (smallest model), MLflow on SQLite,
+Optuna on SQLite. Small studies (few trials, tiny workload) so that the whole module stays within minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from pipeline.config import load_study
+from pipeline.record import Tracker
+from pipeline.registry import load_serving_config
+from pipeline.space import BASELINE_ATTR, load_space
+from pipeline.study import run_study
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
+        "promotion.finalists": 1, "engine.start_timeout_s": 300}
+
+
+def write_space(tmp: Path, text: str) -> str:
+    path = tmp / "space.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def child_runs(study_cfg, out: Path):
+    tracker = Tracker(f"sqlite:///{out / 'mlflow.db'}", study_cfg.name)
+    client = tracker.client()
+    runs = client.search_runs([tracker.experiment_id()], max_results=1000)
+    return tracker, [r for r in runs if r.data.tags.get("specdec.kind") == "trial"]
+
+
+def optuna_trials(out: Path, name: str):
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+
+
+@pytest.fixture(scope="module")
+def happy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("happy")
+    space = write_space(out, "algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
+                             "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
+                             "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
+                             "    capacity: {type: fixed, value: 100000}\n")
+    study = load_study(None, {**TINY, "name": "it-happy", "output_dir": str(out), "search_space": space,
+                              "budget.max_trials": 3})
+    code = run_study(study, load_space(space))
+    return study, out, code
+
+
+def test_study_runs_baseline_first_and_logs_every_trial(happy):
+    study, out, code = happy
+    assert code == 0
+    trials = optuna_trials(out, study.name)
+    assert len(trials) == 3
+    assert trials[0].user_attrs.get(BASELINE_ATTR) and trials[0].number == 0
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    tracker, runs = child_runs(study, out)
+    assert len(runs) == 3
+    client = tracker.client()
+    for run in runs:
+        assert run.data.tags["outcome"] == "COMPLETE", run.data.tags.get("reason")
+        assert "spec.algorithm" in run.data.params and run.data.metrics["tput_tok_s"] > 0
+        files = {f.path for f in client.list_artifacts(run.info.run_id)}
+        assert {"requests.parquet", "engine.log", "server_info.json", "trial_config.json"} <= files
+
+
+def test_promoted_config_is_in_the_registry_and_no_trial_app_is_left(happy):
+    from ray import serve
+
+    study, out, _ = happy
+    config = load_serving_config(f"sqlite:///{out / 'mlflow.db'}", f"models:/specdec-{study.name}@production")
+    assert config["model"] == "smollm2-135m" and config["trial"]["spec"]["algorithm"] in ("none", "ngram")
+    assert (out / "promoted.yaml").exists()
+    assert not [name for name in serve.status().applications if name.startswith("trial-")]
+
+
+def test_faults_are_recorded_and_the_study_continues(tmp_path):
+    # ngram's ranges make every point break min <= max (INVALID, never deployed); standalone's draft model does not
+    # exist, so its engine exits at start (LAUNCH_FAILED with the engine log). The study must go on and finish.
+    space = write_space(tmp_path, "algorithms: [none, ngram, standalone]\n"
+                                  "branches:\n  ngram:\n    min_bfs_breadth: {type: int, low: 3, high: 4}\n"
+                                  "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
+                                  "  standalone:\n    num_steps: {type: fixed, value: 2}\n"
+                                  "    topk: {type: fixed, value: 1}\n    num_draft_tokens: {type: fixed, value: 3}\n")
+    study = load_study(None, {**TINY, "name": "it-faults", "output_dir": str(tmp_path), "search_space": space,
+                              "budget.max_trials": 5, "seed": 1,
+                              "model.drafts": {"standalone": str(tmp_path / "no-such-model")}})
+    assert run_study(study, load_space(space)) == 0
+    _, runs = child_runs(study, tmp_path)
+    outcomes = {}
+    for run in runs:
+        outcomes.setdefault(run.data.params.get("spec.algorithm"), []).append(run)
+    assert [r.data.tags["outcome"] for r in outcomes["none"]] == ["COMPLETE"]
+    assert {r.data.tags["outcome"] for r in outcomes.get("ngram", [])} <= {"INVALID"}
+    assert {r.data.tags["outcome"] for r in outcomes.get("standalone", [])} <= {"LAUNCH_FAILED"}
+    assert outcomes.get("ngram") and outcomes.get("standalone"), "seed 1 should sample both fault kinds"
+    for run in outcomes["ngram"]:
+        assert "min_bfs_breadth <= max_bfs_breadth" in run.data.tags["reason"]
+        assert "time_deploy_s" not in run.data.metrics  # never deployed
+    for run in outcomes["standalone"]:
+        assert "no-such-model" in run.data.tags["reason"]
+    assert len(optuna_trials(tmp_path, study.name)) == 5
+
+
+def test_interrupted_study_resumes_without_duplicates(tmp_path):
+    space = write_space(tmp_path, "algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                                  "    num_draft_tokens: {type: int, low: 2, high: 3}\n")
+    args = [sys.executable, "-m", "pipeline.tune", "--name", "it-resume", "--output", str(tmp_path / "out"),
+            "--search-space", space, "--trials", "4"]
+    for key, value in TINY.items():
+        args += ["--set", f"{key}={value}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in driver.stdout:  # interrupt as soon as the first trial has finished (Ctrl-C, as a user would)
+        seen.append(line)
+        if line.startswith("[trial 1/4]"):
+            driver.send_signal(signal.SIGINT)
+            break
+    driver.communicate(timeout=300)
+    assert any(line.startswith("[trial 1/4]") for line in seen), "".join(seen)[-3000:]
+    resumed = subprocess.run(args + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    trials = optuna_trials(tmp_path / "out", "it-resume")
+    assert len(trials) == 4 and sorted(t.number for t in trials) == [0, 1, 2, 3]
+    assert sum(1 for t in trials if t.user_attrs.get(BASELINE_ATTR)) == 1
+    study = load_study(None, {"name": "it-resume"})
+    _, runs = child_runs(study, tmp_path / "out")
+    names = [r.info.run_name for r in runs]
+    assert len(names) == len(set(names)) == 4
