@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.compare import format_table, rows_from_runs
 from pipeline.config import TrialConfig
 from pipeline.equivalence import check_equivalence
 from pipeline.measure import summarize, to_records, to_table
@@ -19,41 +20,9 @@ from pipeline.promote import Decision, Finalist, PromotionPolicy, decide
 from pipeline.registry import register_config
 from pipeline.trial import Outcome, TrialContext, measure_config
 
-TABLE_METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms")
-
-
 def trial_rows(ctx: TrialContext) -> list[dict[str, Any]]:
-    """One row per trial child run, baseline first then by throughput."""
-    rows = []
-    for run in ctx.tracker.trial_runs(ctx.parent_run_id):
-        if run.data.tags.get("specdec.kind") != "trial":
-            continue
-        params = {k: v for k, v in run.data.params.items()}
-        rows.append({
-            "run_id": run.info.run_id, "name": run.info.run_name, "outcome": run.data.tags.get("outcome", "?"),
-            "reason": run.data.tags.get("reason", ""), "algorithm": params.get("spec.algorithm", "?"),
-            "params": {k: v for k, v in params.items() if k not in ("spec.algorithm", "trial.concurrency")},
-            **{m: run.data.metrics.get(m) for m in TABLE_METRICS},
-        })
-    rows.sort(key=lambda r: (r["algorithm"] != "none", -(r["tput_tok_s"] or 0.0)))
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    base = next((r["tput_tok_s"] for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
-    lines = [f"{'trial':<22} {'algorithm':<10} {'outcome':<14} {'tok/s':>7} {'vs base':>7} {'accept':>6}  params"]
-    for r in rows:
-        tput = r["tput_tok_s"]
-        ratio = f"{tput / base:.2f}x" if tput and base else "-"
-        accept = f"{r['accept_len']:.2f}" if r["accept_len"] else "-"
-        params = " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in sorted(r["params"].items())
-                          if k.startswith("spec.") or k == "trial.warmup_requests")
-        mark = " (baseline)" if r["algorithm"] == "none" else ""
-        lines.append(f"{r['name']:<22} {r['algorithm']:<10} {r['outcome']:<14} {tput or 0:>7.2f} {ratio:>7} "
-                     f"{accept:>6}  {params}{mark}")
-        if r["outcome"] != "COMPLETE" and r["reason"]:
-            lines.append(f"{'':<22} -> {r['reason'][:160]}")
-    return "\n".join(lines)
+    """The study's trials from MLflow, baseline first then by throughput."""
+    return rows_from_runs(ctx.tracker.trial_runs(ctx.parent_run_id))
 
 
 def _config_of(ctx: TrialContext, run_id: str) -> TrialConfig:

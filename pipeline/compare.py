@@ -1,0 +1,115 @@
+"""`python -m pipeline.compare --study FILE`: the trials of a study from MLflow, as a table, CSV or JSON.
+
+Rows: the baseline first (marked), then the other trials by throughput, best first; outcome, key metrics, the ratio
+to the baseline's throughput and the trial's settings. The same rows are printed at the end of every study.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from typing import Any, Sequence
+
+from pipeline.errors import PipelineError
+
+METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high")
+
+
+def rows_from_runs(runs: Sequence[Any], kind: str = "trial") -> list[dict[str, Any]]:
+    """MLflow runs -> rows, baseline first, then by throughput (failed trials last). Pure over run objects."""
+    rows = []
+    for run in runs:
+        if run.data.tags.get("specdec.kind") != kind:
+            continue
+        params = dict(run.data.params)
+        rows.append({
+            "run_id": run.info.run_id, "name": run.info.run_name, "outcome": run.data.tags.get("outcome", "?"),
+            "reason": run.data.tags.get("reason", ""), "algorithm": params.get("spec.algorithm", "?"),
+            "params": {k: v for k, v in sorted(params.items()) if k not in ("spec.algorithm", "trial.concurrency")},
+            **{m: run.data.metrics.get(m) for m in METRICS},
+        })
+    return order_rows(rows)
+
+
+def order_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Baseline first; then COMPLETE trials by throughput (best first); then the rest; name breaks ties."""
+    def key(row: dict[str, Any]) -> tuple:
+        return (row["algorithm"] != "none", row["outcome"] != "COMPLETE", -(row["tput_tok_s"] or 0.0), row["name"])
+
+    ordered = sorted(rows, key=key)
+    base = next((r["tput_tok_s"] for r in ordered if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
+    for row in ordered:
+        row["baseline"] = row["algorithm"] == "none"
+        tput = row["tput_tok_s"]
+        row["vs_baseline"] = round(tput / base, 4) if tput and base else None
+    return ordered
+
+
+def _settings(row: dict[str, Any]) -> str:
+    return " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in row["params"].items()
+                    if k.startswith("spec.") or k == "trial.warmup_requests")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'trial':<24} {'algorithm':<10} {'outcome':<14} {'tok/s':>7} {'vs base':>7} {'accept':>6} "
+             f"{'ttft p50':>8}  settings"]
+    for r in rows:
+        ratio = f"{r['vs_baseline']:.2f}x" if r["vs_baseline"] else "-"
+        accept = f"{r['accept_len']:.2f}" if r["accept_len"] else "-"
+        ttft = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] else "-"
+        mark = "  <- baseline" if r["baseline"] else ""
+        lines.append(f"{r['name']:<24} {r['algorithm']:<10} {r['outcome']:<14} {r['tput_tok_s'] or 0:>7.2f} "
+                     f"{ratio:>7} {accept:>6} {ttft:>8}  {_settings(r)}{mark}")
+        if r["outcome"] != "COMPLETE" and r["reason"]:
+            lines.append(f"{'':<24} -> {r['reason'][:160]}")
+    return "\n".join(lines)
+
+
+def format_rows(rows: list[dict[str, Any]], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    if fmt == "csv":
+        out = io.StringIO()
+        fields = ["name", "baseline", "algorithm", "outcome", *METRICS, "vs_baseline", "settings", "reason", "run_id"]
+        writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "settings": _settings(row)})
+        return out.getvalue()
+    return format_table(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--study", metavar="FILE", help="the study file the study was run with")
+    parser.add_argument("--name", help="study name (default: from the study file, else 'default')")
+    parser.add_argument("--output", help="output folder of the study (default: ./runs/<name>)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the output folder)")
+    parser.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    parser.add_argument("--finalists", action="store_true", help="show the finalists' re-measurements instead")
+    args = parser.parse_args(argv)
+    from pipeline.config import load_study
+    from pipeline.record import Tracker, default_tracking_uri
+
+    overrides = {k: v for k, v in {"name": args.name, "output_dir": args.output,
+                                   "tracking.uri": args.tracking_uri}.items() if v}
+    try:
+        study = load_study(args.study, overrides)
+        uri = study.tracking.uri or default_tracking_uri(study.output_path())
+        if uri.startswith("sqlite:///") and not study.output_path().joinpath("mlflow.db").exists() \
+                and not study.tracking.uri:
+            raise PipelineError(f"no study found at {study.output_path()} (no mlflow.db); pass --output or --name")
+        tracker = Tracker(uri, study.tracking.experiment or study.name)
+        runs = tracker.client().search_runs([tracker.experiment_id()], max_results=5000)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_rows(rows_from_runs(runs, "finalist" if args.finalists else "trial"), args.format))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The compare table: ordering, baseline marking, ratios, CSV and JSON formats."""
+
+import csv
+import io
+import json
+from types import SimpleNamespace
+
+from pipeline.compare import format_rows, rows_from_runs
+
+
+def run(name, algorithm, outcome, tput=None, kind="trial", reason="", **params):
+    metrics = {} if tput is None else {"tput_tok_s": tput, "accept_len": 2.0 if algorithm != "none" else None}
+    return SimpleNamespace(
+        info=SimpleNamespace(run_id=f"id-{name}", run_name=name),
+        data=SimpleNamespace(tags={"specdec.kind": kind, "outcome": outcome, "reason": reason},
+                             params={"spec.algorithm": algorithm, "trial.concurrency": "1", **params},
+                             metrics={k: v for k, v in metrics.items() if v is not None}))
+
+
+RUNS = [
+    run("trial-c", "ngram", "COMPLETE", 30.0, **{"spec.num_draft_tokens": "8"}),
+    run("trial-x", "ngram", "INVALID", reason="ngram: min_bfs_breadth <= max_bfs_breadth must hold"),
+    run("trial-a", "none", "COMPLETE", 20.0),
+    run("trial-b", "ngram", "COMPLETE", 40.0, **{"spec.num_draft_tokens": "4"}),
+    run("final-0", "ngram", "COMPLETE", 39.0, kind="finalist"),
+]
+
+
+def test_baseline_first_then_by_throughput_then_failures():
+    rows = rows_from_runs(RUNS)
+    assert [r["name"] for r in rows] == ["trial-a", "trial-b", "trial-c", "trial-x"]
+    assert [r["baseline"] for r in rows] == [True, False, False, False]
+    assert [r["vs_baseline"] for r in rows] == [1.0, 2.0, 1.5, None]
+
+
+def test_other_kinds_are_filtered():
+    assert [r["name"] for r in rows_from_runs(RUNS, "finalist")] == ["final-0"]
+
+
+def test_table_marks_baseline_and_shows_reasons():
+    text = format_rows(rows_from_runs(RUNS), "table")
+    lines = text.splitlines()
+    assert lines[1].startswith("trial-a") and lines[1].endswith("<- baseline")
+    assert "2.00x" in lines[2] and "num_draft_tokens=4" in lines[2]
+    assert "-> ngram: min_bfs_breadth" in text
+
+
+def test_csv_and_json():
+    rows = rows_from_runs(RUNS)
+    parsed = list(csv.DictReader(io.StringIO(format_rows(rows, "csv"))))
+    assert [p["name"] for p in parsed] == ["trial-a", "trial-b", "trial-c", "trial-x"]
+    assert parsed[0]["baseline"] == "True" and parsed[1]["vs_baseline"] == "2.0"
+    data = json.loads(format_rows(rows, "json"))
+    assert data[1]["params"]["spec.num_draft_tokens"] == "4" and data[3]["outcome"] == "INVALID"
+
+
+def test_no_baseline_means_no_ratios():
+    rows = rows_from_runs([run("t1", "ngram", "COMPLETE", 10.0), run("t0", "none", "LAUNCH_FAILED")])
+    assert all(r["vs_baseline"] is None for r in rows)
+    assert rows[0]["name"] == "t0"  # the baseline is still listed first, failed or not
