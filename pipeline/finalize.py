@@ -18,6 +18,7 @@ from pipeline.equivalence import check_equivalence
 from pipeline.measure import summarize, to_records, to_table
 from pipeline.promote import Decision, Finalist, PromotionPolicy, decide
 from pipeline.registry import register_config
+from pipeline.report import write_report
 from pipeline.trial import Outcome, TrialContext, measure_config
 
 def trial_rows(ctx: TrialContext) -> list[dict[str, Any]]:
@@ -70,6 +71,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     base_row = next((r for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
     if base_row is None:
         print("\nno baseline measurement completed: nothing can be promoted (see the baseline trial's reason)")
+        write_study_report(ctx, ot_study, rows, "no baseline measurement completed: nothing was promoted")
         ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "no_baseline"}, metrics={}, texts={},
                                  status="FAILED")
         return 1
@@ -86,6 +88,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
                                                           "registered_version": version or ""},
                                  metrics={}, texts={"decision.txt": reason})
         print(f"\ndecision: KEEP_BASELINE -- {reason}")
+        write_study_report(ctx, ot_study, rows, reason)
         _print_footer(ctx, model_name, version, moved=False)
         return 0
     runs = study.promotion.runs
@@ -102,8 +105,22 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     decision = decide(base_tputs, entries, policy)
     chosen_name = decision.winner or "baseline"
     version = _promote(ctx, model_name, configs[chosen_name], decision.kind, chosen_name)
+    write_study_report(ctx, ot_study, rows, f"{decision.kind}: {decision.reason}")
     _report(ctx, decision, model_name, version, base_failures)
     return 0
+
+
+def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], decision: str) -> None:
+    """HTML + PNGs beside the study and under the parent run's `report/` artifacts; never fails the study."""
+    folder = Path(ctx.output_dir) / "report"
+    try:
+        files = write_report(folder, title=f"specdec-tuner study '{ctx.study.name}'", rows=rows, decision=decision,
+                             ot_study=ot_study, metrics=ctx.study.objective.metrics, modes=ctx.study.objective.modes)
+        for path in files:
+            ctx.tracker.log_study_artifact(ctx.parent_run_id, path, "report")
+        print(f"report: {folder / 'report.html'}")
+    except Exception as exc:  # noqa: BLE001 - a plotting problem must not lose the study's result
+        print(f"report could not be written: {type(exc).__name__}: {exc}")
 
 
 def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str, source: str) -> str | None:
