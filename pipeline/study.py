@@ -93,6 +93,13 @@ def connect_ray(address: str | None = None) -> str:
     return _SERVE_URLS[session]
 
 
+def _gpu_groups(tp_size: int) -> int:
+    """Concurrent SGLang trials = GPU groups in the cluster; more would leave replicas pending until they time out."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("GPU", 0) // tp_size))
+
+
 def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str) -> TrialContext:
     workload = load_workload(study.workload.source, seed=study.seed, n_warmup=study.workload.warmup_prompts,
                              n_measure=study.workload.measure_prompts, max_new_tokens=study.workload.max_new_tokens)
@@ -143,7 +150,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
                             sampler=sampler, storage=storage, study_name=study.name, seed=study.seed)
     trainable = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space), {"cpu": 0.25})
     # Concurrent trials = engine replicas that fit: one on a CPU box (the engine uses every core).
-    concurrency = 1 if study.engine.kind == "cpu" else None
+    concurrency = 1 if study.engine.kind == "cpu" else _gpu_groups(study.engine.tp_size)
     run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0,
                                 callbacks=[_progress_callback(study.budget.max_trials, study.objective.metrics[0])])
     if resume and tune.Tuner.can_restore(str(tune_path)):

@@ -169,7 +169,8 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         phase_start = time.monotonic()
         kwargs = dict(concurrency=trial.concurrency, temperature=study.workload.temperature,
                       timeout_s=study.engine.request_timeout_s)
-        warm = list(ctx.warmup[: trial.warmup_requests])
+        # warmup_requests may exceed the warm-up split: cycle it (the trie then sees some prompts twice).
+        warm = [ctx.warmup[i % len(ctx.warmup)] for i in range(trial.warmup_requests)] if ctx.warmup else []
         out.records += run_phase(url, warm, phase="warmup", **kwargs) if warm else []
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
