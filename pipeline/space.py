@@ -276,8 +276,11 @@ def baseline_point(space: SearchSpace) -> dict[str, Any]:
 
 def enqueue_baseline(study: Any, space: SearchSpace) -> bool:
     """Put the baseline first in an Optuna study unless it already has one (a resumed study). Returns True if added."""
-    if any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(deepcopy=False)):
-        return False
+    from optuna.trial import TrialState
+
+    alive = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+    if any(t.user_attrs.get(BASELINE_ATTR) and t.state in alive for t in study.get_trials(deepcopy=False)):
+        return False  # a failed baseline (e.g. its driver died) is enqueued again
     study.enqueue_trial(baseline_point(space), user_attrs={BASELINE_ATTR: True})
     return True
 

@@ -93,6 +93,20 @@ def connect_ray(address: str | None = None) -> str:
     return _SERVE_URLS[session]
 
 
+def settle_previous_trials(ot_study: Any) -> int:
+    """Trials left RUNNING by a driver that died are failed (their Serve apps died with it or are cleaned up);
+    returns how many trials of the study are finished."""
+    from optuna.trial import TrialState
+
+    finished = 0
+    for trial in ot_study.get_trials(deepcopy=False):
+        if trial.state == TrialState.RUNNING:
+            ot_study.tell(trial.number, state=TrialState.FAIL)
+        elif trial.state.is_finished():
+            finished += 1
+    return finished
+
+
 def _gpu_groups(tp_size: int) -> int:
     """Concurrent SGLang trials = GPU groups in the cluster; more would leave replicas pending until they time out."""
     import ray
@@ -140,7 +154,9 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     directions = ["maximize" if m == "max" else "minimize" for m in study.objective.modes]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     ot_study = optuna.create_study(study_name=study.name, storage=storage, directions=directions, load_if_exists=True)
-    enqueue_baseline(ot_study, space)  # no-op when resuming: the baseline is never enqueued twice
+    restoring = resume and tune.Tuner.can_restore(str(tune_path))
+    finished = 0 if restoring else settle_previous_trials(ot_study)
+    enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=study.seed, multivariate=True, group=True)
@@ -153,13 +169,18 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     concurrency = 1 if study.engine.kind == "cpu" else _gpu_groups(study.engine.tp_size)
     run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0,
                                 callbacks=[_progress_callback(study.budget.max_trials, study.objective.metrics[0])])
-    if resume and tune.Tuner.can_restore(str(tune_path)):
-        tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
+    if restoring:
+        # Same driver folder: Tune restores its own state and resumes unfinished trials as the same Optuna trials.
+        tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True).fit()
     else:
-        tuner = tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
-            search_alg=searcher, num_samples=study.budget.max_trials, max_concurrent_trials=concurrency,
-            time_budget_s=study.budget.time_budget_s))
-    tuner.fit()
+        # New driver (or new folder) on an existing Optuna study: the budget counts the trials already finished.
+        remaining = study.budget.max_trials - finished
+        if remaining > 0:
+            tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
+                search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
+                time_budget_s=study.budget.time_budget_s)).fit()
+        else:
+            print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
     code = finalize_study(ctx, ot_study)
     print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)
     return code

@@ -148,3 +148,12 @@ def test_space_files_only_use_known_keys():
     for path in BUNDLED:
         assert Path(path).read_text().strip()
         load_space(path)
+
+
+def test_a_failed_baseline_is_enqueued_again():
+    space = load_space(SEARCH_SPACES_DIR / "default.yaml")
+    study = optuna.create_study()
+    enqueue_baseline(study, space)
+    trial = study.ask()
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    assert enqueue_baseline(study, space) is True
