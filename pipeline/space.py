@@ -234,23 +234,29 @@ def _suggest(trial: Any, optuna_name: str, p: Param, values: dict[str, Any]) -> 
 BASELINE_ATTR = "baseline"  # user attribute that marks the enqueued baseline trial in the Optuna study
 
 
-def define_by_run(space: SearchSpace) -> Callable[[Any], dict[str, Any]]:
+class SpaceSampler:
     """The Optuna define-by-run function: algorithm first, then only that branch's parameters.
 
     The baseline is not one of the sampled choices (re-sampling `none` would waste trials): it is the trial enqueued
     by `enqueue_baseline`, recognised by its user attribute, and it returns `algorithm: none` as a constant.
+    A class, not a closure: Tune pickles the searcher (and this function with it) into its experiment checkpoint.
     """
-    speculative = [a for a in space.algorithms if a != "none"]
 
-    def sample(trial: Any) -> dict[str, Any]:
+    def __init__(self, space: SearchSpace) -> None:
+        self.space = space
+        self.speculative = [a for a in space.algorithms if a != "none"]
+
+    def __call__(self, trial: Any) -> dict[str, Any]:
         is_baseline = bool(trial.user_attrs.get(BASELINE_ATTR))
-        algorithm = "none" if is_baseline else trial.suggest_categorical("algorithm", speculative)
+        algorithm = "none" if is_baseline else trial.suggest_categorical("algorithm", self.speculative)
         values: dict[str, Any] = {}
-        for optuna_name, name, p in space.params_for(algorithm):
+        for optuna_name, name, p in self.space.params_for(algorithm):
             values[name] = _suggest(trial, optuna_name, p, values)
         return {"algorithm": algorithm} if is_baseline else {}
 
-    return sample
+
+def define_by_run(space: SearchSpace) -> SpaceSampler:
+    return SpaceSampler(space)
 
 
 def _default(p: Param, values: dict[str, Any]) -> Any:

@@ -5,6 +5,8 @@ Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` a
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -134,6 +136,8 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     from pipeline.finalize import finalize_study
 
     started = time.monotonic()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a progress bar per downloaded config
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one "Deleting app" line per trial otherwise
     out = study.output_path().resolve()
     tune_path = out / TUNE_DIR
     if (out / "study.yaml").exists() and not resume:

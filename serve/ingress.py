@@ -5,7 +5,6 @@ request costs the engine nothing and never disturbs other requests. Everything e
 replica through its Serve handle (`EngineReplica.call` / `call_stream`).
 """
 
-from __future__ import annotations
 
 import hmac
 import json

@@ -7,7 +7,6 @@ record LAUNCH_FAILED with the reason. Every route is proxied to the engine (stre
 check asks the process and `/health`. Shutdown kills the whole process group.
 """
 
-from __future__ import annotations
 
 import os
 import signal

@@ -157,3 +157,11 @@ def test_a_failed_baseline_is_enqueued_again():
     trial = study.ask()
     study.tell(trial, state=optuna.trial.TrialState.FAIL)
     assert enqueue_baseline(study, space) is True
+
+
+def test_the_sampler_pickles():
+    # Tune checkpoints the searcher, define-by-run function included.
+    import pickle
+
+    sampler = define_by_run(load_space(SEARCH_SPACES_DIR / "ngram.yaml"))
+    assert pickle.loads(pickle.dumps(sampler)).speculative == ["ngram"]
