@@ -1,0 +1,39 @@
+"""The engine contract against a real SGLang server. Runs only on a GPU node with SGLang installed:
+
+    pip install --no-deps -e . && pip install -e ".[gpu]" pytest
+    SPECDEC_GPU_MODEL=/models/Qwen2.5-0.5B-Instruct python -m pytest -q tests/gpu
+
+Skipped elsewhere (no nvidia-smi, no sglang, or no model path).
+"""
+
+import os
+import shutil
+
+import pytest
+
+from serve.engines.base import ReplicaConfig
+from serve.engines.sglang import installed_version
+from serve.replica import EngineProcess
+from serve.spec import NgramSpec
+from tests.engine_contract import EngineContract
+
+MODEL = os.environ.get("SPECDEC_GPU_MODEL")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="no GPU (nvidia-smi not found)"),
+    pytest.mark.skipif(installed_version() is None, reason="sglang is not installed"),
+    pytest.mark.skipif(not MODEL, reason="set SPECDEC_GPU_MODEL to a local model directory"),
+]
+
+
+class TestSglangEngineContract(EngineContract):
+    @pytest.fixture(scope="class")
+    def engine(self, tmp_path_factory):
+        config = ReplicaConfig(engine="sglang", model=MODEL or "", spec=NgramSpec(num_draft_tokens=4, max_bfs_breadth=2),
+                               start_timeout_s=1200, log_dir=str(tmp_path_factory.mktemp("sglang")))
+        process = EngineProcess(config)
+        try:
+            process.wait_ready()
+            yield process
+        finally:
+            process.stop()
