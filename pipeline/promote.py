@@ -295,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             import os
 
-            version = MlflowClient(tracking_uri=uri).get_model_version_by_alias(name, PRODUCTION).version
+            client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            version = client.get_model_version_by_alias(name, PRODUCTION).version
             key = args.api_key or (os.environ.get("SPECDEC_API_KEYS", "").split(",")[0] or None)
             wait_for_endpoint(args.deploy, str(version), key, args.timeout)
             print(f"{args.deploy} now serves {name} version {version}")

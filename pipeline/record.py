@@ -44,7 +44,7 @@ class Tracker:
     def client(self) -> Any:
         from mlflow.tracking import MlflowClient
 
-        return MlflowClient(tracking_uri=self.tracking_uri)
+        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
 
     def experiment_id(self) -> str:
         if self._experiment_id is None:

@@ -69,8 +69,18 @@ def load_serving_config(tracking_uri: str | None, uri: str) -> dict[str, Any]:
 
         return dict(yaml.safe_load(Path(uri).read_text()))
     import mlflow
+    from mlflow.tracking import MlflowClient
 
-    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
+    # Resolve the version with an explicit client: `download_artifacts("models:/...")` would ask the process-global
+    # registry URI, not `tracking_uri`.
+    name, _, ref = uri[len("models:/"):].partition("@")
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    if ref:
+        version = client.get_model_version_by_alias(name, ref)
+    else:
+        name, _, number = name.partition("/")
+        version = client.get_model_version(name, number)
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=tracking_uri))
     target = folder / CONFIG_FILE if folder.is_dir() else folder
     return json.loads(target.read_text())
 
@@ -84,7 +94,8 @@ def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
     if uri.startswith("models:/") and not settings.version:
         from mlflow.tracking import MlflowClient
 
-        found = MlflowClient(tracking_uri=settings.tracking_uri).get_model_version_by_alias(
+        found = MlflowClient(tracking_uri=settings.tracking_uri,
+                             registry_uri=settings.tracking_uri).get_model_version_by_alias(
             settings.registered_model, settings.alias)
         origin.update(alias=settings.alias, version=str(found.version))
     return {"origin": origin, "config": config}
@@ -187,7 +198,7 @@ def current_version(settings: ProductionSettings) -> str | None:
         return None
     from mlflow.tracking import MlflowClient
 
-    return str(MlflowClient(tracking_uri=settings.tracking_uri).get_model_version_by_alias(
+    return str(MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri).get_model_version_by_alias(
         settings.registered_model, settings.alias).version)
 
 
