@@ -19,11 +19,10 @@ from pipeline.registry import load_serving_config
 from pipeline.space import BASELINE_ATTR, load_space
 from pipeline.study import run_study
 
+from tests.conftest import TINY_STUDY as TINY
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-
-TINY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
-        "promotion.finalists": 1, "engine.start_timeout_s": 300}
 
 
 def write_space(tmp: Path, text: str) -> str:
@@ -44,16 +43,8 @@ def optuna_trials(out: Path, name: str):
 
 
 @pytest.fixture(scope="module")
-def happy(tmp_path_factory):
-    out = tmp_path_factory.mktemp("happy")
-    space = write_space(out, "algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
-                             "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
-                             "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
-                             "    capacity: {type: fixed, value: 100000}\n")
-    study = load_study(None, {**TINY, "name": "it-happy", "output_dir": str(out), "search_space": space,
-                              "budget.max_trials": 3})
-    code = run_study(study, load_space(space))
-    return study, out, code
+def happy(finished_study):
+    return finished_study
 
 
 def test_study_runs_baseline_first_and_logs_every_trial(happy):

@@ -1,0 +1,31 @@
+"""Shared fixtures. `finished_study` runs one small real study (local Ray, CPU engine with the smallest model, MLflow
+and Optuna on SQLite) once per test session; tests that only read its results share it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_STUDY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
+              "promotion.finalists": 1, "engine.start_timeout_s": 300}
+TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
+              "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
+              "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
+              "    capacity: {type: fixed, value: 100000}\n")
+
+
+@pytest.fixture(scope="session")
+def finished_study(tmp_path_factory):
+    """(StudyConfig, output folder, exit code) of a 3-trial study that ran to its decision."""
+    from pipeline.config import load_study
+    from pipeline.space import load_space
+    from pipeline.study import run_study
+
+    out: Path = tmp_path_factory.mktemp("finished-study")
+    space = out / "space.yaml"
+    space.write_text(TINY_SPACE)
+    study = load_study(None, {**TINY_STUDY, "name": "it-happy", "output_dir": str(out), "search_space": str(space),
+                              "budget.max_trials": 3})
+    code = run_study(study, load_space(space))
+    return study, out, code
