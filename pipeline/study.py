@@ -86,13 +86,24 @@ def connect_ray(address: str | None = None) -> str:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     session = ray.get_runtime_context().get_job_id()
     if session not in _SERVE_URLS:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        _SERVE_URLS[session] = f"http://127.0.0.1:{port}"
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        # On a long-lived cluster Serve may already run with another port ("new http_options will not be
+        # applied"): ask the controller which port it serves on (a private helper of Ray 2.60, which we pin).
+        from ray.serve.context import _get_global_client
+
+        options = _get_global_client().http_config
+        host = "127.0.0.1" if options.host in ("0.0.0.0", "::", None) else options.host
+        _SERVE_URLS[session] = f"http://{host}:{options.port}"
     for name in list(serve.status().applications):
         if name.startswith("trial-"):  # left behind by a killed driver on a long-lived cluster
             serve.delete(name)
     return _SERVE_URLS[session]
+
+
+def _resume_args() -> list[str]:
+    import sys
+
+    return [a for a in sys.argv[1:] if a != "--resume"]
 
 
 def settle_previous_trials(ot_study: Any) -> int:
@@ -185,6 +196,13 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
                 time_budget_s=study.budget.time_budget_s)).fit()
         else:
             print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
+    from optuna.trial import TrialState
+
+    unfinished = [t.number for t in ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+    if unfinished:  # Tune returns normally after Ctrl-C; the interrupted trials are still RUNNING in Optuna
+        print(f"\ninterrupted with trial(s) {unfinished} unfinished; the state is saved. Continue with: "
+              f"python -m pipeline.tune {' '.join(_resume_args())} --resume", flush=True)
+        return 130
     code = finalize_study(ctx, ot_study)
     print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)
     return code

@@ -1,0 +1,107 @@
+"""Distributed mode on one machine: PostgreSQL (Debian's server, started here) as the Optuna storage and the MLflow
+backend, a Ray cluster started with `ray start --head` (token auth, as Ray 2.60 does by default), a small study run
+against them by one driver, then a second driver with a fresh output folder continuing the same study from the
+database. Skipped when PostgreSQL's binaries or psycopg2 are missing (.ci/run installs them)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from pipeline.space import BASELINE_ATTR
+from serve.replica import free_port
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+PG_BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1:] or [""]
+psycopg2 = pytest.importorskip("psycopg2", reason="psycopg2-binary is not installed")
+if not Path(PG_BIN[0], "initdb").exists():
+    pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)", allow_module_level=True)
+
+
+def as_postgres(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """initdb/pg_ctl refuse to run as root; run them as the postgres user when we are root."""
+    if os.geteuid() == 0:
+        argv = ["runuser", "-u", "postgres", "--", *argv]
+    return subprocess.run(argv, check=True, capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pg")
+    data, sock = base / "data", base / "sock"
+    sock.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(base, "postgres")
+        shutil.chown(sock, "postgres")
+    port = free_port()
+    as_postgres([f"{PG_BIN[0]}/initdb", "-D", str(data), "-U", "specdec", "--auth=trust"])
+    as_postgres([f"{PG_BIN[0]}/pg_ctl", "-D", str(data), "-l", str(base / "pg.log"), "-w", "-o",
+                 f"-p {port} -k {sock} -c listen_addresses=127.0.0.1", "start"])
+    try:
+        for db in ("optuna", "mlflow"):
+            as_postgres([f"{PG_BIN[0]}/createdb", "-h", "127.0.0.1", "-p", str(port), "-U", "specdec", db])
+        yield f"postgresql+psycopg2://specdec@127.0.0.1:{port}"
+    finally:
+        as_postgres([f"{PG_BIN[0]}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    ray = str(Path(sys.executable).parent / "ray")
+    started = subprocess.run([ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def run_driver(study_file: Path, output: Path, env: dict, resume: bool) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "pipeline.tune", "--study", str(study_file), "--output", str(output)]
+    return subprocess.run(argv + (["--resume"] if resume else []), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1500)
+
+
+def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path, postgres, ray_cluster):
+    address, env = ray_cluster
+    space = tmp_path / "space.yaml"
+    space.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 3}\n")
+    study_file = tmp_path / "study.yaml"
+    common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
+              f"storage: {{url: '{postgres}/optuna'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
+              "workload: {warmup_prompts: 2, measure_prompts: 2, max_new_tokens: 12}\n"
+              "promotion: {finalists: 1}\nengine: {start_timeout_s: 300}\n")
+    study_file.write_text("name: dist\nbudget: {max_trials: 2}\n" + common)
+    first = run_driver(study_file, tmp_path / "driver1", env, resume=False)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+
+    # A second driver, elsewhere, continues the same study from the database up to 3 trials.
+    study_file.write_text("name: dist\nbudget: {max_trials: 3}\n" + common)
+    second = run_driver(study_file, tmp_path / "driver2", env, resume=True)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    trials = optuna.load_study(study_name="dist", storage=f"{postgres}/optuna").get_trials()
+    assert [t.number for t in trials] == [0, 1, 2]
+    assert [t.user_attrs.get(BASELINE_ATTR, False) for t in trials] == [True, False, False]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"{postgres}/mlflow", registry_uri=f"{postgres}/mlflow")
+    experiment = client.get_experiment_by_name("dist")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`specdec.kind` = 'trial'")
+    assert len(runs) == 3
+    studies = client.search_runs([experiment.experiment_id], filter_string="tags.`specdec.kind` = 'study'")
+    assert len(studies) == 1  # the second driver continued the same parent run
+    assert client.get_model_version_by_alias("specdec-dist", "production").version
