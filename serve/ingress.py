@@ -2,7 +2,7 @@
 
 Requests are checked here (API key, body size, JSON, max_tokens) before anything reaches the engine, so a bad
 request costs the engine nothing and never disturbs other requests. Everything else is forwarded to the engine
-replica through its Serve handle (`EngineReplica.call` / `call_stream`).
+replica through its Serve handle (`EngineBackend.call` / `call_stream`).
 """
 
 

@@ -2,7 +2,7 @@
 
 The config comes from the MLflow registry (`models:/<name>@production` by default; another alias, a version, or a
 serving-config file also works). The app is an ingress (`OpenAIIngress`: auth, limits, metrics, `/v1/config`) in
-front of `serve/replica.py::EngineReplica` (the same replica the trials use). Both deployments roll with
+front of `serve/replica.py::EngineBackend` (the engine owner the trials' replica is built on). Both deployments roll with
 `max_surge_percent=100`: on a new config the new replica starts and gets ready before the old one stops, so a
 promotion or a rollback drops no request (at the price of 2x the engine's resources during the swap).
 
@@ -112,12 +112,12 @@ def replica_config(serving: dict[str, Any], threads: int | None = None) -> Repli
 def build_app(settings: ProductionSettings) -> Any:
     """The Serve application: ingress + one engine deployment, both rolling with a 100% surge."""
     from serve.ingress import OpenAIIngress
-    from serve.replica import EngineReplica
+    from serve.replica import EngineBackend
 
     serving = resolve_serving(settings)
     engine_cfg = replica_config(serving, settings.threads)
     num_gpus = engine_cfg.tp_size if engine_cfg.engine == "sglang" else 0
-    engine = EngineReplica.options(
+    engine = EngineBackend.options(
         num_replicas=settings.num_replicas, max_surge_percent=100, max_constructor_retry_count=3,
         ray_actor_options={"num_cpus": 0.1, "num_gpus": num_gpus}).bind(engine_cfg.model_dump(mode="json"))
     return OpenAIIngress.options(max_surge_percent=100).bind(engine, settings.model_dump(mode="json"), serving)

@@ -1,6 +1,8 @@
 """The Ray Serve deployment that owns one engine process. Trials and the production endpoint share it.
 
-Lifecycle: the constructor starts the engine (`serve.engines.base.engine_argv`) on a free port in its own process
+Two deployments share one engine-owning base: `EngineReplica` (HTTP ingress: every engine route under the app's
+prefix; one per trial) and `EngineBackend` (handle-only, behind the production ingress). Lifecycle: the constructor
+starts the engine (`serve.engines.base.engine_argv`) on a free port in its own process
 group, with its output in a log file, and waits for `GET /health` up to `start_timeout_s`. If the engine exits or
 never gets ready, the constructor raises with the log tail, so Serve marks the app DEPLOY_FAILED and the trial can
 record LAUNCH_FAILED with the reason. Every route is proxied to the engine (streaming included). Serve's health
@@ -102,10 +104,8 @@ class EngineProcess:
 
 
 app = FastAPI()
-
-
-@serve.deployment(
-    max_ongoing_requests=256,  # the engine queues (FIFO, max_running_requests); the proxy must not
+_DEPLOYMENT_OPTIONS = dict(
+    max_ongoing_requests=256,  # the engine queues (FIFO, max_running_requests); the replica must not
     max_constructor_retry_count=1,  # a config that cannot start fails fast instead of 20 retries
     health_check_period_s=5,
     health_check_timeout_s=30,
@@ -113,9 +113,10 @@ app = FastAPI()
     graceful_shutdown_timeout_s=20,
     ray_actor_options={"num_cpus": 0.1},
 )
-@serve.ingress(app)
-class EngineReplica:
-    """A Serve replica around one engine process; every engine route is available under the app's prefix."""
+
+
+class _EngineOwner:
+    """One engine process owned by a Serve replica: start in the constructor, health, handle calls, kill on exit."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = ReplicaConfig.model_validate(config)
@@ -135,8 +136,6 @@ class EngineReplica:
         if engine is not None:
             engine.stop()
 
-    # --- handle API: the production ingress calls these (HTTP routes of a child deployment are not exposed) -----
-
     async def call(self, method: str, path: str, body: bytes = b"",
                    headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
         """One engine request, whole response: (status, content type, body)."""
@@ -153,6 +152,17 @@ class EngineReplica:
                 yield chunk
         finally:
             await response.aclose()
+
+
+@serve.deployment(**_DEPLOYMENT_OPTIONS)
+class EngineBackend(_EngineOwner):
+    """Handle-only engine replica, behind the production ingress (an app may have one HTTP ingress only)."""
+
+
+@serve.deployment(**_DEPLOYMENT_OPTIONS)
+@serve.ingress(app)
+class EngineReplica(_EngineOwner):
+    """An engine replica with every engine route proxied over HTTP under the app's prefix (one per trial)."""
 
     @app.get("/replica/log")
     async def engine_log(self) -> PlainTextResponse:

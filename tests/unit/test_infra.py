@@ -11,7 +11,7 @@ from pipeline.config import load_study
 from serve.production import ProductionSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_DEPLOYMENTS = {"EngineReplica", "OpenAIIngress"}
+OUR_DEPLOYMENTS = {"EngineBackend", "OpenAIIngress"}
 
 
 def docs(path):

@@ -1,0 +1,14 @@
+"""The embedded CPU engine: a real small LM with real speculative decoding behind SGLang 0.5.23's HTTP protocol.
+
+Modules (torch is imported lazily, only by the ones that run a model):
+- `models`: the model store (PyPI packages carrying GGUF files -> cached safetensors dirs); torch-free at import.
+- `convert`: GGUF -> dequantized HF safetensors dir, and loading a model dir.
+- `runner`: one HF causal LM driven by hand: prefill, tree forward with a 4D mask, KV pruning, logits on demand.
+- `verify`: tree acceptance (greedy and target-only sampling) and the sampling transforms.
+- `speculators`: draft sources producing `ngram.DraftTree`s (the shared n-gram trie, a standalone draft model).
+- `decode`: one request's state machine (prefill, draft+verify steps, stop rules, SGLang meta_info counters).
+- `scheduler`: the FIFO queue and the worker thread that round-robins the running requests.
+- `config`: the command line (SGLang flag names) and the resolved engine config.
+- `server`, `openai_api`: the HTTP surface (`python -m serve.engines.cpu`).
+- `probe`: the verify-cost curve measured at start-up.
+"""

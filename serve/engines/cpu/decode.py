@@ -1,0 +1,216 @@
+"""One request's life: prefill, then draft + verify steps until a stop rule fires, with SGLang 0.5.23 counters.
+
+A step is exactly one target forward. The first (prefill) emits one token. Every later step verifies one draft tree
+rooted at the last emitted token (`none` = an empty tree) and emits the accepted drafts plus one bonus token, then
+the speculator sees the new tokens (the n-gram trie inserts, the draft model prunes its cache).
+
+Invariant: the target cache holds the KV of `tokens[:-1]`; `tokens[-1]` (the root of the next tree) is not cached yet.
+
+Counters (per request, SGLang meta_info): `spec_verify_ct` = decode steps; per step `emitted` tokens are appended
+after stop-rule truncation and `emitted - 1` count as correct drafts (SGLang cuts accepted tokens at the finishing
+token the same way). Hence completion_tokens = 1 (prefill) + spec_verify_ct + spec_num_correct_drafts whenever the
+request did not finish in prefill, and spec_accept_length = completion_tokens / spec_verify_ct.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from serve.engines.cpu.ngram import DraftTree
+from serve.engines.cpu.runner import ModelRunner, tree_visibility
+from serve.engines.cpu.verify import Sampling, TokenChooser, walk_tree
+
+__all__ = ["StopRules", "Request", "Decoder", "Speculator", "StepStats"]
+
+
+class Speculator(Protocol):
+    """A draft source. `propose` returns a tree rooted at `req.tokens[-1]`; `observe` runs after every verify step
+    with the accepted tree indices (tokens already appended); `release` when the request ends; `reset` on flush."""
+
+    num_draft_tokens: int
+
+    def propose(self, req: Request) -> DraftTree: ...
+    def observe(self, req: Request, accepted: list[int]) -> None: ...
+    def release(self, req: Request) -> None: ...
+    def reset(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StopRules:
+    max_new_tokens: int
+    eos_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()
+    stop_str_max_tokens: int = 0  # longest stop string in tokens: how much output tail to decode when checking
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did, for the server-wide counters."""
+
+    verify: bool  # a decode/verify step (False: the prefill)
+    emitted: int
+    proposed: int
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    rules: StopRules
+    seed: int
+    created: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    cache: Any = None
+    draft_state: Any = None  # owned by the speculator
+    finish_reason: dict | None = None
+    spec_verify_ct: int = 0
+    spec_num_correct_drafts: int = 0
+    spec_num_proposed_drafts: int = 0
+    correct_histogram: list[int] = field(default_factory=list)
+    finished_at: float | None = None
+    chooser: TokenChooser | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def meta_info(self, speculative: bool, num_draft_tokens: int | None) -> dict:
+        """SGLang 0.5.23 meta_info keys; the spec keys only when the request had a verify step."""
+        info: dict = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+        }
+        if self.finished_at is not None:
+            info["e2e_latency"] = self.finished_at - self.created
+        if speculative and self.spec_verify_ct > 0:
+            ct = self.spec_verify_ct
+            info["spec_verify_ct"] = ct
+            info["spec_accept_length"] = len(self.output_ids) / ct
+            info["spec_num_correct_drafts"] = self.spec_num_correct_drafts
+            info["spec_num_proposed_drafts"] = self.spec_num_proposed_drafts
+            denominator = ct * max(1, (num_draft_tokens or 1) - 1)
+            info["spec_accept_rate"] = self.spec_num_correct_drafts / denominator
+            info["spec_correct_drafts_histogram"] = list(self.correct_histogram)
+        return info
+
+
+class Decoder:
+    """Runs steps of requests on one target model with one (optional) speculator. Single-threaded."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Any, speculator: Speculator | None) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.speculator = speculator
+
+    def step(self, req: Request) -> StepStats:
+        """One target forward for `req`: its prefill, or one draft + verify step."""
+        if req.finished:
+            raise RuntimeError(f"request {req.rid} already finished")
+        if req.cache is None:
+            return self._prefill(req)
+        return self._verify(req)
+
+    def release(self, req: Request) -> None:
+        req.cache = None
+        if self.speculator is not None:
+            self.speculator.release(req)
+
+    def _prefill(self, req: Request) -> StepStats:
+        req.chooser = TokenChooser(req.sampling, _generator(req.seed) if not req.sampling.greedy else None)
+        req.tokens = list(req.prompt_ids)
+        req.cache = self.runner.new_cache()
+        hidden = self.runner.prefill(req.cache, req.prompt_ids)
+        token = req.chooser(self.runner.logits(hidden)[0])
+        self._append(req, [token])
+        return StepStats(verify=False, emitted=1, proposed=0)
+
+    def _verify(self, req: Request) -> StepStats:
+        tree = self.speculator.propose(req) if self.speculator is not None else _EMPTY
+        runner = self.runner
+        base = runner.cache_len(req.cache)
+        tokens = [req.tokens[-1], *tree.tokens]
+        parents = [-1, *(p + 1 for p in tree.parents)]  # query 0 is the root
+        depths = [0, *tree.depths()]
+        hidden = runner.forward(req.cache, tokens, [base + d for d in depths], tree_visibility(base, parents))
+        logits_at = _LazyLogits(runner, hidden, first=1 + tree.num_real)
+        accepted, emitted = walk_tree(tokens, parents, logits_at, req.chooser)
+        runner.keep(req.cache, base, [0, *accepted])
+        kept = self._append(req, emitted)
+        req.spec_verify_ct += 1
+        req.spec_num_correct_drafts += kept - 1
+        req.spec_num_proposed_drafts += len(tree.tokens)
+        if len(req.correct_histogram) < kept:
+            req.correct_histogram.extend([0] * (kept - len(req.correct_histogram)))
+        req.correct_histogram[kept - 1] += 1
+        if self.speculator is not None:
+            self.speculator.observe(req, [a - 1 for a in accepted])
+        return StepStats(verify=True, emitted=kept, proposed=len(tree.tokens))
+
+    def _append(self, req: Request, new_tokens: Sequence[int]) -> int:
+        """Append tokens one by one, checking the stop rules after each (as SGLang does); returns how many were kept."""
+        rules = req.rules
+        for count, token in enumerate(new_tokens, 1):
+            req.output_ids.append(token)
+            req.tokens.append(token)
+            reason = self._stop_reason(req, token, rules)
+            if reason is not None:
+                req.finish_reason = reason
+                req.finished_at = time.monotonic()
+                return count
+        return len(new_tokens)
+
+    def _stop_reason(self, req: Request, token: int, rules: StopRules) -> dict | None:
+        # SGLang's Req.check_finished order: length first, then stop tokens, then stop strings.
+        if len(req.output_ids) >= rules.max_new_tokens:
+            return {"type": "length", "length": rules.max_new_tokens}
+        if not rules.ignore_eos and token in rules.eos_ids:
+            return {"type": "stop", "matched": token}
+        if token in rules.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if rules.stop_strs:
+            tail = self.tokenizer.decode(req.output_ids[-(rules.stop_str_max_tokens + 1):])
+            for stop in rules.stop_strs:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+
+_EMPTY = DraftTree(tokens=(), parents=(), num_real=0)
+
+
+def _generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+class _LazyLogits:
+    """Logits of the verified queries, computed once per query: the root and the real draft nodes in one matmul
+    (what a typical step needs), pads only if the walk reaches one."""
+
+    def __init__(self, runner: ModelRunner, hidden: torch.Tensor, first: int) -> None:
+        self._runner = runner
+        self._hidden = hidden
+        self._rows: dict[int, torch.Tensor] = {}
+        batch = runner.logits(hidden[:first])
+        for i in range(first):
+            self._rows[i] = batch[i]
+
+    def __call__(self, index: int) -> torch.Tensor:
+        row = self._rows.get(index)
+        if row is None:
+            row = self._runner.logits(self._hidden[index:index + 1])[0]
+            self._rows[index] = row
+        return row

@@ -1,0 +1,151 @@
+"""Composition root of the CPU engine: resolve and load the model(s), build the speculator, decoder, scheduler and
+request factory, measure the verify-cost curve. Used by the HTTP server, the tests and the benchmark."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from serve.engines.cpu.config import EngineConfig
+from serve.engines.cpu.convert import load_model
+from serve.engines.cpu.decode import Decoder, Speculator
+from serve.engines.cpu.models import resolve_model
+from serve.engines.cpu.ngram import NgramCache
+from serve.engines.cpu.params import RequestFactory
+from serve.engines.cpu.probe import measure_verify_cost
+from serve.engines.cpu.runner import ModelRunner
+from serve.engines.cpu.scheduler import Scheduler
+from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
+from serve.spec import NgramSpec, StandaloneSpec
+
+__all__ = ["Engine", "build_engine", "make_speculator", "eos_ids_of", "ENGINE_VERSION"]
+
+ENGINE_VERSION = "specdec-cpu-engine 0.1 (SGLang 0.5.23 protocol)"
+log = logging.getLogger("serve.engines.cpu")
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start with this config (model load, draft/target mismatch); the message says why."""
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    tokenizer: Any
+    runner: ModelRunner
+    decoder: Decoder
+    scheduler: Scheduler
+    factory: RequestFactory
+    context_length: int
+    model_dir: str
+    draft_dir: str | None = None
+    verify_cost: dict | None = None
+    startup_time: dict = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def speculative(self) -> bool:
+        return self.decoder.speculator is not None
+
+    def server_info(self) -> dict:
+        """SGLang-shaped /server_info: resolved args at the top level, plus `internal_states[0]`."""
+        info = self.config.server_args()
+        info["context_length"] = self.context_length
+        state = {
+            **self.scheduler.stats(self.speculative),
+            "speculative_algorithm": self.config.algorithm,
+            "speculative_num_steps": self.config.speculative_num_steps,
+            "speculative_eagle_topk": self.config.speculative_eagle_topk,
+            "speculative_num_draft_tokens": info["speculative_num_draft_tokens"],
+            "effective_max_running_requests_per_dp": self.config.max_running_requests,
+        }
+        speculator = self.decoder.speculator
+        if isinstance(speculator, NgramSpeculator):
+            state["ngram_trie_nodes"] = speculator.cache.num_nodes
+        info.update({
+            "version": ENGINE_VERSION, "engine": "cpu", "model_dir": self.model_dir, "draft_model_dir": self.draft_dir,
+            "torch_threads": torch.get_num_threads(), "verify_cost": self.verify_cost,
+            "startup_time": self.startup_time, "warnings": list(self.config.warnings),
+            "internal_states": [state],
+        })
+        return info
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(int(i) for i in gen_eos)
+    return frozenset(ids)
+
+
+def make_speculator(config: EngineConfig, draft_runner: ModelRunner | None) -> Speculator | None:
+    spec = config.spec
+    if isinstance(spec, NgramSpec):
+        cache = NgramCache(max_trie_depth=spec.max_trie_depth, capacity=spec.capacity,
+                           min_bfs_breadth=spec.min_bfs_breadth, max_bfs_breadth=spec.max_bfs_breadth,
+                           match_type=spec.match_type, num_draft_tokens=spec.num_draft_tokens)
+        return NgramSpeculator(cache, spec.num_draft_tokens, spec.max_trie_depth)
+    if isinstance(spec, StandaloneSpec):
+        if draft_runner is None:
+            raise EngineError("standalone: the draft model is not loaded")
+        return StandaloneSpeculator(draft_runner, spec.num_steps, spec.topk, spec.num_draft_tokens)
+    return None
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load everything the config names and start the worker thread."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    model_dir = resolve_model(config.model_path)
+    timings["resolve_model"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    model, tokenizer = load_model(model_dir, config.dtype)
+    timings["load_weight"] = time.monotonic() - t0
+    runner = ModelRunner(model)
+    draft_runner = None
+    draft_dir = None
+    if isinstance(config.spec, StandaloneSpec):
+        t0 = time.monotonic()
+        draft_dir = resolve_model(config.spec.draft_model)
+        draft_model, draft_tokenizer = load_model(draft_dir, config.dtype)
+        _check_same_vocab(tokenizer, draft_tokenizer, config)
+        draft_runner = ModelRunner(draft_model)
+        timings["load_draft_weight"] = time.monotonic() - t0
+    model_max = int(getattr(runner.config, "max_position_embeddings", 0) or 0) or 4096
+    context_length = config.context_length or model_max
+    if config.context_length and model_max and config.context_length > model_max:
+        log.warning("--context-length %d exceeds the model's max_position_embeddings %d",
+                    config.context_length, model_max)
+    verify_cost = None
+    if config.verify_probe_seconds > 0:
+        t0 = time.monotonic()
+        verify_cost = measure_verify_cost(runner, config.verify_probe_seconds)
+        timings["verify_cost_probe"] = time.monotonic() - t0
+    decoder = Decoder(runner, tokenizer, make_speculator(config, draft_runner))
+    scheduler = Scheduler(decoder, config.max_running_requests)
+    factory = RequestFactory(tokenizer, eos_ids_of(model, tokenizer), context_length, runner.vocab_size,
+                             config.random_seed)
+    scheduler.start()
+    return Engine(config=config, tokenizer=tokenizer, runner=runner, decoder=decoder, scheduler=scheduler,
+                  factory=factory, context_length=context_length, model_dir=str(model_dir),
+                  draft_dir=str(draft_dir) if draft_dir else None, verify_cost=verify_cost,
+                  startup_time={k: round(v, 3) for k, v in timings.items()})
+
+
+def _check_same_vocab(target: Any, draft: Any, config: EngineConfig) -> None:
+    if target.get_vocab() != draft.get_vocab():
+        raise EngineError(
+            f"--speculative-draft-model-path: {config.spec.draft_model!r} does not share the tokenizer of "
+            f"--model-path {config.model_path!r} (vocabularies differ); STANDALONE needs the same vocabulary "
+            "(e.g. qwen2.5-coder-0.5b drafting for qwen2.5-coder-1.5b)")

@@ -1,0 +1,189 @@
+"""OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both streaming).
+
+One choice per request (`n` = 1); no logprobs, tools or response formats (400 if asked). Chat prompts are rendered
+with the tokenizer's own chat template. Usage reports prompt/completion/total tokens; speculative counters are in
+`/generate`'s meta_info and `/server_info`, not here (SGLang returns them only on request, in an extension field).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve.engines.cpu.engine import Engine
+from serve.engines.cpu.params import BadRequest, SamplingParams, parse_model
+from serve.engines.cpu.server import Snapshot, error_response, read_json, stream_request
+
+__all__ = ["register_openai_routes"]
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    user: str | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = Field(False, description="not implemented: only false")
+    logprobs: None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = Field(False, description="not implemented: only false")
+
+
+def register_openai_routes(app: FastAPI, engine: Engine) -> None:
+    name = engine.config.served_model_name
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(engine.started_at), "owned_by": "specdec-tuner",
+             "root": name, "max_model_len": engine.context_length}]})
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body: CompletionBody = parse_model(CompletionBody, await read_json(http))
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise BadRequest("prompt: the CPU engine takes one prompt per request, got a list of "
+                                 f"{len(prompt)}; send them as separate requests")
+            prompt = prompt[0]
+        if body.echo:
+            raise BadRequest("echo: not implemented by the CPU engine; send false")
+        ids = engine.factory.prompt_ids(prompt if isinstance(prompt, str) else None,
+                                        None if isinstance(prompt, str) else list(prompt))
+        return await _run(engine, body, ids, body.max_tokens if body.max_tokens is not None else 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        body: ChatBody = parse_model(ChatBody, await read_json(http))
+        if body.logprobs:
+            raise BadRequest("logprobs: not implemented by the CPU engine; send false")
+        tokenizer = engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRequest(f"messages: model {name!r} has no chat template; use /v1/completions with a plain prompt")
+        messages = [_flatten(m) for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if limit is None:  # OpenAI/SGLang: up to the context; bounded here by the room left
+            limit = max(1, engine.context_length - len(ids))
+        return await _run(engine, body, ids, limit, chat=True)
+
+
+def _flatten(message: _Message) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise BadRequest(f"messages: content part type {part.get('type')!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    return {"role": message.role, "content": content or ""}
+
+
+async def _run(engine: Engine, body: _Common, ids: list[int], max_tokens: int, chat: bool):
+    params = parse_model(SamplingParams, {
+        "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+        "min_p": body.min_p, "stop": body.stop, "seed": body.seed, "ignore_eos": body.ignore_eos,
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty})
+    req = engine.factory.build(ids, params)
+    kind = "chatcmpl" if chat else "cmpl"
+    rid, created, model = f"{kind}-{req.rid}", int(time.time()), engine.config.served_model_name
+    factory = engine.factory
+
+    def usage(snap: Snapshot) -> dict:
+        done = snap.meta_info["completion_tokens"]
+        return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done}
+
+    def finish(snap: Snapshot) -> str | None:
+        reason = snap.meta_info["finish_reason"]
+        return None if reason is None else ("length" if reason["type"] == "length" else "stop")
+
+    if not body.stream:
+        last = None
+        async for snap in stream_request(engine, req):
+            last = snap
+        if last is None or last.error:
+            return error_response(last.error if last else "request produced no output", 500)
+        text = factory.text_of(last.output_ids, last.meta_info["finish_reason"], params, True)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish(last), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": model, "choices": [choice], "usage": usage(last)})
+
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+    def chunk(delta: str | None, reason: str | None, first: bool = False) -> bytes:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({} if delta is None else
+                                                                                    {"content": delta})
+            choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
+        return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
+
+    async def events() -> AsyncIterator[bytes]:
+        sent = ""
+        if chat:
+            yield chunk(None, None, first=True)
+        async for snap in stream_request(engine, req):
+            if snap.error:
+                yield _sse({"error": {"message": snap.error, "code": 500}})
+                break
+            text = factory.text_of(snap.output_ids, snap.meta_info["finish_reason"], params, snap.finished)
+            delta = text[len(sent):] if text.startswith(sent) else ""
+            if delta:
+                sent += delta
+                yield chunk(delta, None)
+            if snap.finished:
+                yield chunk(None, finish(snap))
+                if include_usage:
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                                "usage": usage(snap)})
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

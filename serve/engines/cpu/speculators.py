@@ -1,0 +1,148 @@
+"""Draft sources. Both produce `ngram.DraftTree`s, so one verifier (`decode.Decoder`) serves both.
+
+- `NgramSpeculator`: SGLang NGRAM. One global trie shared by all requests, kept until `/flush_cache`. After every
+  verify step the last `max_trie_depth` tokens of prompt+output are inserted (SGLang `_update_ngram_corpus`; the
+  prefill inserts nothing, and the body of a long prompt never enters the trie). Drafting matches the context suffix.
+- `StandaloneSpeculator`: SGLang STANDALONE. A smaller model with the same tokenizer drafts an EAGLE-style tree:
+  step 1 takes the top-k tokens after the root; each later step forwards the k best frontier nodes in one tree forward
+  and offers their top-k children; every offered node is a candidate with its cumulative draft log-prob, and the best
+  `num_draft_tokens - 1` candidates form the tree (SGLang `organize_draft_results`). topk=1 is a chain of num_steps.
+  The draft model keeps its own KV cache per request, pruned to the accepted path after verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from serve.engines.cpu.decode import Request
+from serve.engines.cpu.ngram import DraftTree, NgramCache
+from serve.engines.cpu.runner import ModelRunner, chain_visibility
+
+__all__ = ["NgramSpeculator", "StandaloneSpeculator"]
+
+
+class NgramSpeculator:
+    def __init__(self, cache: NgramCache, num_draft_tokens: int, max_trie_depth: int) -> None:
+        self.cache = cache
+        self.num_draft_tokens = num_draft_tokens
+        self._depth = max_trie_depth
+
+    def propose(self, req: Request) -> DraftTree:
+        return self.cache.draft(req.tokens)
+
+    def observe(self, req: Request, accepted: list[int]) -> None:
+        self.cache.insert(req.tokens[-self._depth:])
+
+    def release(self, req: Request) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+
+@dataclass
+class _DraftState:
+    cache: object
+    cached: int = 0  # tokens of req.tokens whose KV the draft cache holds (a prefix)
+    base: int = 0  # during a step: cache columns before the tree nodes (== len(req.tokens) at propose time)
+    columns: dict[int, int] = field(default_factory=dict)  # tree node index -> draft cache column, forwarded nodes
+
+
+class StandaloneSpeculator:
+    def __init__(self, runner: ModelRunner, num_steps: int, topk: int, num_draft_tokens: int) -> None:
+        self.runner = runner
+        self.num_steps = num_steps
+        self.topk = topk
+        self.num_draft_tokens = num_draft_tokens
+
+    def reset(self) -> None:
+        pass  # the draft caches live on the requests
+
+    def release(self, req: Request) -> None:
+        req.draft_state = None
+
+    def propose(self, req: Request) -> DraftTree:
+        runner, k = self.runner, self.topk
+        state: _DraftState = req.draft_state or _DraftState(cache=runner.new_cache())
+        req.draft_state = state
+        hidden = self._catch_up(state, req.tokens)
+        base = state.base = state.cached
+        root_pos = base - 1
+        # candidates: (token, parent candidate or -1, cumulative log-prob, depth); index order is topological.
+        cand_tokens: list[int] = []
+        cand_parent: list[int] = []
+        cand_score: list[float] = []
+        cand_depth: list[int] = []
+        column_of: dict[int, int] = {}  # candidate -> draft cache column, for forwarded candidates
+        frontier = [-1]
+        frontier_hidden = hidden
+        for depth in range(1, self.num_steps + 1):
+            logp = torch.log_softmax(runner.logits(frontier_hidden), dim=-1)
+            top = torch.topk(logp, k, dim=-1)
+            offered = []
+            for row, parent in enumerate(frontier):
+                parent_score = cand_score[parent] if parent >= 0 else 0.0
+                for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
+                    offered.append(len(cand_tokens))
+                    cand_tokens.append(tok)
+                    cand_parent.append(parent)
+                    cand_score.append(parent_score + lp)
+                    cand_depth.append(depth)
+            if depth == self.num_steps:
+                break
+            frontier = sorted(offered, key=lambda c: (-cand_score[c], c))[:k]
+            frontier.sort()
+            frontier_hidden = self._forward_frontier(state, frontier, cand_tokens, cand_parent, cand_depth,
+                                                     column_of, root_pos)
+        keep = sorted(sorted(range(len(cand_tokens)), key=lambda c: (-cand_score[c], c))[: self.num_draft_tokens - 1])
+        position = {c: i for i, c in enumerate(keep)}
+        parents = tuple(position[cand_parent[c]] if cand_parent[c] >= 0 else -1 for c in keep)
+        state.columns = {position[c]: col for c, col in column_of.items() if c in position}
+        return DraftTree(tokens=tuple(cand_tokens[c] for c in keep), parents=parents, num_real=len(keep))
+
+    def observe(self, req: Request, accepted: list[int]) -> None:
+        """Keep the committed prefix plus the accepted nodes the draft already forwarded (a leading run of the path)."""
+        state: _DraftState = req.draft_state
+        rel = []
+        for node in accepted:
+            col = state.columns.get(node)
+            if col is None:
+                break
+            rel.append(col - state.base)
+        self.runner.keep(state.cache, state.base, rel)
+        state.cached = state.base + len(rel)
+        state.columns = {}
+
+    def _catch_up(self, state: _DraftState, tokens: list[int]) -> torch.Tensor:
+        """Feed the committed tokens the draft has not seen (the root last); returns the root's hidden state [1, d]."""
+        todo = tokens[state.cached:]
+        if state.cached == 0:
+            hidden = self.runner.prefill(state.cache, todo)
+        else:
+            start = state.cached
+            hidden = self.runner.forward(state.cache, todo, range(start, start + len(todo)),
+                                         chain_visibility(start, len(todo)))[-1:]
+        state.cached = len(tokens)
+        return hidden
+
+    def _forward_frontier(self, state, frontier, cand_tokens, cand_parent, cand_depth, column_of, root_pos):
+        cache_len = self.runner.cache_len(state.cache)
+        n = len(frontier)
+        visible = torch.zeros(n, cache_len + n, dtype=torch.bool)
+        visible[:, : state.base] = True
+        key_positions = torch.arange(cache_len)
+        for col_cand, col in column_of.items():
+            key_positions[col] = root_pos + cand_depth[col_cand]
+        for row, cand in enumerate(frontier):
+            visible[row, cache_len + row] = True
+            ancestor = cand_parent[cand]
+            while ancestor >= 0:
+                visible[row, column_of[ancestor]] = True  # every ancestor of a frontier node was forwarded
+                ancestor = cand_parent[ancestor]
+        positions = [root_pos + cand_depth[c] for c in frontier]
+        hidden = self.runner.forward(state.cache, [cand_tokens[c] for c in frontier], positions, visible, key_positions)
+        for row, cand in enumerate(frontier):
+            column_of[cand] = cache_len + row
+        return hidden
