@@ -206,8 +206,10 @@ def _sglang_preflight(config: ReplicaConfig, out: Measurement) -> tuple[Outcome,
     else:
         out.server_info["preflight"] = {"ok": result.ok, "stage": result.stage, "error": result.error,
                                         "resolved": result.resolved}
-        if not result.ok:
+        if not result.ok and result.stage in ("parse", "resolve", "check"):
             return Outcome.INVALID, f"SGLang rejected the flags at {result.stage}: {result.error}"
+        if not result.ok:  # our side could not run SGLang's parser: not a verdict on the config
+            return Outcome.LAUNCH_FAILED, f"SGLang preflight could not run ({result.stage}): {result.error}"
         out.diffs = result.diffs(config.spec, config.max_running_requests)
     problem = gpu_problem(config.tp_size)
     if problem:

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from serve.engines.base import ReplicaConfig, engine_argv
+from serve.engines.base import ReplicaConfig, child_env, engine_argv
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
@@ -61,7 +61,7 @@ class EngineProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine-{self.port}.log"
         self.argv = engine_argv(config, host, self.port)
-        env = {**os.environ, **config.env}
+        env = child_env(config.env)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()

@@ -11,10 +11,25 @@ from __future__ import annotations
 import sys
 from typing import Literal
 
+from pathlib import Path
+
 from pydantic import Field
 
 from serve.engines.flags import ALGORITHM_NAMES, render_spec
 from serve.spec import FrozenModel, NoSpec, SpecConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for our own `python -m serve...` subprocesses: they must import this project even when the
+    caller's working directory is elsewhere (Tune runs trials in their own folders) and it is not pip-installed."""
+    import os
+
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
 
 class ReplicaConfig(FrozenModel):
     """Everything one engine replica needs to start. Trials and the production endpoint both build one."""

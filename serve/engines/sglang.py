@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from serve.engines.base import child_env
 from serve.engines.flags import ALGORITHM_NAMES, FlagTable, render_spec, table_for
 
 PREFLIGHT_TIMEOUT_S = 300.0
@@ -86,7 +87,7 @@ def run_preflight(argvs: list[list[str]], *, parse_only: bool = False,
     request = json.dumps({"argvs": [_engine_args(a) for a in argvs], "parse_only": parse_only})
     try:
         done = subprocess.run([sys.executable, "-m", "serve.engines.sglang_preflight"], input=request,
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, env=child_env())
     except subprocess.TimeoutExpired:
         return [Preflight(False, "timeout", f"SGLang preflight took longer than {timeout_s:.0f} s")] * len(argvs)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"results"')]

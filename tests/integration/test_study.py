@@ -128,3 +128,27 @@ def test_interrupted_study_resumes_without_duplicates(tmp_path):
     _, runs = child_runs(study, tmp_path / "out")
     names = [r.info.run_name for r in runs]
     assert len(names) == len(set(names)) == 4
+
+
+def test_sglang_engine_runs_up_to_preflight_and_fails_clearly_without_a_gpu(tmp_path):
+    # SGLang's own parser resolves the config (a local config.json is all it needs); the launch then stops with
+    # the reason instead of leaving a replica pending for a GPU that does not exist.
+    from serve.engines.sglang import installed_version
+
+    if installed_version() is None:
+        pytest.skip("sglang is not installed (CI installs it --no-deps)")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "vocab_size": 1000,
+        "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}))
+    study = load_study(None, {"name": "it-sglang", "output_dir": str(tmp_path / "out"), "engine.kind": "sglang",
+                              "model.target": str(model), "search_space": "ngram.yaml", "budget.max_trials": 1})
+    assert run_study(study, load_space(study.search_space_path())) == 1  # no baseline could be measured
+    tracker, runs = child_runs(study, tmp_path / "out")
+    (run,) = runs
+    assert run.data.tags["outcome"] == "LAUNCH_FAILED"
+    assert "no NVIDIA driver" in run.data.tags["reason"] and "engine.kind: cpu" in run.data.tags["reason"]
+    info = json.loads(Path(tracker.client().download_artifacts(run.info.run_id, "server_info.json")).read_text())
+    assert info["preflight"]["ok"] and info["preflight"]["resolved"]["speculative_algorithm"] is None
