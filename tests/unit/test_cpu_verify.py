@@ -107,6 +107,7 @@ def test_unsupported_or_unknown_parameters_are_rejected():
     body = parse_model(GenerateBody, {"text": "x", "sampling_params": {"temperature": 0, "stop": "\n"}})
     assert body.sampling_params.temperature == 0 and body.sampling_params.stop == "\n"
     assert parse_model(GenerateBody, {"text": "x"}).sampling_params.temperature == 1.0  # SGLang's default
+    assert parse_model(GenerateBody, {"text": "x", "sampling_params": None}).sampling_params.max_new_tokens is None
 
 
 def test_streamed_text_holds_back_a_possible_stop_prefix():

@@ -237,7 +237,7 @@ def resolve_model(model: str) -> Path:
         if not (out / SOURCE_MARKER).exists():
             from serve.engines.cpu import convert  # torch lives there
 
-            _say(f"converting {source.name} to a dequantized safetensors dir (once; takes 10-60 s)")
+            _say(f"converting {source.name} to a dequantized safetensors dir (once; 10 s to a few minutes)")
             started = time.monotonic()
             convert.gguf_to_hf_dir(source, out)
             (out / SOURCE_MARKER).write_text(json.dumps({"model": model, "gguf": str(source)}) + "\n")
