@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,16 @@ def as_postgres(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     """initdb/pg_ctl refuse to run as root; run them as the postgres user when we are root."""
     if os.geteuid() == 0:
         argv = ["runuser", "-u", "postgres", "--", *argv]
-    return subprocess.run(argv, check=True, capture_output=True, text=True, **kwargs)
+    done = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}")
+    return done
 
 
 @pytest.fixture(scope="module")
 def postgres(tmp_path_factory):
-    base = tmp_path_factory.mktemp("pg")
+    # Not under pytest's tmp folder: the postgres user cannot traverse root's 0700 pytest directories.
+    base = Path(tempfile.mkdtemp(prefix="specdec-pg-"))
     data, sock = base / "data", base / "sock"
     sock.mkdir()
     if os.geteuid() == 0:
@@ -51,6 +56,7 @@ def postgres(tmp_path_factory):
         yield f"postgresql+psycopg2://specdec@127.0.0.1:{port}"
     finally:
         as_postgres([f"{PG_BIN[0]}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"])
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
