@@ -71,7 +71,7 @@ def main() -> None:
     config_file = folder / "serving.json"
     config_file.write_text(json.dumps(serving))
     direct = EngineProcess(ReplicaConfig(model=args.model))
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never join a cluster found here
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
