@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from serve.replica import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SMOL = "smollm2-135m"
@@ -38,12 +39,6 @@ class CpuServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from serve.replica import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 # No network on CI boxes: keep Chromium from trying to reach Google services in the background.
@@ -110,12 +111,6 @@ class UiServer:
         return self.log_path.read_text(errors="replace")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def mlflow_ui(db_path: Path, work_dir: Path, timeout_s: float = 240.0) -> Iterator[UiServer]:
     """`mlflow ui` on a SQLite store, on a free port; waits for GET /health, kills its process group after.
@@ -123,7 +118,7 @@ def mlflow_ui(db_path: Path, work_dir: Path, timeout_s: float = 240.0) -> Iterat
     Runs in `work_dir` so the server's default ./mlartifacts cannot land in the repository."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log_path = work_dir / f"mlflow-ui-{port}.log"
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{db_path.resolve()}",
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
