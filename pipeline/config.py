@@ -70,10 +70,15 @@ class EngineSettings(FrozenModel):
 
 
 class WorkloadSettings(FrozenModel):
-    source: str = Field("code-edit", description="bundled workload name or a JSONL/Parquet file of prompts")
-    warmup_prompts: int = Field(16, ge=0, description="size of the warm-up split (warmup_requests draw from it)")
-    measure_prompts: int = Field(8, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
+    """Defaults sized so the default study (8 trials + 6 promotion re-runs) fits in 15 minutes on 2 CPU cores; on a
+    GPU node use more prompts and tokens (examples/study-gpu.yaml)."""
+
+    # templated: answers repeat across requests, the case where SGLang's NGRAM (a trie of generated text, not of
+    # prompts) pays off once warm and loses when cold; see docs/benchmarks.md "Default study".
+    source: str = Field("templated", description="bundled workload name or a JSONL/Parquet file of prompts")
+    warmup_prompts: int = Field(8, ge=0, description="size of the warm-up split (warmup_requests draw from it)")
+    measure_prompts: int = Field(4, ge=1)
+    max_new_tokens: int = Field(24, ge=1)
     temperature: float = Field(0.0, ge=0)
 
 
@@ -94,7 +99,7 @@ class ObjectiveSettings(FrozenModel):
 
 
 class PromotionPolicySettings(FrozenModel):
-    finalists: int = Field(2, ge=1, description="best trials re-measured against the baseline")
+    finalists: int = Field(1, ge=1, description="best trials re-measured against the baseline")
     runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (fresh replica each)")
     margin: float = Field(0.03, ge=0, description="score must beat the baseline's by this fraction")
     tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction are ties: fewer drafts win")
@@ -148,11 +153,13 @@ class StudyConfig(FrozenModel):
 
 
 def resolve_space_path(name: str) -> Path:
-    """A bare file name is looked up in search_spaces/ first, then relative to the current directory."""
+    """A bare name ("ngram" or "ngram.yaml") is looked up in search_spaces/ first, then relative to the current
+    directory."""
     candidate = Path(name)
-    bundled = SEARCH_SPACES_DIR / name
-    if not candidate.is_absolute() and candidate.parent == Path(".") and bundled.exists():
-        return bundled
+    if not candidate.is_absolute() and candidate.parent == Path("."):
+        for bundled in (SEARCH_SPACES_DIR / name, SEARCH_SPACES_DIR / f"{name}.yaml"):
+            if bundled.is_file():
+                return bundled
     return candidate
 
 

@@ -7,6 +7,7 @@ result to the registry action and writes `promoted.yaml`.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,20 @@ from pipeline.promote import Decision, Finalist, PromotionPolicy, decide
 from pipeline.registry import register_config
 from pipeline.report import write_report
 from pipeline.trial import Outcome, TrialContext, measure_config
+
+
+def distinct_configs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in order, each config once (its first, i.e. fastest, row): a sampler may propose the same point twice,
+    and re-measuring one config as two finalists would spend the re-runs on nothing."""
+    seen: set[tuple] = set()
+    out = []
+    for row in rows:
+        key = (row["algorithm"], tuple(sorted(row["params"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
 
 def trial_rows(ctx: TrialContext) -> list[dict[str, Any]]:
     """The study's trials from MLflow, baseline first then by throughput."""
@@ -40,6 +55,7 @@ def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int) -> t
     baseline = to_records(pq.read_table(ctx.baseline_outputs)) if ctx.baseline_outputs.exists() else None
     for k in range(runs):
         label = f"{name}-run{k}"
+        started_at = time.time()
         m = measure_config(ctx, config, label, Path(ctx.output_dir) / "finalists" / label)
         summary = summarize(m.records, seed=ctx.study.seed) if m.records else None
         outcome, reason = m.failure or (Outcome.COMPLETE, "")
@@ -59,7 +75,7 @@ def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int) -> t
             ctx.parent_run_id, study_name=ctx.study.name, run_name=label, kind="finalist",
             config=config.model_dump(mode="json"), outcome=outcome.value, reason=reason,
             metrics=summary.to_metrics() if summary else {}, requests=to_table(m.records) if m.records else None,
-            texts={"engine.log": m.engine_log}, extra_tags={"finalist": name})
+            texts={"engine.log": m.engine_log}, extra_tags={"finalist": name}, started_at=started_at)
     return throughputs, equivalent, failures
 
 
@@ -76,7 +92,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
                                  status="FAILED")
         return 1
     candidates = [r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"]
-    finalists = candidates[: study.promotion.finalists]
+    finalists = distinct_configs(candidates)[: study.promotion.finalists]
     base_config = _config_of(ctx, base_row["run_id"])
     model_name = study.tracking.registered_model or f"specdec-{study.name}"
     if not finalists:

@@ -96,8 +96,10 @@ class Tracker:
 
     def log_trial(self, parent_id: str, *, study_name: str, run_name: str, kind: str, config: dict[str, Any],
                   outcome: str, reason: str, metrics: dict[str, float], requests: pa.Table | None,
-                  texts: dict[str, str], extra_tags: dict[str, str] | None = None) -> str:
-        """One child run with everything about a trial; returns its run id."""
+                  texts: dict[str, str], extra_tags: dict[str, str] | None = None,
+                  started_at: float | None = None) -> str:
+        """One child run with everything about a trial; returns its run id. `started_at` (a time.time()) makes the
+        run's duration in the MLflow UI the trial's, not just the logging's."""
         from mlflow.entities import Metric, Param, RunTag
 
         client = self.client()
@@ -107,7 +109,8 @@ class Tracker:
             client.delete_run(old.info.run_id)
         tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
                 "reason": reason[:4000], **(extra_tags or {})}
-        run = client.create_run(self.experiment_id(), run_name=run_name, tags=tags)
+        start_ms = int(started_at * 1000) if started_at is not None else None
+        run = client.create_run(self.experiment_id(), run_name=run_name, tags=tags, start_time=start_ms)
         run_id = run.info.run_id
         now = int(time.time() * 1000)
         client.log_batch(
@@ -115,14 +118,16 @@ class Tracker:
             metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if v is not None],
             params=[Param(k, v[:6000]) for k, v in flatten_trial(config).items()],
         )
-        client.log_text(run_id, json.dumps(config, indent=2), "trial_config.json")
-        for path, text in texts.items():
-            client.log_text(run_id, text, path)
-        if requests is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                target = Path(tmp) / "requests.parquet"
-                pq.write_table(requests, target)
-                client.log_artifact(run_id, str(target))
+        # One upload of a folder instead of one call per file (each call costs ~0.2 s on SQLite + local artifacts).
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            (folder / "trial_config.json").write_text(json.dumps(config, indent=2))
+            for path, text in texts.items():
+                (folder / path).parent.mkdir(parents=True, exist_ok=True)
+                (folder / path).write_text(text)
+            if requests is not None:
+                pq.write_table(requests, folder / "requests.parquet")
+            client.log_artifacts(run_id, str(folder))
         client.set_terminated(run_id, status="FINISHED" if outcome == "COMPLETE" else "FAILED")
         return run_id
 

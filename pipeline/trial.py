@@ -113,7 +113,7 @@ def deploy(name: str, config: ReplicaConfig, timeout_s: float) -> None:
             return
         if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
             raise RuntimeError(f"Serve app {name} is {status.split('.')[-1]}: {_app_failure(name)}")
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
 
 
@@ -160,6 +160,9 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             return out
         out.timings["deploy_s"] = time.monotonic() - started
         with httpx.Client(base_url=url, timeout=30) as client:
+            startup = client.get("/replica/argv").json().get("startup_s")
+            if isinstance(startup, (int, float)):
+                out.timings["engine_start_s"] = float(startup)
             out.server_info = client.get("/server_info").json()
             out.diffs.update(effective_diff(config, out.server_info))
             flushed = client.post("/flush_cache")
@@ -228,6 +231,7 @@ def _meaning_changed(trial: TrialConfig, diffs: dict[str, tuple[object, object]]
 
 def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialResult:
     """The whole trial; records a child run in MLflow whatever the outcome."""
+    started_at = time.time()
     trial_dir = Path(ctx.output_dir) / "trials" / label
     trial_dir.mkdir(parents=True, exist_ok=True)
     study = ctx.study
@@ -265,7 +269,8 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
         config=config.model_dump(mode="json") if config else {"spec": {"algorithm": resolution.params.get("algorithm")}},
         outcome=outcome.value, reason=reason, metrics=metrics, requests=to_table(m.records) if m.records else None,
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
-                                 "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)})
+                                 "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},
+        started_at=started_at)
     return TrialResult(outcome, reason, config, summary, equivalence, run_id)
 
 

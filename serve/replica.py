@@ -62,6 +62,8 @@ class EngineProcess:
         self.log_path = log_dir / f"engine-{self.port}.log"
         self.argv = engine_argv(config, host, self.port)
         env = child_env(config.env)
+        self.startup_s: float | None = None  # spawn -> first healthy /health (model load, probe, server up)
+        self._spawned = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
@@ -78,6 +80,7 @@ class EngineProcess:
                                    f"command: {' '.join(self.argv)}\n--- engine log tail ---\n{log_tail(self.log_path)}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self.startup_s = time.monotonic() - self._spawned
                     return
             except httpx.HTTPError:
                 pass
@@ -171,7 +174,7 @@ class EngineReplica(_EngineOwner):
 
     @app.get("/replica/argv")
     async def engine_command(self) -> dict[str, Any]:
-        return {"argv": self.engine.argv, "pid": self.engine.process.pid}
+        return {"argv": self.engine.argv, "pid": self.engine.process.pid, "startup_s": self.engine.startup_s}
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(self, path: str, request: Request) -> Response:

@@ -60,6 +60,9 @@ def test_study_runs_baseline_first_and_logs_every_trial(happy):
     for run in runs:
         assert run.data.tags["outcome"] == "COMPLETE", run.data.tags.get("reason")
         assert "spec.algorithm" in run.data.params and run.data.metrics["tput_tok_s"] > 0
+        # The run spans the trial (deploy, warm-up, measurement), so the MLflow UI shows real durations.
+        assert (run.info.end_time - run.info.start_time) / 1000 >= run.data.metrics["time_total_s"]
+        assert 0 < run.data.metrics["time_engine_start_s"] < run.data.metrics["time_deploy_s"]
         files = {f.path for f in client.list_artifacts(run.info.run_id)}
         assert {"requests.parquet", "engine.log", "server_info.json", "trial_config.json"} <= files
 

@@ -58,3 +58,11 @@ def test_no_baseline_means_no_ratios():
     rows = rows_from_runs([run("t1", "ngram", "COMPLETE", 10.0), run("t0", "none", "LAUNCH_FAILED")])
     assert all(r["vs_baseline"] is None for r in rows)
     assert rows[0]["name"] == "t0"  # the baseline is still listed first, failed or not
+
+
+def test_a_config_sampled_twice_is_one_finalist():
+    from pipeline.finalize import distinct_configs
+
+    rows = rows_from_runs([*RUNS, run("trial-d", "ngram", "COMPLETE", 35.0, **{"spec.num_draft_tokens": "4"})])
+    names = [r["name"] for r in distinct_configs([r for r in rows if r["algorithm"] == "ngram"])]
+    assert names == ["trial-b", "trial-c", "trial-x"]  # trial-d repeats trial-b's config at a lower throughput

@@ -8,7 +8,7 @@ import pytest
 from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.errors import ConfigError
 from pipeline.space import (
-    BASELINE_ATTR, baseline_point, define_by_run, enqueue_baseline, load_space, resolve,
+    BASELINE_ATTR, baseline_point, define_by_run, enqueue_baseline, grid_points, load_space, resolve,
 )
 from pipeline.tune import sample_configs
 from serve.spec import NgramSpec, NoSpec
@@ -165,3 +165,38 @@ def test_the_sampler_pickles():
 
     sampler = define_by_run(load_space(SEARCH_SPACES_DIR / "ngram.yaml"))
     assert pickle.loads(pickle.dumps(sampler)).speculative == ["ngram"]
+
+
+def test_grid_points_enumerate_every_branch_point_once_baseline_first():
+    space = load_space(SEARCH_SPACES_DIR / "grid-small.yaml")
+    points = grid_points(space)
+    assert points[0] == {"algorithm": "none"}
+    ngram = points[1:]
+    assert len(ngram) == 5 * 2 * 3  # draft 2..10 step 2, breadth 1 or 4, warm-up 0/4/8
+    assert len({tuple(sorted(p.items())) for p in ngram}) == len(ngram)
+    assert {p["ngram.max_bfs_breadth"] for p in ngram} == {1, 4}
+    assert all("ngram.match_type" not in p for p in ngram)  # fixed values are not Optuna params
+    study_cfg = load_study(None, {})
+    assert all(resolve(space, p, study_cfg).valid for p in points)
+
+
+def test_grid_points_follow_dependent_bounds(tmp_path):
+    space = load_space(space_file(tmp_path, "algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                                       "    max_bfs_breadth: {type: int, low: 1, high: 3}\n"
+                                       "    min_bfs_breadth: {type: int, low: 1, high: max_bfs_breadth}\n"))
+    pairs = [(p["ngram.max_bfs_breadth"], p["ngram.min_bfs_breadth"]) for p in grid_points(space)[1:]]
+    assert pairs == [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2), (3, 3)]
+
+
+def test_grid_points_refuse_continuous_parameters_and_huge_spaces(tmp_path):
+    space = load_space(space_file(tmp_path, "algorithms: [none, eagle]\nbranches:\n  eagle:\n"
+                                       "    num_steps: {type: int, low: 1, high: 4, log: true}\n"))
+    with pytest.raises(ConfigError, match="eagle.num_steps: a log-scaled parameter has no finite grid"):
+        grid_points(space)
+    with pytest.raises(ConfigError, match="more than 1000 points"):
+        grid_points(load_space(SEARCH_SPACES_DIR / "default.yaml"), limit=1000)
+
+
+def test_a_bundled_space_is_found_by_its_name_with_or_without_yaml():
+    for name in ("grid-small", "grid-small.yaml"):
+        assert load_study(None, {"search_space": name}).search_space_path() == SEARCH_SPACES_DIR / "grid-small.yaml"

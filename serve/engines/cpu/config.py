@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine-only")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     e.add_argument("--verify-probe-seconds", type=float, default=1.5,
-                   help="time budget of the start-up verify-cost probe (1..16 tokens); 0 turns it off")
+                   help="time budget of the start-up verify-cost probe (N = 1..16 query tokens, 8 sizes); 0 turns it off")
     return p
 
 

@@ -16,7 +16,7 @@ from serve.engines.cpu.decode import Decoder, Speculator
 from serve.engines.cpu.models import resolve_model
 from serve.engines.cpu.ngram import NgramCache
 from serve.engines.cpu.params import RequestFactory
-from serve.engines.cpu.probe import measure_verify_cost
+from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, measure_verify_cost
 from serve.engines.cpu.runner import ModelRunner
 from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
@@ -130,7 +130,7 @@ def build_engine(config: EngineConfig) -> Engine:
     verify_cost = None
     if config.verify_probe_seconds > 0:
         t0 = time.monotonic()
-        verify_cost = measure_verify_cost(runner, config.verify_probe_seconds)
+        verify_cost = measure_verify_cost(runner, config.verify_probe_seconds, STARTUP_PROBE_SIZES)
         timings["verify_cost_probe"] = time.monotonic() - t0
     decoder = Decoder(runner, tokenizer, make_speculator(config, draft_runner))
     scheduler = Scheduler(decoder, config.max_running_requests)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ from serve.engines.cpu.decode import Request
 from serve.engines.cpu.engine import Engine
 from serve.engines.cpu.params import BadRequest, GenerateBody, parse_model
 
-__all__ = ["create_app", "Snapshot", "stream_request", "read_json", "error_response", "serve"]
+__all__ = ["create_app", "Snapshot", "stream_request", "read_json", "error_response", "serve", "exit_with_parent"]
 
 log = logging.getLogger("serve.engines.cpu")
 
@@ -147,6 +150,23 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Stop (SIGTERM to ourselves) once the process that started us is gone.
+
+    The replica starts the engine in its own session so teardown can kill its whole group; but when the replica's
+    Ray worker is SIGKILLed nothing runs teardown, and the orphaned engine would keep its port, memory and cores.
+    Re-parenting (getppid() changes) is the portable sign that the parent died."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.warning("parent process %d is gone: shutting down", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
 def serve(config: EngineConfig) -> int:
     """Load the engine for a parsed config and serve HTTP until interrupted; 1 if the engine cannot start."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -159,6 +179,7 @@ def serve(config: EngineConfig) -> int:
     from serve.engines.cpu.models import ModelFetchError
 
     started = time.monotonic()
+    exit_with_parent()
     try:
         engine = build_engine(config)
     except (EngineError, ModelFetchError, OSError, ValueError) as err:
@@ -167,7 +188,7 @@ def serve(config: EngineConfig) -> int:
     engine.startup_time["total"] = round(time.monotonic() - started, 3)
     log.info("engine ready in %.1f s: %s", engine.startup_time["total"], json.dumps(engine.startup_time))
     if engine.verify_cost:
-        log.info("verify cost (N=1..16, relative to 1): %s", engine.verify_cost["relative"])
+        log.info("verify cost (N=%s, relative to N=1): %s", engine.verify_cost["sizes"], engine.verify_cost["relative"])
     try:
         uvicorn.run(create_app(engine), host=config.host, port=config.port, log_level=config.log_level,
                     access_log=config.log_level == "debug")

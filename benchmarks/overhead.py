@@ -1,0 +1,124 @@
+"""Benchmark: where one trial's wall time goes (engine start, warm-up, measurement, everything else).
+
+Runs a real study (`python -m pipeline.tune`, default settings unless told otherwise) in a temporary folder, or
+reads a finished one (`--from runs/default`), and splits each trial's cycle into:
+
+- cycle: from Optuna handing out the trial (`ask`) to handing out the next one (the last trial: to its `tell`);
+  it includes Tune scheduling, the trial actor, MLflow logging and Optuna bookkeeping;
+- engine start: engine process spawned -> first healthy `/health` (model load, the engine's verify-cost probe);
+- warm-up and measurement: the load generator's two phases;
+- everything else = cycle - engine start - warm-up - measurement, itself split into Serve deploy (app and replica
+  actor, excluding the engine start), read-back + flush + teardown + engine-log fetch, and logging + Tune + Optuna.
+
+Trials run one at a time on a CPU machine, so Optuna trials and MLflow trial runs are matched by order.
+
+    python benchmarks/overhead.py --quick            # a 3-trial default study, ~5 min on 2 cores
+    python benchmarks/overhead.py                    # the default study (8 trials + promotion re-runs)
+    python benchmarks/overhead.py --from runs/default
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("engine_start_s", "warmup_s", "measure_s")
+
+
+def run_study(folder: Path, trials: int | None, extra: list[str]) -> Path:
+    argv = [sys.executable, "-m", "pipeline.tune", "--name", "overhead", *(["--trials", str(trials)] if trials else []),
+            *extra]
+    print("$", " ".join(argv), f"(in {folder})", flush=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(argv, cwd=folder, env=env, check=True)
+    return folder / "runs" / "overhead"
+
+
+def trial_rows(study_dir: Path) -> list[dict[str, float]]:
+    """One row per trial with its cycle and phase times, in the order the trials ran."""
+    import mlflow
+    import optuna
+
+    storage = f"sqlite:///{study_dir / 'optuna.db'}"
+    names = optuna.get_all_study_names(storage)
+    if len(names) != 1:
+        raise SystemExit(f"{study_dir}/optuna.db holds studies {names}: expected exactly one")
+    trials = sorted((t for t in optuna.load_study(study_name=names[0], storage=storage).trials
+                     if t.datetime_start and t.datetime_complete), key=lambda t: t.datetime_start)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{study_dir / 'mlflow.db'}")
+    runs = sorted((r for e in client.search_experiments() for r in client.search_runs(
+        [e.experiment_id], filter_string="tags.`specdec.kind` = 'trial'", max_results=1000)),
+        key=lambda r: r.info.start_time)
+    if len(runs) != len(trials):
+        raise SystemExit(f"{len(trials)} finished Optuna trials but {len(runs)} MLflow trial runs: cannot match them")
+    rows = []
+    for i, (trial, run) in enumerate(zip(trials, runs)):
+        end = trials[i + 1].datetime_start if i + 1 < len(trials) else trial.datetime_complete
+        m = {k[len("time_"):]: v for k, v in run.data.metrics.items() if k.startswith("time_")}
+        row = {"trial": trial.number, "algorithm": run.data.params.get("spec.algorithm", "?"),
+               "outcome": run.data.tags.get("outcome", "?"), "cycle_s": (end - trial.datetime_start).total_seconds(),
+               **{k: m.get(k, float("nan")) for k in ("deploy_s", "total_s", *PHASES)}}
+        row["other_s"] = row["cycle_s"] - sum(row[k] for k in PHASES)
+        row["serve_deploy_s"] = row["deploy_s"] - row["engine_start_s"]
+        row["readback_teardown_s"] = row["total_s"] - row["deploy_s"] - row["warmup_s"] - row["measure_s"]
+        row["logging_tune_s"] = row["cycle_s"] - row["total_s"]
+        rows.append(row)
+    return rows
+
+
+def report(rows: list[dict[str, float]]) -> str:
+    complete = [r for r in rows if r["outcome"] == "COMPLETE" and r["engine_start_s"] == r["engine_start_s"]]
+    cols = ("cycle_s", "engine_start_s", "warmup_s", "measure_s", "other_s", "serve_deploy_s",
+            "readback_teardown_s", "logging_tune_s")
+    lines = ["| trial | algorithm | outcome | " + " | ".join(c[:-2].replace("_", " ") + " s" for c in cols)
+             + " | other share |", "|" + "---|" * (len(cols) + 4)]
+    for r in rows:
+        lines.append(f"| {r['trial']} | {r['algorithm']} | {r['outcome']} | "
+                     + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {r['other_s'] / r['cycle_s']:.1%} |")
+    if complete:
+        med = {c: statistics.median(r[c] for r in complete) for c in cols}
+        share = statistics.median(r["other_s"] / r["cycle_s"] for r in complete)
+        lines.append(f"| **median** ({len(complete)} complete) | | | "
+                     + " | ".join(f"{med[c]:.1f}" for c in cols) + f" | **{share:.1%}** |")
+        total = sum(r["cycle_s"] for r in complete)
+        lines.append(f"\nEverything else, summed over the complete trials: {sum(r['other_s'] for r in complete):.0f} "
+                     f"of {total:.0f} s = **{sum(r['other_s'] for r in complete) / total:.1%}** (target <= 5%).")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--quick", action="store_true", help="run a 3-trial default study instead of the full one")
+    parser.add_argument("--from", dest="study_dir", type=Path, help="analyse this finished study folder instead")
+    parser.add_argument("--trials", type=int, help="trials of the study to run (default: 3 with --quick, else 8)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to pipeline.tune --set (default settings otherwise)")
+    args = parser.parse_args()
+    if args.study_dir is not None:
+        study_dir = args.study_dir
+        command = f"python benchmarks/overhead.py --from {study_dir}"
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
+        extra = [x for kv in args.set for x in ("--set", kv)]
+        study_dir = run_study(folder, args.trials or (3 if args.quick else None), extra)
+        command = "python benchmarks/overhead.py" + (" --quick" if args.quick else "")
+    import torch
+
+    rows = trial_rows(study_dir)
+    print(f"\n- command: `{command}`\n- machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__},"
+          f" python {platform.python_version()}\n- study: {study_dir}, {len(rows)} trials; load average at the end: "
+          + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + "\n")
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()

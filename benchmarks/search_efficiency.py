@@ -1,0 +1,199 @@
+"""Benchmark: how fast our search finds a near-best config, and whether it ever deploys a slower one.
+
+Two steps. `record` measures every point of an enumerable search space (default `search_spaces/grid-small.yaml`)
+on the CPU engine with the normal trial protocol (`pipeline.trial.run_trial`: Serve replica, flush, warm-up,
+measure, equivalence against the baseline, MLflow), repeats a few points to measure run-to-run noise, and writes
+one Parquet row per measurement to `benchmarks/data/`. `replay` then treats that grid as a response surface with
+the measured noise (`benchmarks/search_replay.py`) and compares, over many seeds: our Optuna configuration, random
+search, the full grid and a one-knob-at-a-time tier search. The replay is a replay of measured data, not new
+measurements, and is deterministic for a seed.
+
+    python benchmarks/search_efficiency.py record --quick   # ~30 min on 2 cores: 31 points + 6 repeats
+    python benchmarks/search_efficiency.py record           # twice the measured prompts and tokens (~1 h)
+    python benchmarks/search_efficiency.py replay --quick   # 20 seeds, ~1 min
+    python benchmarks/search_efficiency.py replay           # 100 seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.search_replay import METHODS, Surface, key, promote, run_method, trials_to_reach  # noqa: E402
+
+DATA = ROOT / "benchmarks" / "data"
+# --quick measures with the default study's workload (templated, 4 prompts x 24 tokens); the full record doubles the
+# measured prompts and tokens, so each point's number is steadier.
+FULL_WORKLOAD = {"workload.warmup_prompts": 8, "workload.measure_prompts": 8, "workload.max_new_tokens": 48}
+
+
+def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from pipeline.config import load_study
+    from pipeline.record import Tracker, default_tracking_uri
+    from pipeline.space import grid_points, load_space, resolve
+    from pipeline.study import build_context, connect_ray
+    from pipeline.trial import run_trial
+    from serve.spec import draft_token_count
+
+    overrides = {"name": "grid", "search_space": space_name, **({} if quick else FULL_WORKLOAD)}
+    study = load_study(None, overrides)
+    space_path = study.search_space_path()
+    space = load_space(space_path)
+    points = grid_points(space)
+    folder = Path(tempfile.mkdtemp(prefix="specdec-grid-"))
+    tracker = Tracker(default_tracking_uri(folder), "grid", artifact_dir=folder / "mlartifacts")
+    parent = tracker.start_study("grid", "", resume=False)
+    ctx = build_context(study, folder, connect_ray("local"), tracker, parent)
+    print(f"recording {len(points)} points of {space_path.name} (+ repeats) into {out}; MLflow: {folder}", flush=True)
+    rows: list[dict] = []
+
+    def measure(index: int, params: dict, run: int) -> None:
+        resolution = resolve(space, params, study)
+        result = run_trial(ctx, f"p{index}-r{run}", resolution)
+        s = result.summary
+        rows.append({"point": index, "run": run, "params": json.dumps(params, sort_keys=True),
+                     "algorithm": params["algorithm"], "outcome": result.outcome.value, "reason": result.reason[:500],
+                     "tput_tok_s": s.tput_tok_s if s else None, "accept_len": s.accept_len if s else None,
+                     "draft_tokens": draft_token_count(resolution.config.spec) if resolution.config else 0})
+        print(f"  point {index} run {run}: {result.outcome.value} {rows[-1]['tput_tok_s'] or 0:.2f} tok/s  {params}",
+              flush=True)
+
+    for i, params in enumerate(points):
+        measure(i, params, 0)
+    # Noise: the baseline, the best and the median point measured `repeats` times in all, on fresh replicas.
+    done = sorted((r for r in rows if r["outcome"] == "COMPLETE" and r["point"] != 0), key=lambda r: r["tput_tok_s"])
+    again = dict.fromkeys([0] + ([done[-1]["point"], done[len(done) // 2]["point"]] if done else []))
+    for run in range(1, repeats):
+        for i in again:
+            measure(i, points[i], run)
+    meta = {"space_file": space_path.name, "space_yaml": space_path.read_text(), "model": study.model.target,
+            "workload": study.workload.model_dump_json(), "engine": study.engine.kind,
+            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs",
+            "torch": torch.__version__, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "command": "python benchmarks/search_efficiency.py record" + (" --quick" if quick else "")}
+    table = pa.Table.from_pylist(rows).replace_schema_metadata({k: str(v) for k, v in meta.items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out)
+    print(f"wrote {len(rows)} measurements to {out}")
+
+
+def load_surface(path: Path) -> tuple[Surface, dict[str, str]]:
+    import pyarrow.parquet as pq
+
+    from pipeline.space import load_space
+
+    table = pq.read_table(path)
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(meta["space_yaml"])
+    space = load_space(f.name)
+    os.unlink(f.name)
+    by_point: dict = {}
+    for row in table.to_pylist():
+        by_point.setdefault(key(json.loads(row["params"])), []).append(row)
+    mean, complete, drafts, log_devs = {}, {}, {}, []
+    for point, rows in by_point.items():
+        ok = [r["tput_tok_s"] for r in rows if r["outcome"] == "COMPLETE" and r["tput_tok_s"]]
+        complete[point] = len(ok) == len(rows)  # one failed equivalence check disqualifies the point
+        mean[point] = statistics.fmean(ok) if ok else 0.0
+        drafts[point] = rows[0]["draft_tokens"]
+        if len(ok) >= 2:
+            logs = [math.log(x) for x in ok]
+            centre = statistics.fmean(logs)
+            log_devs.append((sum((x - centre) ** 2 for x in logs), len(logs) - 1))
+    sigma = math.sqrt(sum(s for s, _ in log_devs) / sum(d for _, d in log_devs)) if log_devs else 0.0
+    return Surface(space, mean, complete, drafts, sigma), meta
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def replay(path: Path, seeds: int, budget: int | None) -> None:
+    surface, meta = load_surface(path)
+    n = len(surface.mean)
+    budget = budget or math.ceil(0.25 * n)
+    base = surface.mean[surface.baseline]
+    best_point = max((p for p in surface.mean if surface.complete[p]), key=surface.mean.__getitem__)
+    near = sum(1 for p, v in surface.mean.items() if surface.complete[p] and v >= 0.98 * surface.best)
+    slower = sum(1 for p, v in surface.mean.items() if p != surface.baseline and surface.complete[p] and v < base)
+    print(f"- data: `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}` ({meta.get('command')}, "
+          f"{meta.get('recorded', '?')[:10]}; {meta.get('machine')}, model {meta.get('model')}, workload "
+          f"{meta.get('workload')})\n- grid: {n} points of {meta.get('space_file')}; baseline {base:.2f} tok/s; best "
+          f"{surface.best:.2f} tok/s ({surface.best / base:.2f}x) at {dict(best_point)}; {near} point(s) within 2% "
+          f"of it; {slower} completed point(s) slower than the baseline; "
+          f"{sum(1 for c in surface.complete.values() if not c)} failed\n"
+          f"- noise: sigma of log throughput = {surface.sigma:.3f} (pooled over the repeated points)\n"
+          f"- replay: {seeds} seeds per method; promotion after {budget} trials (25% of the grid) with the pipeline's"
+          f" rule (2 finalists, 3 re-runs each and of the baseline, margin 3%)\n")
+    print("| method | trials to within 2% of best: median | p90 | never (of seeds) | median as share of grid | "
+          "promoted slower than baseline | naive pick slower than baseline | deployed speed-up, median |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for method in METHODS:
+        reached, never, slow, naive_slow, speedups = [], 0, 0, 0, []
+        for seed in range(seeds):
+            run = run_method(surface, method, seed, n)
+            needed = trials_to_reach(surface, run)
+            if needed is None:
+                never += 1
+            reached.append(needed if needed is not None else math.inf)
+            chosen = promote(surface, run, budget, seed)
+            deployed = surface.mean[chosen.noise_aware]
+            slow += deployed < base
+            naive_slow += surface.mean[chosen.naive] < base or not surface.complete[chosen.naive]
+            speedups.append(deployed / base)
+        med, p90 = statistics.median(reached), _pct(reached, 0.9)
+        fmt = lambda x: "never" if x == math.inf else f"{x:g}"  # noqa: E731
+        print(f"| {method} | {fmt(med)} | {fmt(p90)} | {never}/{seeds} | "
+              f"{'-' if med == math.inf else f'{med / n:.0%}'} | {slow}/{seeds} | {naive_slow}/{seeds} | "
+              f"{statistics.median(speedups):.2f}x |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    sub = parser.add_subparsers(dest="step", required=True)
+    rec = sub.add_parser("record", help="measure every grid point on the CPU engine (slow)")
+    rec.add_argument("--quick", action="store_true",
+                     help="the default study's workload (4 measured prompts x 24 tokens) instead of 8 x 48")
+    rec.add_argument("--space", default="grid-small", help="an enumerable search space (name or path)")
+    rec.add_argument("--repeats", type=int, default=3, help="measurements of the noise points (>= 2)")
+    rec.add_argument("--out", type=Path, help="Parquet file (default benchmarks/data/<space>[-quick].parquet)")
+    rep = sub.add_parser("replay", help="compare search methods on a recorded grid (fast, deterministic)")
+    rep.add_argument("--quick", action="store_true", help="20 seeds instead of 100")
+    rep.add_argument("--data", type=Path, help="recorded grid (default: benchmarks/data/grid-small-quick.parquet)")
+    rep.add_argument("--seeds", type=int, help="seeds per method")
+    rep.add_argument("--budget", type=int, help="trials before promotion (default: 25%% of the grid)")
+    args = parser.parse_args()
+    if args.step == "record":
+        if args.repeats < 2:
+            parser.error(f"--repeats {args.repeats}: the noise needs at least 2 measurements of a point")
+        stem = Path(args.space).stem + ("-quick" if args.quick else "")
+        record(args.space, args.out or DATA / f"{stem}.parquet", args.quick, args.repeats)
+    else:
+        data = args.data or DATA / "grid-small-quick.parquet"
+        if not data.exists():
+            parser.error(f"--data {data}: no such file; record it first (python benchmarks/search_efficiency.py "
+                         f"record --quick)")
+        replay(data, args.seeds or (20 if args.quick else 100), args.budget)
+
+
+if __name__ == "__main__":
+    main()
