@@ -126,6 +126,11 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def replay(path: Path, seeds: int, budget: int | None) -> None:
+    from pipeline.config import load_study
+    from pipeline.promote import PromotionPolicy
+
+    defaults = load_study(None, {}).promotion  # the default study's promotion settings
+    policy = PromotionPolicy(min_runs=defaults.runs, margin=defaults.margin, tie_tolerance=defaults.tie_tolerance)
     surface, meta = load_surface(path)
     n = len(surface.mean)
     budget = budget or math.ceil(0.25 * n)
@@ -140,20 +145,23 @@ def replay(path: Path, seeds: int, budget: int | None) -> None:
           f"of it; {slower} completed point(s) slower than the baseline; "
           f"{sum(1 for c in surface.complete.values() if not c)} failed\n"
           f"- noise: sigma of log throughput = {surface.sigma:.3f} (pooled over the repeated points)\n"
-          f"- replay: {seeds} seeds per method; promotion after {budget} trials (25% of the grid) with the pipeline's"
-          f" rule (2 finalists, 3 re-runs each and of the baseline, margin 3%)\n")
+          f"- replay: {seeds} seeds per method, each run over the whole grid's length; the sampler configured for a "
+          f"{budget}-trial study; promotion after {budget} trials with the default study's rule ({defaults.finalists}"
+          f" finalist(s), {defaults.runs} fresh re-runs each and of the baseline, margin {defaults.margin:.0%})\n")
     print("| method | trials to within 2% of best: median | p90 | never (of seeds) | median as share of grid | "
-          "promoted slower than baseline | naive pick slower than baseline | deployed speed-up, median |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "within 5%: median | promoted slower than baseline | naive pick slower than baseline | "
+          "deployed speed-up, median |\n|---|---|---|---|---|---|---|---|---|")
     for method in METHODS:
-        reached, never, slow, naive_slow, speedups = [], 0, 0, 0, []
+        reached, reached5, never, slow, naive_slow, speedups = [], [], 0, 0, 0, []
         for seed in range(seeds):
-            run = run_method(surface, method, seed, n)
+            run = run_method(surface, method, seed, n, max_trials=budget)
             needed = trials_to_reach(surface, run)
             if needed is None:
                 never += 1
             reached.append(needed if needed is not None else math.inf)
-            chosen = promote(surface, run, budget, seed)
+            reached5.append(trials_to_reach(surface, run, within=0.05) or math.inf)
+            chosen = promote(surface, run, budget, seed, finalists=defaults.finalists, runs=defaults.runs,
+                             policy=policy)
             deployed = surface.mean[chosen.noise_aware]
             slow += deployed < base
             naive_slow += surface.mean[chosen.naive] < base or not surface.complete[chosen.naive]
@@ -161,7 +169,8 @@ def replay(path: Path, seeds: int, budget: int | None) -> None:
         med, p90 = statistics.median(reached), _pct(reached, 0.9)
         fmt = lambda x: "never" if x == math.inf else f"{x:g}"  # noqa: E731
         print(f"| {method} | {fmt(med)} | {fmt(p90)} | {never}/{seeds} | "
-              f"{'-' if med == math.inf else f'{med / n:.0%}'} | {slow}/{seeds} | {naive_slow}/{seeds} | "
+              f"{'-' if med == math.inf else f'{med / n:.0%}'} | {fmt(statistics.median(reached5))} | "
+              f"{slow}/{seeds} | {naive_slow}/{seeds} | "
               f"{statistics.median(speedups):.2f}x |", flush=True)
 
 
@@ -180,7 +189,8 @@ def main() -> None:
     rep.add_argument("--quick", action="store_true", help="20 seeds instead of 100")
     rep.add_argument("--data", type=Path, help="recorded grid (default: benchmarks/data/grid-small-quick.parquet)")
     rep.add_argument("--seeds", type=int, help="seeds per method")
-    rep.add_argument("--budget", type=int, help="trials before promotion (default: 25%% of the grid)")
+    rep.add_argument("--budget", type=int, help="the study's trial budget: the sampler's configuration and the "
+                     "trials before promotion (default: 25%% of the grid)")
     args = parser.parse_args()
     if args.step == "record":
         if args.repeats < 2:

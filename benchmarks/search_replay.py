@@ -6,7 +6,7 @@ the run-to-run noise measured on repeated points; a point whose measurement fail
 as a failed trial reports to Optuna in the pipeline. Everything is seeded: the same seed gives the same numbers.
 
 Methods, each starting with the baseline as trial 0, as the pipeline does:
-- `optuna`: the pipeline's searcher: TPE (multivariate, group) over `define_by_run(space)`, baseline enqueued;
+- `optuna`: the pipeline's searcher (`pipeline.space.tpe_sampler`) over `define_by_run(space)`, baseline enqueued;
 - `random`: Optuna's RandomSampler over the same define-by-run space;
 - `grid`: every point once, in the file's order;
 - `tier`: one knob at a time (SGLang auto_benchmark's tier 1, run to convergence): from the space's defaults, sweep
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.promote import Finalist, PromotionPolicy, decide
-from pipeline.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points
+from pipeline.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points, tpe_sampler
 
 METHODS = ("optuna", "random", "grid", "tier")
 Point = tuple[tuple[str, Any], ...]  # a canonical, hashable point: sorted resolve-params items
@@ -63,13 +63,13 @@ class Surface:
 Observe = Callable[[dict[str, Any]], float]
 
 
-def _optuna(surface: Surface, seed: int, budget: int, observe: Observe, sampler_kind: str) -> None:
+def _optuna(surface: Surface, seed: int, budget: int, observe: Observe, sampler_kind: str, max_trials: int) -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = (optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True) if sampler_kind == "optuna"
+        sampler = (tpe_sampler(seed, max_trials) if sampler_kind == "optuna"
                    else optuna.samplers.RandomSampler(seed=seed))
         study = optuna.create_study(direction="maximize", sampler=sampler)
         enqueue_baseline(study, surface.space)
@@ -117,8 +117,9 @@ class Run:
     trials: tuple[tuple[Point, float], ...]
 
 
-def run_method(surface: Surface, method: str, seed: int, budget: int) -> Run:
-    """Run `method` for at most `budget` trials (the tier search may stop earlier) with noise seeded by `seed`."""
+def run_method(surface: Surface, method: str, seed: int, budget: int, max_trials: int = 8) -> Run:
+    """Run `method` for at most `budget` trials (the tier search may stop earlier) with noise seeded by `seed`.
+    `max_trials` is the study budget the pipeline's sampler is configured for (its random start-up length)."""
     rng = np.random.default_rng([seed, METHODS.index(method)])
     trials: list[tuple[Point, float]] = []
     seen: dict[Point, float] = {}
@@ -131,7 +132,7 @@ def run_method(surface: Surface, method: str, seed: int, budget: int) -> Run:
         return value
 
     if method in ("optuna", "random"):
-        _optuna(surface, seed, budget, observe, method)
+        _optuna(surface, seed, budget, observe, method, max_trials)
     elif method == "grid":
         _grid(surface, budget, observe)
     elif method == "tier":

@@ -259,6 +259,26 @@ def define_by_run(space: SearchSpace) -> SpaceSampler:
     return SpaceSampler(space)
 
 
+def startup_trials(max_trials: int) -> int:
+    """Random trials before TPE models the results: Optuna's default of 10 would make an 8-trial study pure random
+    search. A quarter of the budget, 3 to 10 (the baseline counts as one). The replay in
+    benchmarks/search_efficiency.py measured 3 vs 10 on a recorded 31-point grid: median trials to within 2% of
+    the best 6 vs 11 (100 seeds)."""
+    return min(10, max(3, max_trials // 4))
+
+
+def tpe_sampler(seed: int, max_trials: int) -> Any:
+    """The study's sampler: multivariate TPE with conditional groups (branches), seeded."""
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
+                                          n_startup_trials=startup_trials(max_trials))
+
+
 def _default(p: Param, values: dict[str, Any]) -> Any:
     if isinstance(p, FixedParam):
         return p.value

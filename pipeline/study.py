@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from pipeline.config import StudyConfig, study_to_yaml
 from pipeline.errors import PipelineError
 from pipeline.load import LoadRequest
 from pipeline.record import Tracker, default_tracking_uri
-from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve
+from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
 from pipeline.trial import Outcome, TrialContext, run_trial, teardown
 from pipeline.workloads import load_workload
 
@@ -172,9 +171,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     restoring = resume and tune.Tuner.can_restore(str(tune_path))
     finished = 0 if restoring else settle_previous_trials(ot_study)
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=study.seed, multivariate=True, group=True)
+    sampler = tpe_sampler(study.seed, study.budget.max_trials)
     single = len(study.objective.metrics) == 1
     searcher = OptunaSearch(define_by_run(space), metric=study.objective.metrics[0] if single else
                             study.objective.metrics, mode=study.objective.modes[0] if single else study.objective.modes,
