@@ -158,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, str, str, dict]] = []
     plain = Decoder(runner, tokenizer, None)
     for name, prompts in sets.items():
-        base = [_pass(plain, prompts, new_tokens) for _ in range(args.runs)]
+        base, hf = [], []
+        for _ in range(args.runs):  # interleaved, so drift of a shared machine hits both alike
+            base.append(_pass(plain, prompts, new_tokens))
+            hf.append(_hf_pass(model, prompts, new_tokens))
         rows.append((name, "none (engine loop)", "-", {"tok_s": _median(r["tok_s"] for r in base), "accept": None}))
-        hf = [_hf_pass(model, prompts, new_tokens) for _ in range(args.runs)]
         rows.append((name, "none (HF generate)", "-", {"tok_s": _median(r["tok_s"] for r in hf), "accept": None}))
         for match, draft in grid:
             cfg = {"match_type": match, "num_draft_tokens": draft, "max_bfs_breadth": 10 if match == "BFS" else 4}
