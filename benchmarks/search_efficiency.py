@@ -125,9 +125,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
-def replay(path: Path, seeds: int, budget: int | None) -> None:
+def replay(path: Path, seeds: int, budget: int | None, startup: int | None) -> None:
     from pipeline.config import load_study
     from pipeline.promote import PromotionPolicy
+    from pipeline.space import startup_trials
 
     defaults = load_study(None, {}).promotion  # the default study's promotion settings
     policy = PromotionPolicy(min_runs=defaults.runs, margin=defaults.margin, tie_tolerance=defaults.tie_tolerance)
@@ -146,7 +147,9 @@ def replay(path: Path, seeds: int, budget: int | None) -> None:
           f"{sum(1 for c in surface.complete.values() if not c)} failed\n"
           f"- noise: sigma of log throughput = {surface.sigma:.3f} (pooled over the repeated points)\n"
           f"- replay: {seeds} seeds per method, each run over the whole grid's length; the sampler configured for a "
-          f"{budget}-trial study; promotion after {budget} trials with the default study's rule ({defaults.finalists}"
+          f"{budget}-trial study ({startup or startup_trials(budget)} random start-up trials"
+          f"{', forced by --startup-trials' if startup else ', the pipeline rule'}); "
+          f"promotion after {budget} trials with the default study's rule ({defaults.finalists}"
           f" finalist(s), {defaults.runs} fresh re-runs each and of the baseline, margin {defaults.margin:.0%})\n")
     print("| method | trials to within 2% of best: median | p90 | never (of seeds) | median as share of grid | "
           "within 5%: median | promoted slower than baseline | naive pick slower than baseline | "
@@ -154,7 +157,7 @@ def replay(path: Path, seeds: int, budget: int | None) -> None:
     for method in METHODS:
         reached, reached5, never, slow, naive_slow, speedups = [], [], 0, 0, 0, []
         for seed in range(seeds):
-            run = run_method(surface, method, seed, n, max_trials=budget)
+            run = run_method(surface, method, seed, n, max_trials=budget, startup=startup)
             needed = trials_to_reach(surface, run)
             if needed is None:
                 never += 1
@@ -191,6 +194,8 @@ def main() -> None:
     rep.add_argument("--seeds", type=int, help="seeds per method")
     rep.add_argument("--budget", type=int, help="the study's trial budget: the sampler's configuration and the "
                      "trials before promotion (default: 25%% of the grid)")
+    rep.add_argument("--startup-trials", type=int, help="random trials before TPE models (default: the pipeline's "
+                     "rule, pipeline.space.startup_trials; Optuna's own default is 10)")
     args = parser.parse_args()
     if args.step == "record":
         if args.repeats < 2:
@@ -202,7 +207,9 @@ def main() -> None:
         if not data.exists():
             parser.error(f"--data {data}: no such file; record it first (python benchmarks/search_efficiency.py "
                          f"record --quick)")
-        replay(data, args.seeds or (20 if args.quick else 100), args.budget)
+        if args.startup_trials is not None and args.startup_trials < 1:
+            parser.error(f"--startup-trials {args.startup_trials}: give a number >= 1")
+        replay(data, args.seeds or (20 if args.quick else 100), args.budget, args.startup_trials)
 
 
 if __name__ == "__main__":

@@ -63,13 +63,14 @@ class Surface:
 Observe = Callable[[dict[str, Any]], float]
 
 
-def _optuna(surface: Surface, seed: int, budget: int, observe: Observe, sampler_kind: str, max_trials: int) -> None:
+def _optuna(surface: Surface, seed: int, budget: int, observe: Observe, sampler_kind: str, max_trials: int,
+            startup: int | None) -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = (tpe_sampler(seed, max_trials) if sampler_kind == "optuna"
+        sampler = (tpe_sampler(seed, max_trials, startup) if sampler_kind == "optuna"
                    else optuna.samplers.RandomSampler(seed=seed))
         study = optuna.create_study(direction="maximize", sampler=sampler)
         enqueue_baseline(study, surface.space)
@@ -117,9 +118,11 @@ class Run:
     trials: tuple[tuple[Point, float], ...]
 
 
-def run_method(surface: Surface, method: str, seed: int, budget: int, max_trials: int = 8) -> Run:
+def run_method(surface: Surface, method: str, seed: int, budget: int, max_trials: int = 8,
+               startup: int | None = None) -> Run:
     """Run `method` for at most `budget` trials (the tier search may stop earlier) with noise seeded by `seed`.
-    `max_trials` is the study budget the pipeline's sampler is configured for (its random start-up length)."""
+    `max_trials` is the study budget the pipeline's sampler is configured for (its random start-up length);
+    `startup` overrides that length for `optuna`."""
     rng = np.random.default_rng([seed, METHODS.index(method)])
     trials: list[tuple[Point, float]] = []
     seen: dict[Point, float] = {}
@@ -132,7 +135,7 @@ def run_method(surface: Surface, method: str, seed: int, budget: int, max_trials
         return value
 
     if method in ("optuna", "random"):
-        _optuna(surface, seed, budget, observe, method, max_trials)
+        _optuna(surface, seed, budget, observe, method, max_trials, startup)
     elif method == "grid":
         _grid(surface, budget, observe)
     elif method == "tier":

@@ -100,7 +100,7 @@ class Tracker:
                   started_at: float | None = None) -> str:
         """One child run with everything about a trial; returns its run id. `started_at` (a time.time()) makes the
         run's duration in the MLflow UI the trial's, not just the logging's."""
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Metric, Param
 
         client = self.client()
         # A trial interrupted after logging and then resumed logs again: keep only the newest record of it.

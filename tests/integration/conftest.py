@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from serve.replica import free_port
+from tests.integration.servers import ServerProcess, http_server
 
 REPO = Path(__file__).resolve().parents[2]
 SMOL = "smollm2-135m"
@@ -31,51 +27,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "integration: real model / real services (slow)")
 
 
-@dataclass
-class CpuServer:
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@contextlib.contextmanager
-def launch_cpu_server(args: list[str], log_dir: Path, timeout_s: float = 600.0) -> Iterator[CpuServer]:
+def launch_cpu_server(args: list[str], log_dir: Path, timeout_s: float = 600.0) -> contextlib.AbstractContextManager[
+        ServerProcess]:
     """Start `python -m serve.engines.cpu ARGS` on a free port, wait for /health, stop it (process group) after."""
-    import httpx
-
     port = free_port()
-    log_path = log_dir / f"cpu-engine-{port}.log"
     cmd = [sys.executable, "-m", "serve.engines.cpu", "--port", str(port), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    server = CpuServer(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"CPU engine exited with {proc.returncode} before /health; cmd={cmd}\n{server.log()}")
-            try:
-                if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"CPU engine not healthy after {timeout_s:.0f} s; cmd={cmd}\n{server.log()}")
-            time.sleep(0.5)
-        yield server
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    return http_server("CPU engine", cmd, port=port, cwd=REPO, env=env, log_path=log_dir / f"cpu-engine-{port}.log",
+                       timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="session")

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from tests.integration.servers import ServerProcess
 from tests.integration.ui_helpers import (
     CHROMIUM,
     CHROMIUM_ARGS,
     PAGE_TIMEOUT_MS,
     STEP_TIMEOUT_MS,
     StudyRuns,
-    UiServer,
     artifact_dir,
     compare_metric_row,
     compare_run_names,
@@ -55,7 +55,7 @@ ROW_PX = 32  # ag-grid row height in the runs table: the viewport is made tall e
 
 
 @pytest.fixture(scope="module")
-def study_ui(finished_study, tmp_path_factory) -> Iterator[tuple[UiServer, StudyRuns]]:
+def study_ui(finished_study, tmp_path_factory) -> Iterator[tuple[ServerProcess, StudyRuns]]:
     """`mlflow ui` on a copy of the finished study's store, and the study's runs as recorded there."""
     study, out = finished_study[:2]  # (StudyConfig, output folder, exit code)
     work = tmp_path_factory.mktemp("mlflow-ui")

@@ -11,20 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import sqlite3
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from serve.replica import free_port
+from tests.integration.servers import ServerProcess, http_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 # No network on CI boxes: keep Chromium from trying to reach Google services in the background.
@@ -101,52 +96,16 @@ def snapshot_sqlite(src: Path, dst: Path) -> Path:
 # --- the server ------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class UiServer:
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@contextlib.contextmanager
-def mlflow_ui(db_path: Path, work_dir: Path, timeout_s: float = 240.0) -> Iterator[UiServer]:
+def mlflow_ui(db_path: Path, work_dir: Path, timeout_s: float = 240.0) -> contextlib.AbstractContextManager[ServerProcess]:
     """`mlflow ui` on a SQLite store, on a free port; waits for GET /health, kills its process group after.
 
     Runs in `work_dir` so the server's default ./mlartifacts cannot land in the repository."""
-    import httpx
-
     port = free_port()
-    log_path = work_dir / f"mlflow-ui-{port}.log"
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{db_path.resolve()}",
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=work_dir, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    server = UiServer(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow ui exited with {proc.returncode} before /health; cmd={cmd}\n{server.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow ui not healthy after {timeout_s:.0f} s; cmd={cmd}\n{server.log()}")
-            time.sleep(0.5)  # polling interval of a condition with a deadline, not a wait-and-hope
-        yield server
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    return http_server("mlflow ui", cmd, port=port, cwd=work_dir, env=env,
+                       log_path=work_dir / f"mlflow-ui-{port}.log", timeout_s=timeout_s)
 
 
 # --- the pages -------------------------------------------------------------------------------------------------
