@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- machine: {platform.processor() or platform.machine()}, {_cpu_model()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY')}, python {platform.python_version()}")
-    print(f"- model: {args.model} ({args.dtype}), resolve {resolve_s:.1f} s, load from safetensors {load_s:.1f} s")
+    print(f"- model: {args.model} ({args.dtype}), resolve {resolve_s:.1f} s, load from safetensors {load_s:.1f} s, "
+          f"engine forward: {runner.backend}")
     print(f"- {n_prompts} prompt(s) per set x {new_tokens} new tokens, greedy, EOS ignored; median of {args.runs} "
           "passes; other processes may share the CPU (see load average below)\n")
     sys.stdout.flush()

@@ -58,7 +58,7 @@ def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
     folder = Path(tempfile.mkdtemp(prefix="specdec-grid-"))
     tracker = Tracker(default_tracking_uri(folder), "grid", artifact_dir=folder / "mlartifacts")
     parent = tracker.start_study("grid", "", resume=False)
-    ctx = build_context(study, folder, connect_ray("local"), tracker, parent)
+    ctx = build_context(study, folder, connect_ray(study.name, "local"), tracker, parent)
     print(f"recording {len(points)} points of {space_path.name} (+ repeats) into {out}; MLflow: {folder}", flush=True)
     rows: list[dict] = []
 
@@ -127,11 +127,9 @@ def _pct(values: list[float], q: float) -> float:
 
 def replay(path: Path, seeds: int, budget: int | None, startup: int | None) -> None:
     from pipeline.config import load_study
-    from pipeline.promote import PromotionPolicy
     from pipeline.space import startup_trials
 
-    defaults = load_study(None, {}).promotion  # the default study's promotion settings
-    policy = PromotionPolicy(min_runs=defaults.runs, margin=defaults.margin, tie_tolerance=defaults.tie_tolerance)
+    policy = load_study(None, {}).promotion  # the default study's promotion policy
     surface, meta = load_surface(path)
     n = len(surface.mean)
     budget = budget or math.ceil(0.25 * n)
@@ -149,8 +147,8 @@ def replay(path: Path, seeds: int, budget: int | None, startup: int | None) -> N
           f"- replay: {seeds} seeds per method, each run over the whole grid's length; the sampler configured for a "
           f"{budget}-trial study ({startup or startup_trials(budget)} random start-up trials"
           f"{', forced by --startup-trials' if startup else ', the pipeline rule'}); "
-          f"promotion after {budget} trials with the default study's rule ({defaults.finalists}"
-          f" finalist(s), {defaults.runs} fresh re-runs each and of the baseline, margin {defaults.margin:.0%})\n")
+          f"promotion after {budget} trials with the default study's rule ({policy.finalists}"
+          f" finalist(s), {policy.runs} fresh re-runs each and of the baseline, margin {policy.margin:.0%})\n")
     print("| method | trials to within 2% of best: median | p90 | never (of seeds) | median as share of grid | "
           "within 5%: median | promoted slower than baseline | naive pick slower than baseline | "
           "deployed speed-up, median |\n|---|---|---|---|---|---|---|---|---|")
@@ -163,7 +161,7 @@ def replay(path: Path, seeds: int, budget: int | None, startup: int | None) -> N
                 never += 1
             reached.append(needed if needed is not None else math.inf)
             reached5.append(trials_to_reach(surface, run, within=0.05) or math.inf)
-            chosen = promote(surface, run, budget, seed, finalists=defaults.finalists, runs=defaults.runs,
+            chosen = promote(surface, run, budget, seed, finalists=policy.finalists, runs=policy.runs,
                              policy=policy)
             deployed = surface.mean[chosen.noise_aware]
             slow += deployed < base

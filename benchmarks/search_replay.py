@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.promote import Finalist, PromotionPolicy, decide
+from pipeline.config import PromotionPolicy
+from pipeline.decision import Finalist, decide
 from pipeline.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points, tpe_sampler
 
 METHODS = ("optuna", "random", "grid", "tier")
@@ -167,7 +168,7 @@ class Promotion:
 def promote(surface: Surface, run: Run, budget: int, seed: int, finalists: int = 2, runs: int = 3,
             policy: PromotionPolicy | None = None) -> Promotion:
     """The pipeline's end of study on the first `budget` trials: the best `finalists` distinct completed configs and
-    the baseline re-measured `runs` times each (fresh noise), then `pipeline.promote.decide`."""
+    the baseline re-measured `runs` times each (fresh noise), then `pipeline.decision.decide`."""
     rng = np.random.default_rng([seed, 99, METHODS.index(run.method)])
     trials = run.trials[:budget]
     base = surface.baseline
@@ -182,7 +183,7 @@ def promote(surface: Surface, run: Run, budget: int, seed: int, finalists: int =
     entries = [Finalist(id=str(i), throughputs=tuple(surface.observe(p, rng) for _ in range(runs)), equivalent=True,
                         draft_tokens=surface.draft_tokens[p]) for i, p in enumerate(chosen)]
     decision = decide([surface.observe(base, rng) for _ in range(runs)], entries,
-                      policy or PromotionPolicy(min_runs=runs))
+                      policy or PromotionPolicy(runs=runs))
     return Promotion(chosen[int(decision.winner)] if decision.winner is not None else base, naive)
 
 

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, UserError
 
 METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high")
 
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PipelineError(f"no study found at {study.output_path()} (no mlflow.db); pass --output or --name")
         tracker = Tracker(uri, study.tracking.experiment or study.name)
         runs = tracker.client().search_runs([tracker.experiment_id()], max_results=5000)
-    except PipelineError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_rows(rows_from_runs(runs, "finalist" if args.finalists else "trial"), args.format))

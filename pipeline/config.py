@@ -10,19 +10,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from pipeline.errors import ConfigError, format_validation_error
+from pipeline.redact import mask_study_dict
+from serve.engines.settings import ENGINE_OWNED_FLAGS
+from serve.engines import algorithms_of, engine_for
+from serve.engines.base import EngineKind, redact_env
 from serve.spec import FrozenModel, NoSpec, SpecConfig, Violation, validate_spec
 
 DEFAULT_STUDY_NAME = "default"
+# Longest generation a workload may ask for: one measured request would otherwise run for hours.
+MAX_NEW_TOKENS_LIMIT = 32_768
 SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 
-# Engines implement different algorithms; this is static knowledge, so it belongs to validation, not preflight.
-ENGINE_ALGORITHMS: dict[str, frozenset[str]] = {
-    "cpu": frozenset({"none", "ngram", "standalone"}),
-    "sglang": frozenset({"none", "ngram", "eagle", "eagle3", "standalone"}),
-}
 
 
 class TrialConfig(FrozenModel):
@@ -37,12 +38,28 @@ class TrialConfig(FrozenModel):
 def validate_trial(trial: TrialConfig, engine: str = "cpu") -> list[Violation]:
     """Every reason this trial must not be deployed on `engine`; empty means valid. Pure."""
     found = list(validate_spec(trial.spec))
-    supported = ENGINE_ALGORITHMS.get(engine, frozenset())
+    # Engines implement different algorithms; static knowledge of the engine kind, so validation, not preflight.
+    supported = algorithms_of(engine)
     if trial.spec.algorithm not in supported:
         found.append(Violation(
-            "spec.algorithm", f"the {engine} engine implements only {sorted(supported)}",
+            "spec.algorithm", f"{engine_for(engine).label} implements only {sorted(supported)}",
             f"algorithm={trial.spec.algorithm}"))
     return found
+
+
+def owned_flag_problem(item: str) -> str | None:
+    """Why `item` of engine.extra_flags would override a flag the tuner renders itself (None if it does not).
+    `--flag=value` counts, and so does a prefix of an owned flag: argparse (SGLang's and the CPU engine's) accepts
+    unambiguous prefixes, so `--spec` would reach `--speculative-...`."""
+    if not item.startswith("--") or item == "--":
+        return None
+    name = item.split("=", 1)[0]
+    if name in ENGINE_OWNED_FLAGS:
+        return f"{item!r} sets {name}, which the tuner renders from the study and the trial"
+    prefixed = sorted(flag for flag in ENGINE_OWNED_FLAGS if flag.startswith(name))
+    if prefixed:
+        return f"{item!r} is a prefix of {prefixed[0]}, which the tuner renders (argparse accepts prefixes)"
+    return None
 
 
 class ModelSettings(FrozenModel):
@@ -60,13 +77,29 @@ class ModelSettings(FrozenModel):
 
 
 class EngineSettings(FrozenModel):
-    kind: Literal["cpu", "sglang"] = "cpu"
+    kind: EngineKind = "cpu"
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
+    replica_cpus: float | None = Field(None, ge=0, description="CPUs reserved per engine replica; None = the engine's "
+                                       "default (sglang: 2 per GPU, since NGRAM drafts on the host; cpu: 0.1)")
+    replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
+                                                "needs, e.g. {specdec_engine: 1} to keep replicas on engine nodes")
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads; None = all cores")
     start_timeout_s: float = Field(600.0, gt=0, description="readiness timeout; minutes for big models")
     request_timeout_s: float = Field(300.0, gt=0)
     extra_flags: list[str] = Field(default_factory=list, description="passed to the engine after validation")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="engine environment; values are never logged, "
+                                "printed or written (names only)")
+
+    _redact = field_serializer("env")(redact_env)
+
+    @field_validator("extra_flags")
+    @classmethod
+    def _not_owned(cls, value: list[str]) -> list[str]:
+        problems = [p for p in map(owned_flag_problem, value) if p]
+        if problems:
+            raise ValueError("; ".join(problems) + ". Fix: remove it from engine.extra_flags and set the study key "
+                             "or search-space parameter that renders it")
+        return value
 
 
 class WorkloadSettings(FrozenModel):
@@ -78,8 +111,17 @@ class WorkloadSettings(FrozenModel):
     source: str = Field("templated", description="bundled workload name or a JSONL/Parquet file of prompts")
     warmup_prompts: int = Field(8, ge=0, description="size of the warm-up split (warmup_requests draw from it)")
     measure_prompts: int = Field(4, ge=1)
-    max_new_tokens: int = Field(24, ge=1)
+    max_new_tokens: int = Field(24, ge=1, description=f"per-prompt default, at most {MAX_NEW_TOKENS_LIMIT}")
     temperature: float = Field(0.0, ge=0)
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _bounded(cls, value: int) -> int:
+        if value > MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(
+                f"must be <= {MAX_NEW_TOKENS_LIMIT} (one measured request would run for hours and no model the tuner "
+                f"targets has a longer context); got {value}. Fix: use a value such as 24 (CPU) or 256 (GPU)")
+        return value
 
 
 class BudgetSettings(FrozenModel):
@@ -98,12 +140,36 @@ class ObjectiveSettings(FrozenModel):
         return self
 
 
-class PromotionPolicySettings(FrozenModel):
+class PromotionPolicy(FrozenModel):
+    """How sure the tuner must be before replacing the baseline: the study file's `promotion:` section and the input
+    of the pure decision (`pipeline.decision.decide`). One type for both, so the file and the rule cannot drift."""
+
+    model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)  # an infinite margin decides nothing
+
     finalists: int = Field(1, ge=1, description="best trials re-measured against the baseline")
-    runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (fresh replica each)")
-    margin: float = Field(0.03, ge=0, description="score must beat the baseline's by this fraction")
-    tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction are ties: fewer drafts win")
-    equivalence_threshold: float = Field(1.0, ge=0, le=1, description="share of outputs identical to baseline")
+    runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (fresh replica each); a MAD of "
+                                           "fewer than 3 runs is meaningless")
+    margin: float = Field(0.03, ge=0, description="score must beat the baseline's median by this fraction")
+    tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction of the best tie: fewer drafts "
+                                                         "win")
+    equivalence_threshold: float = Field(1.0, description="share of greedy outputs identical to the baseline's")
+    require_equivalence: bool = Field(True, description="a finalist that failed an equivalence check cannot win")
+
+    @field_validator("tie_tolerance")
+    @classmethod
+    def _tie_fraction(cls, value: float) -> float:
+        if not 0 <= value < 1:
+            raise ValueError(f"must be a fraction in [0, 1) of the best score; got {value}. Fix: e.g. 0.01 for 1% "
+                             "(1 or more would make every finalist a tie)")
+        return value
+
+    @field_validator("equivalence_threshold")
+    @classmethod
+    def _share(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError(f"must be a share in (0, 1]; got {value}. Fix: 1.0 for fp32 (outputs are bit-exact), "
+                             "e.g. 0.9 for bf16 (0 would accept any output)")
+        return value
 
 
 class TrackingSettings(FrozenModel):
@@ -132,7 +198,7 @@ class StudyConfig(FrozenModel):
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1, description="first = target level")
-    promotion: PromotionPolicySettings = Field(default_factory=PromotionPolicySettings)
+    promotion: PromotionPolicy = Field(default_factory=PromotionPolicy)
     tracking: TrackingSettings = Field(default_factory=TrackingSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
@@ -216,5 +282,6 @@ def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None)
 
 
 def study_to_yaml(study: StudyConfig) -> str:
-    """The resolved study as YAML: what --dry-run prints and what is logged to MLflow."""
-    return yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False)
+    """The resolved study as YAML, passwords in URLs masked: what --dry-run prints, `study.yaml` holds and MLflow
+    gets (pipeline/redact.py)."""
+    return yaml.safe_dump(mask_study_dict(study.model_dump(mode="json")), sort_keys=False)

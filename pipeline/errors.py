@@ -1,4 +1,8 @@
-"""One error root for everything the pipeline tells a user, and the formatting of pydantic errors into our words."""
+"""Errors the pipeline tells a user, and the formatting of pydantic errors into our words.
+
+`ConfigError` is the one of both floors (`serve.errors`), re-exported here; `UserError` is the common root that the
+command lines catch to print a message without a traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,13 @@ import difflib
 
 from pydantic import ValidationError
 
+from serve.errors import ConfigError, UserError
 
-class PipelineError(Exception):
-    """Base of every error the pipeline raises on purpose; the CLI prints these without a traceback."""
+__all__ = ["ConfigError", "PipelineError", "UserError", "format_validation_error"]
 
 
-class ConfigError(PipelineError):
-    """A study file, search-space file or command-line value is wrong. The message names source, key, value, fix."""
+class PipelineError(UserError):
+    """A study cannot go on (a folder already holds a study, a resume would mix two studies, ...)."""
 
 
 def format_validation_error(err: ValidationError, source: str, known: dict[str, list[str]] | None = None) -> str:
@@ -35,6 +39,9 @@ def format_validation_error(err: ValidationError, source: str, known: dict[str, 
             lines.append(f"  - {loc}: unknown key '{key}'{hint}")
         elif kind == "missing":
             lines.append(f"  - {loc}: required key is missing")
+        elif kind == "value_error":
+            # Our own validators already name the value and the fix; pydantic's prefix adds nothing.
+            lines.append(f"  - {loc}: {item['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  - {loc}: {item['msg']} (got {value!r})")
     return "\n".join(lines)

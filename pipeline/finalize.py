@@ -1,7 +1,7 @@
 """End of a study: the table of trials, finalists re-measured on fresh replicas, the promotion decision and action.
 
-The decision itself is pure (`pipeline.promote.decide`); this module gathers its inputs by measuring, then hands the
-result to the registry action and writes `promoted.yaml`.
+The decision itself is pure (`pipeline.decision.decide`); this module gathers its inputs by measuring, then hands the
+result to the registry action and writes the deployable winner (`deploy/`) and `promoted.yaml`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,18 @@ import yaml
 
 from pipeline.compare import format_table, rows_from_runs
 from pipeline.config import TrialConfig
-from pipeline.equivalence import check_equivalence
-from pipeline.measure import summarize, to_records, to_table
-from pipeline.promote import Decision, Finalist, PromotionPolicy, decide
+from pipeline.measure import to_table
+from pipeline.atomic import write_text_atomic
+from pipeline.decision import Decision, Finalist, decide
+from pipeline.redact import mask_url
 from pipeline.registry import register_config
 from pipeline.report import write_report
-from pipeline.trial import Outcome, TrialContext, measure_config
+from pipeline.resume import workload_digest
+from pipeline.trial import Outcome, TrialContext, measure_and_check, replica_config
+from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,
+                           deploy_files, engine_command, serving_config)
+
+DEPLOY_DIR = "deploy"
 
 
 def distinct_configs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,34 +54,32 @@ def _config_of(ctx: TrialContext, run_id: str) -> TrialConfig:
 
 
 def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int) -> tuple[list[float], bool, list[str]]:
-    """`runs` fresh deploy+flush+warm-up+measure passes; (throughputs, all outputs equivalent, failures)."""
-    import pyarrow.parquet as pq
-
+    """`runs` fresh passes through the trial's own measure+check path (`measure_and_check`: lost requests, settings the
+    engine rewrote, equivalence with the baseline's outputs read from MLflow); (throughputs, all equivalent, failures).
+    A speculative config compared with nothing (no baseline outputs) is not equivalent: it cannot be promoted."""
     throughputs, failures, equivalent = [], [], True
-    baseline = to_records(pq.read_table(ctx.baseline_outputs)) if ctx.baseline_outputs.exists() else None
+    compared = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
     for k in range(runs):
         label = f"{name}-run{k}"
         started_at = time.time()
-        m = measure_config(ctx, config, label, Path(ctx.output_dir) / "finalists" / label)
-        summary = summarize(m.records, seed=ctx.study.seed) if m.records else None
-        outcome, reason = m.failure or (Outcome.COMPLETE, "")
-        if config.spec.algorithm != "none" and ctx.study.workload.temperature == 0 and m.failure is None:
-            if baseline is None:
-                equivalent, reason = False, "no baseline outputs"
-            else:
-                report = check_equivalence(baseline, m.records, threshold=ctx.study.promotion.equivalence_threshold)
-                equivalent = equivalent and report.passed
-                if not report.passed:
-                    outcome, reason = Outcome.NOT_EQUIVALENT, report.reason
-        if m.failure is not None:
-            failures.append(f"{label}: {m.failure[1][:200]}")
+        checked = measure_and_check(ctx, config, label, Path(ctx.output_dir) / "finalists" / label)
+        m, outcome, reason, summary = checked.measurement, checked.outcome, checked.reason, checked.summary
+        if outcome is Outcome.COMPLETE and compared and checked.equivalence is None:
+            outcome, reason = Outcome.NOT_EQUIVALENT, f"not compared: {reason or 'no baseline outputs'}"
+        if outcome is not Outcome.COMPLETE:
             equivalent = False
-        throughputs.append(summary.tput_tok_s if summary and m.failure is None else 0.0)
+            if outcome is not Outcome.NOT_EQUIVALENT:
+                failures.append(f"{label}: {outcome.value}: {reason[:200]}")
+        throughputs.append(summary.tput_tok_s if summary and m.failure is None and outcome is not Outcome.INVALID
+                           else 0.0)
+        texts = {"engine.log": m.engine_log}
+        if checked.equivalence is not None:
+            texts["equivalence.json"] = checked.equivalence.model_dump_json(indent=2)
         ctx.tracker.log_trial(
             ctx.parent_run_id, study_name=ctx.study.name, run_name=label, kind="finalist",
             config=config.model_dump(mode="json"), outcome=outcome.value, reason=reason,
             metrics=summary.to_metrics() if summary else {}, requests=to_table(m.records) if m.records else None,
-            texts={"engine.log": m.engine_log}, extra_tags={"finalist": name}, started_at=started_at)
+            texts=texts, extra_tags={"finalist": name}, started_at=started_at)
     return throughputs, equivalent, failures
 
 
@@ -98,7 +102,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     if not finalists:
         # Nothing to compare: re-measuring the baseline alone would decide nothing.
         reason = "keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
-        version = _promote(ctx, model_name, base_config, "keep_baseline", "baseline")
+        version = _promote(ctx, model_name, base_config, "keep_baseline", "baseline", base_row["run_id"], {})
         ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "keep_baseline", "winner": "",
                                                           "registered_model": model_name,
                                                           "registered_version": version or ""},
@@ -110,17 +114,20 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     runs = study.promotion.runs
     print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each ...", flush=True)
     base_tputs, _, base_failures = remeasure(ctx, "final-baseline", base_config, runs)
-    entries, configs = [], {"baseline": base_config}
+    entries, configs, run_ids = [], {"baseline": base_config}, {"baseline": base_row["run_id"]}
     for i, row in enumerate(finalists):
         config = _config_of(ctx, row["run_id"])
         name = f"final-{i}-{row['name']}"
-        tputs, equivalent, _ = remeasure(ctx, name, config, runs)
-        entries.append(Finalist(id=name, throughputs=tuple(tputs), equivalent=equivalent, spec=config.spec))
+        tputs, equivalent, failures = remeasure(ctx, name, config, runs)
+        entries.append(Finalist(id=name, throughputs=tuple(tputs), equivalent=equivalent, spec=config.spec,
+                                failures=tuple(failures)))
         configs[name] = config
-    policy = PromotionPolicy(min_runs=runs, margin=study.promotion.margin, tie_tolerance=study.promotion.tie_tolerance)
-    decision = decide(base_tputs, entries, policy)
+        run_ids[name] = row["run_id"]
+    decision = decide(base_tputs, entries, study.promotion, baseline_failures=base_failures)
     chosen_name = decision.winner or "baseline"
-    version = _promote(ctx, model_name, configs[chosen_name], decision.kind, chosen_name)
+    chosen = next((c for c in decision.candidates if c.id == chosen_name), decision.baseline)
+    version = _promote(ctx, model_name, configs[chosen_name], decision.kind, chosen_name, run_ids[chosen_name],
+                       {"tput_tok_s": chosen.median, "baseline_tput_tok_s": decision.baseline.median})
     write_study_report(ctx, ot_study, rows, f"{decision.kind}: {decision.reason}")
     _report(ctx, decision, model_name, version, base_failures)
     return 0
@@ -139,16 +146,34 @@ def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, An
         print(f"report could not be written: {type(exc).__name__}: {exc}")
 
 
-def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str, source: str) -> str | None:
-    """Registry action + promoted.yaml. Keep-baseline registers the baseline only if nothing is in production yet."""
+def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str, source: str,
+             run_id: str | None, medians: dict[str, float]) -> str | None:
+    """Registry action, then the deployable winner in `<output>/deploy/` (also logged under the study run's `deploy/`)
+    and promoted.yaml. Keep-baseline registers the baseline only if nothing is in production yet."""
     study = ctx.study
-    serving = {"study": study.name, "engine": study.engine.kind, "model": study.model.target,
-               "dtype": study.model.dtype, "trial": chosen.model_dump(mode="json"), "decision": kind,
-               "source": source}
+    prompts = [(r.index, r.text, r.max_new_tokens) for r in (*ctx.warmup, *ctx.measure)]
+    provenance = Provenance(study=study.name, decision=kind, source=source, trial_run_id=run_id,
+                            workload=study.workload.source,
+                            workload_digest=workload_digest(prompts, study.workload.temperature), medians=medians)
+    # The same function that built the trial's replica; the log folder is the trial's and is dropped.
+    serving = serving_config(replica_config(study, chosen, Path(ctx.output_dir)), provenance)
     version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving, move_production=kind == "promote")
+    folder = Path(ctx.output_dir) / DEPLOY_DIR
+    # A password in the tracking URI is masked: deploy files are shared, secrets are set where they are deployed.
+    source_args = ({"registered_model": model_name, "version": version,
+                    "tracking_uri": mask_url(ctx.tracker.tracking_uri) or ""} if version else
+                   {"config_file": str((folder / SERVING_FILE).resolve())})
+    for name, text in deploy_files(serving, source_args, version or kind).items():
+        write_text_atomic(folder / name, text)
+    try:
+        ctx.tracker.log_study_artifact(ctx.parent_run_id, folder, DEPLOY_DIR)
+    except Exception as exc:  # noqa: BLE001 - the files on disk and the registry already hold the winner
+        print(f"deploy/ could not be logged to MLflow: {type(exc).__name__}: {exc}")
     promoted = Path(ctx.output_dir) / "promoted.yaml"
-    promoted.write_text(yaml.safe_dump({**serving, "registered_model": model_name, "version": version},
-                                       sort_keys=False))
+    write_text_atomic(promoted, yaml.safe_dump({**serving.model_dump(mode="json"), "registered_model": model_name,
+                                                "version": version}, sort_keys=False))
+    print(f"\nwinner's engine command line ({folder / COMMAND_FILE}):\n  {engine_command(serving)}")
+    print(f"deploy files: {folder / SERVE_CONFIG_FILE} (serve deploy), {folder / RAYSERVICE_PATCH_FILE} (KubeRay)")
     return version
 
 
@@ -157,7 +182,8 @@ def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str
                "registered_version": version or ""}
     ctx.tracker.finish_study(
         ctx.parent_run_id, tags=summary,
-        metrics={"baseline_score": decision.baseline.score, "bar": decision.bar},
+        metrics={"baseline_score": decision.baseline.score, "baseline_median": decision.baseline.median,
+                 **({"bar": decision.bar} if decision.bar is not None else {})},
         texts={"decision.json": decision.model_dump_json(indent=2), "decision.txt": decision.reason})
     print(f"\ndecision: {decision.kind.upper()} -- {decision.reason}")
     for c in decision.candidates:
@@ -176,6 +202,6 @@ def _print_footer(ctx: TrialContext, model_name: str, version: str | None, moved
     else:
         print(f"production alias of {model_name} unchanged")
     print(f"promoted config: {Path(ctx.output_dir) / 'promoted.yaml'}")
-    uri = ctx.tracker.tracking_uri
+    uri = mask_url(ctx.tracker.tracking_uri) or ""
     print(f"compare the trials: mlflow ui --backend-store-uri {uri}"
           + ("   (then open http://127.0.0.1:5000)" if uri.startswith("sqlite") else ""))

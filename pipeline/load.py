@@ -4,6 +4,9 @@ Concurrency means the same on both engines: exactly `concurrency` requests are i
 (a closed loop: each worker sends its next prompt when its previous one finished), in the order given. One
 `RequestRecord` per request: TTFT and inter-chunk gaps from the SSE stream, counters from the final `meta_info`.
 A failed or timed-out request is a record with `error` set, never an exception.
+
+The SSE stream is read as raw bytes by `SseDecoder` and folded by `StreamState`, both pure, so chunk boundaries (a
+line or a multi-byte character split between two network reads) cannot change what a request recorded.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import httpx
@@ -33,15 +36,115 @@ def _output_ids(chunks_ids: list[list[int]], completion_tokens: int) -> list[int
     return [token for ids in chunks_ids for token in ids]
 
 
+@dataclass(frozen=True)
+class SseEvent:
+    data: str
+    event: str = "message"
+
+
+class SseDecoder:
+    """Incremental Server-Sent-Events decoder (the WHATWG rules the engines need). Pure: bytes in, events out.
+
+    Lines end with LF, CRLF or CR; a blank line dispatches the event; the `data:` lines of one event are joined with
+    LF; lines starting with ':' are comments (keep-alives); `event:` names the event; other fields are ignored.
+    Bytes are split into lines before decoding, so a UTF-8 character split across chunks decodes whole.
+    At `close()` (the stream ended), data that arrived without its closing blank line is dispatched as a last event.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+        self._event = ""
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        self._buffer += chunk
+        events = []
+        while (cut := _line_end(self._buffer)) is not None:
+            end, after = cut
+            line, self._buffer = self._buffer[:end], self._buffer[after:]
+            event = self._line(line.decode("utf-8", "replace"))
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> list[SseEvent]:
+        tail, self._buffer = self._buffer.rstrip(b"\r"), b""
+        if tail:
+            self._line(tail.decode("utf-8", "replace"))
+        event = self._line("")
+        return [event] if event is not None else []
+
+    def _line(self, line: str) -> SseEvent | None:
+        if not line:
+            if not self._data:
+                self._event = ""
+                return None
+            event = SseEvent("\n".join(self._data), self._event or "message")
+            self._data, self._event = [], ""
+            return event
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        return None
+
+
+def _line_end(buffer: bytes) -> tuple[int, int] | None:
+    """(end of the first line, start of the next) or None while no complete line is buffered."""
+    lf, cr = buffer.find(b"\n"), buffer.find(b"\r")
+    if cr == -1 or (lf != -1 and lf < cr):
+        return None if lf == -1 else (lf, lf + 1)
+    if cr == len(buffer) - 1:
+        return None  # maybe the first half of a CRLF: decide when the next byte comes
+    return (cr, cr + 2) if buffer[cr + 1:cr + 2] == b"\n" else (cr, cr + 1)
+
+
+@dataclass
+class StreamState:
+    """What one streamed `/generate` response said so far. `add` folds one event in; False = the stream is over
+    (`[DONE]`, or an error event). Counters come from the last event that carried `meta_info`."""
+
+    chunks_ids: list[list[int]] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    done: bool = False
+
+    def add(self, event: SseEvent, now: float) -> bool:
+        data = event.data.strip()
+        if data == "[DONE]":
+            self.done = True
+            return False
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError as exc:
+            self.error = f"bad SSE data ({exc}): {data[:200]!r}"
+            return False
+        if not isinstance(chunk, dict):
+            self.error = f"bad SSE data: expected a JSON object, got {data[:200]!r}"
+            return False
+        if "error" in chunk or event.event == "error":
+            detail = chunk.get("error", chunk)
+            message = detail.get("message", detail) if isinstance(detail, dict) else detail
+            self.error = str(message)
+            return False
+        if isinstance(chunk.get("meta_info"), dict):
+            self.meta = chunk["meta_info"]
+        self.chunks_ids.append(list(chunk.get("output_ids") or []))
+        self.arrivals.append(now)
+        return True
+
+
 async def _one(client: httpx.AsyncClient, item: LoadRequest, *, phase: str, concurrency: int, window_start: float,
                temperature: float, timeout_s: float, request_id: str) -> RequestRecord:
     payload = {"text": item.text, "stream": True,
                "sampling_params": {"max_new_tokens": item.max_new_tokens, "temperature": temperature}}
     start = time.monotonic()
-    first: float | None = None
-    arrivals: list[float] = []
-    chunks_ids: list[list[int]] = []
-    meta: dict[str, Any] = {}
+    state = StreamState()
     error: str | None = None
     try:
         async with asyncio.timeout(timeout_s):
@@ -50,41 +153,40 @@ async def _one(client: httpx.AsyncClient, item: LoadRequest, *, phase: str, conc
                     body = (await response.aread()).decode("utf-8", "replace")[:500]
                     error = f"HTTP {response.status_code}: {body}"
                 else:
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            error = str(chunk["error"])
-                            break
+                    decoder = SseDecoder()
+                    going = True
+                    async for raw in response.aiter_bytes():
                         now = time.monotonic()
-                        meta = chunk.get("meta_info", meta)
-                        ids = chunk.get("output_ids") or []
-                        chunks_ids.append(list(ids))
-                        if first is None:
-                            first = now
-                        arrivals.append(now)
+                        for event in decoder.feed(raw):
+                            going = going and state.add(event, now)
+                        if not going:
+                            break
+                    if going:
+                        for event in decoder.close():
+                            going = going and state.add(event, time.monotonic())
+                    error = state.error
+                    if error is None and not state.done and not state.meta.get("finish_reason"):
+                        error = "stream ended before the request finished (no [DONE], no finish_reason)"
     except TimeoutError:
         error = f"timeout after {timeout_s:.0f} s"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     end = time.monotonic()
+    meta = state.meta
+    first = state.arrivals[0] if state.arrivals else None
     completion = int(meta.get("completion_tokens", 0))
     finish = meta.get("finish_reason")
     finish_text = finish.get("type", str(finish)) if isinstance(finish, dict) else str(finish or "error")
     return RequestRecord(
         request_id=request_id, phase=phase, prompt_index=item.index, concurrency=concurrency,  # type: ignore[arg-type]
         start_s=start - window_start, ttft_s=(first - start) if first is not None else None, e2e_s=end - start,
-        itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+        itl_s=tuple(b - a for a, b in zip(state.arrivals, state.arrivals[1:])),
         prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=completion,
         spec_verify_ct=meta.get("spec_verify_ct"), spec_num_correct_drafts=meta.get("spec_num_correct_drafts"),
         spec_num_proposed_drafts=meta.get("spec_num_proposed_drafts"),
         spec_accept_length=meta.get("spec_accept_length"),
         finish_reason="error" if error else finish_text, error=error,
-        output_ids=tuple(_output_ids(chunks_ids, completion)) if not error else (),
+        output_ids=tuple(_output_ids(state.chunks_ids, completion)) if not error else (),
     )
 
 

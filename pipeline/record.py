@@ -103,10 +103,11 @@ class Tracker:
         from mlflow.entities import Metric, Param
 
         client = self.client()
-        # A trial interrupted after logging and then resumed logs again: keep only the newest record of it.
-        for old in client.search_runs([self.experiment_id()], filter_string=(
-                f"tags.mlflow.parentRunId = '{parent_id}' and attributes.run_name = '{run_name}'")):
-            client.delete_run(old.info.run_id)
+        # A trial interrupted after logging and then resumed logs again: keep only the newest record of it. The old
+        # records are looked up now but deleted only once the new one is complete, so a crash in between leaves two
+        # records of the trial, never none.
+        older = [old.info.run_id for old in client.search_runs([self.experiment_id()], filter_string=(
+            f"tags.mlflow.parentRunId = '{parent_id}' and attributes.run_name = '{run_name}'"))]
         tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
                 "reason": reason[:4000], **(extra_tags or {})}
         start_ms = int(started_at * 1000) if started_at is not None else None
@@ -129,6 +130,8 @@ class Tracker:
                 pq.write_table(requests, folder / "requests.parquet")
             client.log_artifacts(run_id, str(folder))
         client.set_terminated(run_id, status="FINISHED" if outcome == "COMPLETE" else "FAILED")
+        for old_id in older:
+            client.delete_run(old_id)
         return run_id
 
     def trial_runs(self, parent_id: str) -> list[Any]:

@@ -5,19 +5,24 @@ Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` a
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import StudyConfig, study_to_yaml
+from pipeline.atomic import write_text_atomic
+from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
 from pipeline.errors import PipelineError
 from pipeline.load import LoadRequest
 from pipeline.record import Tracker, default_tracking_uri
+from pipeline.redact import mask_url
+from pipeline.resume import (
+    IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
+    tune_unfinished, workload_digest, write_identity,
+)
 from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
-from pipeline.trial import Outcome, TrialContext, run_trial, teardown
+from pipeline.trial import Outcome, TrialContext, app_name, replica_config, run_trial, study_apps, teardown
 from pipeline.workloads import load_workload
+from serve.engines import engine_for
 
 TUNE_DIR = "tune"
 SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst value, so TPE steers away from it
@@ -37,7 +42,7 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace) ->
     tune.report(report)  # once, after the measurement: a report-then-crash would reach Optuna as COMPLETE
 
 
-def _progress_callback(total: int, metric: str) -> Any:
+def _progress_callback(study_name: str, total: int, metric: str) -> Any:
     from ray import tune
 
     class Progress(tune.Callback):
@@ -63,19 +68,17 @@ def _progress_callback(total: int, metric: str) -> Any:
                   f"best={self.best or 0:.2f} ({vs})  {params}", flush=True)
 
         def on_trial_complete(self, iteration, trials, trial, **info):  # noqa: ANN001
-            teardown(f"trial-{trial.trial_id}")  # belt and braces: the trial's own finally may not have run
+            teardown(app_name(study_name, trial.trial_id))  # belt and braces: the trial's own finally may not have run
 
         def on_trial_error(self, iteration, trials, trial, **info):  # noqa: ANN001
-            teardown(f"trial-{trial.trial_id}")
+            teardown(app_name(study_name, trial.trial_id))
 
     return Progress()
 
 
-_SERVE_URLS: dict[str, str] = {}  # Serve started by this process, per Ray session: reuse it, never restart it
-
-
-def connect_ray(address: str | None = None) -> str:
-    """Start or join Ray, start Serve on a free local port; returns the Serve HTTP base URL."""
+def connect_ray(study_name: str, address: str | None = None) -> str:
+    """Start or join Ray, start Serve on a free local port (or find the port it already serves on); delete this
+    study's trial apps left behind by a killed driver, and no one else's. Returns the Serve HTTP base URL."""
     import ray
     from ray import serve
 
@@ -83,62 +86,61 @@ def connect_ray(address: str | None = None) -> str:
 
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    session = ray.get_runtime_context().get_job_id()
-    if session not in _SERVE_URLS:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        # On a long-lived cluster Serve may already run with another port ("new http_options will not be
-        # applied"): ask the controller which port it serves on (a private helper of Ray 2.60, which we pin).
-        from ray.serve.context import _get_global_client
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    # When Serve already runs (a long-lived cluster, a second study in one process) the options above are not
+    # applied: ask the controller which port it serves on (a private helper of Ray 2.60, which we pin).
+    from ray.serve.context import _get_global_client
 
-        options = _get_global_client().http_config
-        host = "127.0.0.1" if options.host in ("0.0.0.0", "::", None) else options.host
-        _SERVE_URLS[session] = f"http://{host}:{options.port}"
-    for name in list(serve.status().applications):
-        if name.startswith("trial-"):  # left behind by a killed driver on a long-lived cluster
-            serve.delete(name)
-    return _SERVE_URLS[session]
+    options = _get_global_client().http_config
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "::", None) else options.host
+    for name in study_apps(study_name, serve.status().applications):
+        serve.delete(name)
+    return f"http://{host}:{options.port}"
 
 
-def _resume_args() -> list[str]:
-    import sys
-
-    return [a for a in sys.argv[1:] if a != "--resume"]
-
-
-def settle_previous_trials(ot_study: Any) -> int:
-    """Trials left RUNNING by a driver that died are failed (their Serve apps died with it or are cleaned up);
-    returns how many trials of the study are finished."""
-    from optuna.trial import TrialState
-
-    finished = 0
-    for trial in ot_study.get_trials(deepcopy=False):
-        if trial.state == TrialState.RUNNING:
-            ot_study.tell(trial.number, state=TrialState.FAIL)
-        elif trial.state.is_finished():
-            finished += 1
-    return finished
-
-
-def _gpu_groups(tp_size: int) -> int:
-    """Concurrent SGLang trials = GPU groups in the cluster; more would leave replicas pending until they time out."""
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("GPU", 0) // tp_size))
-
-
-def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str) -> TrialContext:
+def workload_requests(study: StudyConfig) -> tuple[tuple[LoadRequest, ...], tuple[LoadRequest, ...]]:
+    """The warm-up and measurement requests every trial of the study sends."""
     workload = load_workload(study.workload.source, seed=study.seed, n_warmup=study.workload.warmup_prompts,
                              n_measure=study.workload.measure_prompts, max_new_tokens=study.workload.max_new_tokens)
 
     def items(prompts: Any) -> tuple[LoadRequest, ...]:
         return tuple(LoadRequest(p.index, p.text, p.max_new_tokens) for p in prompts)
 
+    return items(workload.warmup), items(workload.measure)
+
+
+def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str) -> TrialContext:
+    warmup, measure = workload_requests(study)
     return TrialContext(study=study, output_dir=str(out), serve_url=serve_url, tracker=tracker,
-                        parent_run_id=parent, warmup=items(workload.warmup), measure=items(workload.measure))
+                        parent_run_id=parent, warmup=warmup, measure=measure)
 
 
-def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> int:
-    """Run the study end to end; returns the process exit code."""
+def _identity(study: StudyConfig, space: SearchSpace) -> dict[str, str]:
+    warmup, measure = workload_requests(study)
+    prompts = [(r.index, r.text, r.max_new_tokens) for r in (*warmup, *measure)]
+    return study_identity(study, space.model_dump(mode="json"), workload_digest(prompts, study.workload.temperature))
+
+
+def _interrupted(ot_study: Any, resume_command: str | None) -> int:
+    from optuna.trial import TrialState
+
+    unfinished = [t.number for t in ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+    command = resume_command or "python -m pipeline.tune <the same arguments> --resume"
+    print(f"\ninterrupted with trial(s) {unfinished} unfinished; the state is saved. Continue with: {command}",
+          flush=True)
+    return 130
+
+
+def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
+              resume_command: str | None = None) -> int:
+    """Run the study end to end; returns the process exit code (130 when interrupted, state saved).
+
+    `resume_command` is what to print for continuing an interrupted study (the CLI passes its own command line).
+    A library call: it reads no process state (sys.argv) and leaves environment and logging to the caller.
+    Resume rules (pipeline/resume.py): a changed study is refused; a changed budget is honoured; trials left
+    RUNNING in Optuna by a dead driver, or asked by Optuna but never checkpointed by Tune, are failed, so a resume
+    never waits on them forever.
+    """
     import optuna
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
@@ -146,61 +148,79 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False) -> i
     from pipeline.finalize import finalize_study
 
     started = time.monotonic()
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a progress bar per downloaded config
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one "Deleting app" line per trial otherwise
     out = study.output_path().resolve()
     tune_path = out / TUNE_DIR
     if (out / "study.yaml").exists() and not resume:
         raise PipelineError(f"{out} already holds a study; pass --resume to continue it, or choose another "
                             f"--name/--output")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "study.yaml").write_text(study_to_yaml(study))
+    identity = _identity(study, space)
+    recorded = read_identity(out) if resume else None
+    check_resume(recorded, identity, out)  # before anything is started or written
+    out.mkdir(parents=True, exist_ok=True)  # SQLite (the default storage) cannot create its file in a missing folder
+    storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
+    directions = ["maximize" if m == "max" else "minimize" for m in study.objective.modes]
+    ot_study = optuna.create_study(study_name=study.name, storage=storage, directions=directions, load_if_exists=True)
+    # A new driver folder on a shared database has no identity.json: the Optuna study carries the same record.
+    recorded = recorded or ot_study.user_attrs.get(IDENTITY_ATTR)
+    check_resume(recorded, identity, f"the Optuna study '{study.name}' in {mask_url(storage.url)}")
+    write_text_atomic(out / "study.yaml", study_to_yaml(study))
+    write_identity(out, identity, study.budget.max_trials)
+    ot_study.set_user_attr(IDENTITY_ATTR, {"identity": identity, "max_trials": study.budget.max_trials})
     print(f"study '{study.name}': {study.budget.max_trials} trials, engine {study.engine.kind}, "
           f"model {study.model.target}, space {space.name or study.search_space}, output {out}", flush=True)
+    note = budget_note(recorded, study.budget.max_trials)
+    if note:
+        print(note, flush=True)
 
     tracker = Tracker(study.tracking.uri or default_tracking_uri(out), study.tracking.experiment or study.name,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
-    serve_url = connect_ray(study.ray.address)
+    serve_url = connect_ray(study.name, study.ray.address)
     ctx = build_context(study, out, serve_url, tracker, parent)
 
-    storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
-    directions = ["maximize" if m == "max" else "minimize" for m in study.objective.modes]
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    ot_study = optuna.create_study(study_name=study.name, storage=storage, directions=directions, load_if_exists=True)
-    restoring = resume and tune.Tuner.can_restore(str(tune_path))
-    finished = 0 if restoring else settle_previous_trials(ot_study)
+    # Tune's own checkpoint holds the budget it was started with: restore it only when that is still the budget.
+    restoring = resume and note is None and tune.Tuner.can_restore(str(tune_path))
+    if not restoring:
+        settled = settle_running(ot_study)  # no trial of this study runs now: RUNNING ones belong to a dead driver
+        if settled:
+            print(f"trial(s) {settled} were left running by a previous driver: recorded as failed", flush=True)
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
     sampler = tpe_sampler(study.seed, study.budget.max_trials)
     single = len(study.objective.metrics) == 1
     searcher = OptunaSearch(define_by_run(space), metric=study.objective.metrics[0] if single else
                             study.objective.metrics, mode=study.objective.modes[0] if single else study.objective.modes,
                             sampler=sampler, storage=storage, study_name=study.name, seed=study.seed)
-    trainable = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space), {"cpu": 0.25})
-    # Concurrent trials = engine replicas that fit: one on a CPU box (the engine uses every core).
-    concurrency = 1 if study.engine.kind == "cpu" else _gpu_groups(study.engine.tp_size)
+    # The trial process only drives HTTP and logs: a quarter CPU (Ray's resource name), the replica holds the engine.
+    trainable = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space),
+                                    tune.PlacementGroupFactory([{"CPU": 0.25}]))
+    # Concurrent trials = engine replicas that fit the cluster (one per node for the CPU engine, GPU groups for SGLang).
+    import ray
+
+    concurrency = engine_for(study.engine.kind).concurrent_replicas(
+        replica_config(study, TrialConfig(), out), ray.cluster_resources())
     run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0,
-                                callbacks=[_progress_callback(study.budget.max_trials, study.objective.metrics[0])])
+                                callbacks=[_progress_callback(study.name, study.budget.max_trials, study.objective.metrics[0])])
     if restoring:
         # Same driver folder: Tune restores its own state and resumes unfinished trials as the same Optuna trials.
-        tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True).fit()
-    else:
-        # New driver (or new folder) on an existing Optuna study: the budget counts the trials already finished.
-        remaining = study.budget.max_trials - finished
-        if remaining > 0:
-            tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
-                search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
-                time_budget_s=study.budget.time_budget_s,
-                reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
-        else:
-            print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
-    from optuna.trial import TrialState
-
-    unfinished = [t.number for t in ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
-    if unfinished:  # Tune returns normally after Ctrl-C; the interrupted trials are still RUNNING in Optuna
-        print(f"\ninterrupted with trial(s) {unfinished} unfinished; the state is saved. Continue with: "
-              f"python -m pipeline.tune {' '.join(_resume_args())} --resume", flush=True)
-        return 130
+        grid = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True).fit()
+        if tune_unfinished(grid):  # Tune returns normally after Ctrl-C, with the interrupted trials unfinished
+            return _interrupted(ot_study, resume_command)
+        # Trials Optuna handed out after Tune's last checkpoint: no one will ever report them.
+        orphans = settle_running(ot_study)
+        if orphans:
+            print(f"trial(s) {orphans} were never checkpointed by Tune: recorded as failed", flush=True)
+    # The budget counts every finished trial, whichever driver ran it.
+    remaining = study.budget.max_trials - finished_trials(ot_study)
+    if remaining > 0:
+        grid = tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
+            search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
+            time_budget_s=study.budget.time_budget_s,
+            reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
+        if tune_unfinished(grid):
+            return _interrupted(ot_study, resume_command)
+    elif not restoring:
+        print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
+    settle_running(ot_study)  # Tune finished every trial it knows: a RUNNING one was stopped before reporting
     code = finalize_study(ctx, ot_study)
     print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)
     return code

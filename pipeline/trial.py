@@ -1,7 +1,7 @@
 """One trial's lifecycle: validate -> deploy -> read back -> flush -> warm up -> measure -> compare -> record -> teardown.
 
 Every way a trial can end is an `Outcome`, recorded in MLflow with its reason and logs; nothing here raises for a bad
-config or a dead engine. The engine runs behind a Ray Serve app named `trial-<label>` (route `/trial-<label>`).
+config or a dead engine. The engine runs behind a Ray Serve app named `<study>~trial-<label>` (route the same).
 """
 
 from __future__ import annotations
@@ -19,10 +19,15 @@ from pipeline.config import StudyConfig, TrialConfig
 from pipeline.equivalence import EquivalenceReport, check_equivalence
 from pipeline.load import LoadRequest, run_phase
 from pipeline.measure import RequestRecord, Summary, summarize, to_records, to_table
-from pipeline.record import Tracker
+from pipeline.record import KIND_TAG, Tracker
 from pipeline.space import Resolution
-from serve.engines.base import ReplicaConfig, effective_diff
+from serve.engines import engine_for
+from serve.engines.base import ConfigRejected, ReplicaConfig
+from serve.engines.settings import effective_diff
 from serve.replica import log_tail
+
+FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
+FLUSH_DEADLINE_S = 120.0
 
 
 class Outcome(str, enum.Enum):
@@ -47,9 +52,6 @@ class TrialContext:
     warmup: tuple[LoadRequest, ...]
     measure: tuple[LoadRequest, ...]
 
-    @property
-    def baseline_outputs(self) -> Path:
-        return Path(self.output_dir) / "baseline_outputs.parquet"
 
 
 @dataclass
@@ -62,6 +64,17 @@ class Measurement:
     engine_log: str = ""
     failure: tuple[Outcome, str] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Checked:
+    """One deploy-and-measure pass judged like a trial: outcome, summary, equivalence with the baseline's outputs."""
+
+    measurement: Measurement
+    outcome: Outcome
+    reason: str
+    summary: Summary | None = None
+    equivalence: EquivalenceReport | None = None
 
 
 @dataclass(frozen=True)
@@ -78,11 +91,23 @@ class TrialResult:
 
 
 def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> ReplicaConfig:
+    engine = study.engine
     return ReplicaConfig(
-        engine=study.engine.kind, model=study.model.target, dtype=study.model.dtype, spec=trial.spec,
-        max_running_requests=trial.max_running_requests, threads=study.engine.threads, tp_size=study.engine.tp_size,
-        extra_flags=study.engine.extra_flags, env=study.engine.env, start_timeout_s=study.engine.start_timeout_s,
-        log_dir=str(log_dir))
+        engine=engine.kind, model=study.model.target, dtype=study.model.dtype, spec=trial.spec,
+        max_running_requests=trial.max_running_requests, threads=engine.threads, tp_size=engine.tp_size,
+        replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
+        env=engine.env, start_timeout_s=engine.start_timeout_s, log_dir=str(log_dir))
+
+
+def app_name(study_name: str, label: str) -> str:
+    """Serve app (and route) of one trial. Study names cannot contain '~', so `<study>~` marks a study's apps and a
+    driver touches no other study's apps on a shared cluster."""
+    return f"{study_name}~trial-{label}"
+
+
+def study_apps(study_name: str, names: Any) -> list[str]:
+    """This study's trial apps among Serve's application names."""
+    return [n for n in names if n.startswith(f"{study_name}~trial-")]
 
 
 def _app_failure(name: str) -> str:
@@ -99,11 +124,11 @@ def deploy(name: str, config: ReplicaConfig, timeout_s: float) -> None:
     """Start app `name` without blocking Serve forever (serve.run has no timeout); raise RuntimeError/TimeoutError."""
     from ray import serve
 
-    from serve.replica import EngineReplica
+    from serve.replica import EngineReplica, actor_options
 
-    num_gpus = config.tp_size if config.engine == "sglang" else 0
-    target = EngineReplica.options(ray_actor_options={"num_cpus": 0.1, "num_gpus": num_gpus}).bind(
-        config.model_dump(mode="json"))
+    # @serve.deployment made the class a Deployment (mypy sees the class)
+    target = EngineReplica.options(ray_actor_options=actor_options(config)).bind(  # type: ignore[attr-defined]
+        config.to_replica())
     serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -115,6 +140,23 @@ def deploy(name: str, config: ReplicaConfig, timeout_s: float) -> None:
             raise RuntimeError(f"Serve app {name} is {status.split('.')[-1]}: {_app_failure(name)}")
         time.sleep(0.2)
     raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
+
+
+def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | None:
+    """`/flush_cache` until it succeeds; the last refusal after `deadline_s`, else None.
+
+    SGLang refuses a flush (400) while any request is queued or running, and Serve's health check runs a real
+    generation through `/health` every few seconds, so one refusal is expected: ask it to wait for idle
+    (`?timeout=`), then retry."""
+    deadline, answer = time.monotonic() + deadline_s, ""
+    while True:
+        response = client.post("/flush_cache", params={"timeout": FLUSH_WAIT_S}, timeout=FLUSH_WAIT_S + 30)
+        if response.status_code == 200:
+            return None
+        answer = f"{response.status_code}: {response.text[:300]}"
+        if time.monotonic() >= deadline:
+            return f"/flush_cache was refused for {deadline_s:.0f} s (last answer {answer})"
+        time.sleep(0.5)
 
 
 def teardown(name: str) -> None:
@@ -139,16 +181,16 @@ def _engine_log(url: str, log_dir: Path) -> str:
 
 
 def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: Path) -> Measurement:
-    """Deploy one replica for `trial`, flush, warm up, measure, read back, tear down. Never raises for engine trouble."""
-    study, name = ctx.study, f"trial-{label}"
+    """Deploy one replica for `trial`, flush, warm up, measure, read back, tear down. Never raises for engine trouble.
+
+    The engine kind's node checks and preflight run inside the replica (on the node that runs the engine); a config
+    the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
+    LAUNCH_FAILED."""
+    study, name = ctx.study, app_name(ctx.study.name, label)
     config = replica_config(study, trial, log_dir)
     url = f"{ctx.serve_url}/{name}"
     out = Measurement()
     started = time.monotonic()
-    if config.engine == "sglang":
-        out.failure = _sglang_preflight(config, out)
-        if out.failure is not None:
-            return out
     try:
         try:
             deploy(name, config, study.engine.start_timeout_s + 60)
@@ -156,18 +198,30 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             out.failure = (Outcome.TIMEOUT, str(exc))
             return out
         except RuntimeError as exc:
-            out.failure = (Outcome.LAUNCH_FAILED, str(exc))
+            message = str(exc)
+            if ConfigRejected.MARKER in message:
+                reason = message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]
+                out.failure = (Outcome.INVALID, reason)
+            else:
+                out.failure = (Outcome.LAUNCH_FAILED, message)
             return out
         out.timings["deploy_s"] = time.monotonic() - started
         with httpx.Client(base_url=url, timeout=30) as client:
-            startup = client.get("/replica/argv").json().get("startup_s")
-            if isinstance(startup, (int, float)):
-                out.timings["engine_start_s"] = float(startup)
+            replica = client.get("/replica/argv").json()
+            if isinstance(replica.get("startup_s"), (int, float)):
+                out.timings["engine_start_s"] = float(replica["startup_s"])
+            prepared = replica.get("prepared") or {}
             out.server_info = client.get("/server_info").json()
-            out.diffs.update(effective_diff(config, out.server_info))
-            flushed = client.post("/flush_cache")
-            if flushed.status_code != 200:
-                out.failure = (Outcome.UNHEALTHY, f"/flush_cache answered {flushed.status_code}: {flushed.text}")
+            out.server_info.update(replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
+                                   **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}),
+                                   node_checks=prepared)
+            preflight = out.server_info.get("preflight")
+            if isinstance(preflight, dict) and preflight.get("ok"):
+                out.diffs.update(effective_diff(config.spec, config.max_running_requests, preflight["resolved"]))
+            out.diffs.update(effective_diff(config.spec, config.max_running_requests, out.server_info))
+            refused = flush(client)
+            if refused:
+                out.failure = (Outcome.TIMEOUT, refused)
                 return out
         phase_start = time.monotonic()
         kwargs = dict(concurrency=trial.concurrency, temperature=study.workload.temperature,
@@ -184,10 +238,7 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             out.server_info["internal_states_after"] = after.get("internal_states")
         except (httpx.HTTPError, ValueError):
             pass
-        measured = [r for r in out.records if r.phase == "measure"]
-        if measured and all(r.error for r in measured):
-            kind = Outcome.TIMEOUT if all("timeout" in (r.error or "") for r in measured) else Outcome.UNHEALTHY
-            out.failure = (kind, f"every measured request failed; first: {measured[0].error}")
+        out.failure = lost_requests([r for r in out.records if r.phase == "measure"])
         return out
     except (httpx.HTTPError, ValueError) as exc:
         out.failure = (Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
@@ -198,26 +249,25 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         out.timings["total_s"] = time.monotonic() - started
 
 
-def _sglang_preflight(config: ReplicaConfig, out: Measurement) -> tuple[Outcome, str] | None:
-    """SGLang's own parser and rules on the exact argv, then the GPU check: both before any deployment."""
-    from serve.engines.sglang import gpu_problem, preflight, sglang_argv
+def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
+    """A measurement that lost any request is no measurement: its throughput counts less work, and a missing output
+    cannot be compared (it would read as NOT_EQUIVALENT). TIMEOUT when every loss was a timeout, else UNHEALTHY."""
+    failed = [r for r in measured if r.error]
+    if not failed:
+        return None
+    kind = Outcome.TIMEOUT if all("timeout" in (r.error or "") for r in failed) else Outcome.UNHEALTHY
+    return kind, (f"{len(failed)} of {len(measured)} measured requests failed (prompts "
+                  f"{sorted(r.prompt_index for r in failed)}); first: {failed[0].error}")
 
-    argv = sglang_argv(config, "127.0.0.1", 30000)
-    result = preflight(argv)
-    if result is None:
-        out.server_info["preflight"] = "skipped: sglang is not installed on the driver's machine"
-    else:
-        out.server_info["preflight"] = {"ok": result.ok, "stage": result.stage, "error": result.error,
-                                        "resolved": result.resolved}
-        if not result.ok and result.stage in ("parse", "resolve", "check"):
-            return Outcome.INVALID, f"SGLang rejected the flags at {result.stage}: {result.error}"
-        if not result.ok:  # our side could not run SGLang's parser: not a verdict on the config
-            return Outcome.LAUNCH_FAILED, f"SGLang preflight could not run ({result.stage}): {result.error}"
-        out.diffs = result.diffs(config.spec, config.max_running_requests)
-    problem = gpu_problem(config.tp_size)
-    if problem:
-        return Outcome.LAUNCH_FAILED, problem
-    return None
+
+def _node_id() -> str:
+    """The Ray node this trial process runs on ('' outside Ray): recorded beside the replica's node."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - bookkeeping must never fail a trial
+        return ""
 
 
 def _meaning_changed(trial: TrialConfig, diffs: dict[str, tuple[object, object]]) -> str | None:
@@ -242,15 +292,9 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
     if config is None or resolution.violations:
         outcome, reason = Outcome.INVALID, "; ".join(str(v) for v in resolution.violations)
     else:
-        m = measure_config(ctx, config, label, trial_dir)
-        outcome, reason = m.failure or (Outcome.COMPLETE, "")
-        changed = _meaning_changed(config, m.diffs)
-        if m.failure is None and changed:
-            outcome, reason = Outcome.INVALID, changed
-        if m.records:
-            summary = summarize(m.records, seed=study.seed)
-        if outcome is Outcome.COMPLETE:
-            outcome, reason, equivalence = _compare(ctx, config, m.records)
+        checked = measure_and_check(ctx, config, label, trial_dir)
+        m, outcome, reason = checked.measurement, checked.outcome, checked.reason
+        summary, equivalence = checked.summary, checked.equivalence
     texts = {"engine.log": m.engine_log or "(no engine was started)",
              "server_info.json": json.dumps(m.server_info, indent=2, default=str),
              "effective_diff.json": json.dumps({k: list(v) for k, v in m.diffs.items()}, indent=2, default=str),
@@ -261,34 +305,64 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
     if equivalence is not None:
         metrics["equiv_identical_share"] = equivalence.identical_share
-    server_avg = (m.server_info.get("internal_states_after") or [{}])[0].get("avg_spec_accept_length")
-    if isinstance(server_avg, (int, float)):
-        metrics["server_accept_len"] = float(server_avg)
+    # SGLang's own cumulative figure: only after its 40-batch window, reset by a flush; optional, and labelled so.
+    server_avg = engine_for(study.engine.kind).server_accept_length(
+        {"internal_states": m.server_info.get("internal_states_after")})
+    if server_avg is not None:
+        metrics["server_window_accept_len"] = server_avg
     run_id = ctx.tracker.log_trial(
         ctx.parent_run_id, study_name=study.name, run_name=f"trial-{label}", kind="trial",
         config=config.model_dump(mode="json") if config else {"spec": {"algorithm": resolution.params.get("algorithm")}},
         outcome=outcome.value, reason=reason, metrics=metrics, requests=to_table(m.records) if m.records else None,
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
+                                 "trial_node_id": _node_id(),
+                                 "replica_node_id": str(m.server_info.get("replica_node_id") or ""),
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},
         started_at=started_at)
     return TrialResult(outcome, reason, config, summary, equivalence, run_id)
 
 
-def _compare(ctx: TrialContext, config: TrialConfig, records: list[RequestRecord]) -> tuple[Outcome, str, Any]:
-    """Baseline: store its outputs. Others: greedy outputs must match the baseline's by the policy threshold."""
-    if config.spec.algorithm == "none":
-        if not ctx.baseline_outputs.exists():
-            import pyarrow.parquet as pq
+def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_dir: Path) -> Checked:
+    """The trial's judgement of one pass, shared by trials and finalist re-runs: measure, then INVALID when the
+    engine changed what the config means, then equivalence with the baseline's outputs (read from MLflow)."""
+    m = measure_config(ctx, config, label, log_dir)
+    outcome, reason = m.failure or (Outcome.COMPLETE, "")
+    changed = _meaning_changed(config, m.diffs)
+    if m.failure is None and changed:
+        outcome, reason = Outcome.INVALID, changed
+    summary = summarize(m.records, seed=ctx.study.seed) if m.records else None
+    equivalence = None
+    if outcome is Outcome.COMPLETE:
+        outcome, reason, equivalence = _compare(ctx, config, m.records)
+    return Checked(m, outcome, reason, summary, equivalence)
 
-            pq.write_table(to_table([r for r in records if r.phase == "measure"]), ctx.baseline_outputs)
+
+def baseline_outputs(ctx: TrialContext) -> list[RequestRecord] | None:
+    """The measured outputs of the study's COMPLETE baseline trial, from its MLflow run's `requests.parquet`; None
+    when no baseline completed. Read from storage, not a folder, so any driver on any node finds them."""
+    import pyarrow.parquet as pq
+
+    runs = [r for r in ctx.tracker.trial_runs(ctx.parent_run_id)
+            if r.data.tags.get(KIND_TAG) == "trial" and r.data.tags.get("outcome") == Outcome.COMPLETE.value
+            and r.data.params.get("spec.algorithm") == "none"]
+    if not runs:
+        return None
+    run_id = min(runs, key=lambda r: r.info.start_time or 0).info.run_id
+    path = ctx.tracker.client().download_artifacts(run_id, "requests.parquet")
+    return [r for r in to_records(pq.read_table(path)) if r.phase == "measure"]
+
+
+def _compare(ctx: TrialContext, config: TrialConfig, records: list[RequestRecord]) -> tuple[Outcome, str, Any]:
+    """Greedy outputs must match the baseline's by the policy threshold. The baseline itself is the reference: its
+    requests.parquet, logged with its run, is what later comparisons read (a baseline that lost a request never gets
+    here: `lost_requests` made it TIMEOUT/UNHEALTHY)."""
+    if config.spec.algorithm == "none":
         return Outcome.COMPLETE, "", None
     if ctx.study.workload.temperature > 0:
         return Outcome.COMPLETE, "sampling (temperature > 0): outputs are not compared", None
-    if not ctx.baseline_outputs.exists():
+    baseline = baseline_outputs(ctx)
+    if baseline is None:
         return Outcome.COMPLETE, "no baseline outputs to compare with (the baseline did not complete)", None
-    import pyarrow.parquet as pq
-
-    baseline = to_records(pq.read_table(ctx.baseline_outputs))
     report = check_equivalence(baseline, records, threshold=ctx.study.promotion.equivalence_threshold)
     if not report.passed:
         return Outcome.NOT_EQUIVALENT, report.reason, report

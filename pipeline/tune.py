@@ -7,15 +7,19 @@ through. The stages themselves live in their own modules (space, trial, load, me
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shlex
 import sys
-import warnings
 from typing import Any, Sequence
 
 import yaml
 
 from pipeline.config import StudyConfig, load_study, study_to_yaml
-from pipeline.errors import PipelineError
-from pipeline.space import Resolution, SearchSpace, define_by_run, enqueue_baseline, load_space, resolve
+from pipeline.errors import PipelineError, UserError
+from pipeline.space import (
+    Resolution, SearchSpace, define_by_run, enqueue_baseline, load_space, resolve, startup_trials, tpe_sampler,
+)
 
 # Command-line flags that override one study key each: (flag, dotted key, type, help).
 _OVERRIDES: list[tuple[str, str, Any, str]] = [
@@ -52,10 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved study and the first sampled trial configs with their validation "
                              "verdicts; starts nothing (no Ray, no engine, no MLflow)")
-    parser.add_argument("--samples", type=int, default=8, metavar="N",
-                        help="with --dry-run: how many trial configs to sample (default 8)")
+    parser.add_argument("--samples", type=int, default=None, metavar="N",
+                        help="with --dry-run: how many trial configs to sample "
+                             "(default: the study's budget.max_trials)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the study in the output folder instead of refusing to overwrite it")
+                        help="continue the study in the output folder instead of refusing to overwrite it; refused "
+                             "if its search space, workload, model or engine changed; a new --trials is honoured")
     return parser
 
 
@@ -71,14 +77,11 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def sample_configs(space: SearchSpace, study: StudyConfig, count: int) -> list[Resolution]:
-    """The first `count` points the tuner would try (baseline first), without telling Optuna any result."""
+    """The first `count` points the tuner would try (baseline first), without telling Optuna any result. Uses the
+    study's own sampler (`tpe_sampler` with the study's seed and budget), so the start-up rule is the study's."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=study.seed, multivariate=True, group=True)
-    ot_study = optuna.create_study(direction="maximize", sampler=sampler)
+    ot_study = optuna.create_study(direction="maximize", sampler=tpe_sampler(study.seed, study.budget.max_trials))
     enqueue_baseline(ot_study, space)
     sample = define_by_run(space)
     out = []
@@ -98,27 +101,47 @@ def describe(resolution: Resolution) -> str:
     return f"INVALID  {head}\n           -> {reasons}"
 
 
-def dry_run(study: StudyConfig, space: SearchSpace, samples: int) -> None:
-    print("# resolved study")
+def dry_run(study: StudyConfig, space: SearchSpace, samples: int | None) -> None:
+    samples = samples or study.budget.max_trials
+    print("# resolved study (passwords in URLs masked)")
     print(study_to_yaml(study))
     print(f"# search space: {study.search_space_path()} ({space.description or space.name})")
+    startup = startup_trials(study.budget.max_trials)
+    print(f"# sampler: the study's own TPE (seed {study.seed}, {startup} random start-up trials of "
+          f"{study.budget.max_trials}); after the start-up the real study's picks depend on its results")
     print(f"# first {samples} trial configs (trial 0 is the baseline); nothing was started")
     for number, resolution in enumerate(sample_configs(space, study, samples)):
         print(f"  #{number:<3} {describe(resolution)}")
 
 
+def resume_command(argv: Sequence[str]) -> str:
+    """The command that continues this study: the same arguments plus --resume (shell-quoted)."""
+    return shlex.join(["python", "-m", "pipeline.tune", *(a for a in argv if a != "--resume"), "--resume"])
+
+
+def quiet_libraries() -> None:
+    """Process-wide settings for a command-line run; a library call (run_study) leaves them to its caller."""
+    import optuna
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a progress bar per downloaded config
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one "Deleting app" line per trial otherwise
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial, doubling ours
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         study = load_study(args.study, overrides_from_args(args))
         space = load_space(study.search_space_path())
+        quiet_libraries()
         if args.dry_run:
             dry_run(study, space, args.samples)
             return 0
         from pipeline.study import run_study  # heavy imports (Ray, MLflow) only for a real run
 
-        return run_study(study, space, resume=args.resume)
-    except PipelineError as exc:
+        return run_study(study, space, resume=args.resume, resume_command=resume_command(argv))
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -3,24 +3,32 @@
 Requests are checked here (API key, body size, JSON, max_tokens) before anything reaches the engine, so a bad
 request costs the engine nothing and never disturbs other requests. Everything else is forwarded to the engine
 replica through its Serve handle (`EngineBackend.call` / `call_stream`).
+
+Limits: an absent `max_tokens` becomes the endpoint's limit (chat) or min(16, limit) (completions, OpenAI's
+default); a full queue (Serve's `max_queued_requests` on either deployment, or the engine's own waiting queue) is
+a 429 with `Retry-After`; a request running longer than `request_timeout_s` is cut (504, or an error event on a
+stream) and its generation cancelled. Every answer, 401s included, is counted in `/metrics`. Auth follows the
+address Serve's proxy really binds (`serve.production_settings`). No `/docs` or `/openapi.json`. API keys, request
+bodies and generated text are never logged.
 """
 
 
+import asyncio
 import hmac
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
-from serve.production import ProductionSettings
+from serve.production_settings import ProductionSettings, auth_problem, auth_required, load_api_keys
 
-app = FastAPI(title="specdec-tuner production endpoint")
+app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FORWARDED_HEADERS = ("content-type", "accept")
 
 
@@ -35,11 +43,16 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def load_api_keys(settings: ProductionSettings) -> list[str]:
-    keys = [k.strip() for k in os.environ.get(settings.api_keys_env, "").split(",") if k.strip()]
-    if settings.api_key_file:
-        keys += [line.strip() for line in Path(settings.api_key_file).read_text().splitlines() if line.strip()]
-    return keys
+def serve_bind_host() -> str | None:
+    """The address Serve's HTTP proxy binds (from `serve.start` or the config file's `http_options`); None if
+    the controller cannot be asked."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client()
+        return None if client is None else str(client.http_config.host)
+    except Exception:  # noqa: BLE001 - any failure means "unknown", which the caller treats as public
+        return None
 
 
 class _Metrics:
@@ -52,6 +65,9 @@ class _Metrics:
         self.tokens = Counter("specdec_completion_tokens", "completion tokens served", registry=self.registry)
         self.accept = Gauge("specdec_engine_accept_length", "engine avg speculative accept length since start",
                             registry=self.registry)
+        # as the replica that answered reports them (SGLang reports what it has; absent keys stay unset)
+        self.engine_requests = Gauge("specdec_engine_requests", "engine requests by state: running, waiting, "
+                                     "finished (since start or flush)", ["state"], registry=self.registry)
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.1}, graceful_shutdown_timeout_s=120,
@@ -62,20 +78,34 @@ class OpenAIIngress:
         self.engine = engine
         self.settings = ProductionSettings.model_validate(settings)
         self.serving = serving
-        self.keys = load_api_keys(self.settings)
-        if self.settings.auth_required() and not self.keys:
-            raise RuntimeError(f"API keys are required when listening on {self.settings.host}: set "
-                               f"{self.settings.api_keys_env}=key1,key2 or --api-key-file, or --no-require-auth")
+        self.keys = [key.encode() for key in load_api_keys(self.settings)]
+        # unknown bind address: assume it is public (fail closed)
+        self.bind_host = serve_bind_host() or "0.0.0.0"
+        problem = auth_problem(self.settings, self.bind_host, [k.decode() for k in self.keys])
+        if problem:
+            raise RuntimeError(problem)
+        self.enforce = bool(self.keys) or auth_required(self.settings, self.bind_host)
         self.metrics = _Metrics()
+
+    def auth_summary(self) -> str:
+        """For the driver's banner: what this replica enforces, from the keys it loaded and the real bind address."""
+        if self.enforce:
+            return f"required ({len(self.keys)} key(s); proxy binds {self.bind_host})"
+        if self.settings.require_auth is False:
+            return f"off (--no-require-auth; proxy binds {self.bind_host})"
+        return f"off (proxy binds {self.bind_host}, localhost only)"
 
     # --- checks --------------------------------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
-        if not (self.settings.auth_required() or self.keys):
+        if not self.enforce:
             return
         header = request.headers.get("authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not token or not any(hmac.compare_digest(token, key) for key in self.keys):
+        # bytes: compare_digest refuses non-ASCII str (a 500 before); headers arrive latin-1 decoded, so latin-1
+        # gives back the bytes the client sent
+        given = token.encode("latin-1")
+        if not token or not any(hmac.compare_digest(given, key) for key in self.keys):
             raise RequestRejected(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                   "authentication_error")
 
@@ -95,13 +125,20 @@ class OpenAIIngress:
             raise RequestRejected(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
         if not isinstance(data, dict):
             raise RequestRejected(400, "request body must be a JSON object", "invalid_request_error")
+        limit = self.settings.max_tokens_limit
         for key in ("max_tokens", "max_completion_tokens"):
             value = data.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise RequestRejected(422, f"{key} must be a positive integer, got {value!r}", "invalid_request_error")
-            if isinstance(value, int) and value > self.settings.max_tokens_limit:
-                raise RequestRejected(422, f"{key}={value} exceeds this endpoint's limit of "
-                                           f"{self.settings.max_tokens_limit}", "invalid_request_error")
+                raise RequestRejected(422, f"{key} must be a positive integer, got {_short(value)}",
+                                      "invalid_request_error")
+            if isinstance(value, int) and value > limit:
+                raise RequestRejected(422, f"{key}={value} exceeds this endpoint's limit of {limit}",
+                                      "invalid_request_error")
+        if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+            # absent would mean "up to the context" for chat: the endpoint's limit applies to it too
+            chat = request.url.path.endswith("/chat/completions")
+            data["max_tokens"] = limit if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, limit)
+            body = json.dumps(data).encode()
         return body, data
 
     # --- routes --------------------------------------------------------------------------------------------------
@@ -116,11 +153,10 @@ class OpenAIIngress:
         return await self._guarded(request, "/v1/config", self._config)
 
     async def _config(self, request: Request) -> Response:
-        config = self.serving["config"]
-        return JSONResponse({**self.serving["origin"], "engine": config.get("engine"), "model": config.get("model"),
-                             "dtype": config.get("dtype"), "speculative": config["trial"]["spec"],
-                             "max_running_requests": config["trial"].get("max_running_requests"),
-                             "decision": config.get("decision"), "study": config.get("study")})
+        # The served ServingConfig field for field (`replica`, `provenance`), plus where it came from (`origin`) and,
+        # for clients that read only these, the registry version at the top level.
+        return JSONResponse({**self.serving["config"], "origin": self.serving["origin"],
+                             "version": self.serving["origin"].get("version")})
 
     @app.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
@@ -133,6 +169,11 @@ class OpenAIIngress:
             accept = states[0].get("avg_spec_accept_length")
             if isinstance(accept, (int, float)):
                 self.metrics.accept.set(accept)
+            for state, key in (("running", "num_running_reqs"), ("waiting", "num_waiting_reqs"),
+                               ("finished", "num_finished_requests")):
+                value = states[0].get(key)
+                if isinstance(value, (int, float)):
+                    self.metrics.engine_requests.labels(state).set(value)
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(), media_type="text/plain")
 
     @app.get("/v1/models")
@@ -151,11 +192,21 @@ class OpenAIIngress:
         started = time.monotonic()
         try:
             self._authorize(request)
-            response = await handler(request)
+            response = await asyncio.wait_for(handler(request), self.settings.request_timeout_s)
         except RequestRejected as rejected:
             response = error_response(rejected.status, rejected.message, rejected.kind)
+        except BackPressureError:
+            response = self._busy("the engine's queue is full")
+        except asyncio.TimeoutError:
+            response = error_response(504, f"the request took longer than request_timeout_s="
+                                           f"{self.settings.request_timeout_s:g}; it was cancelled", "timeout_error")
         self.metrics.requests.labels(route, str(response.status_code)).inc()
         self.metrics.latency.labels(route).observe(time.monotonic() - started)
+        return response
+
+    def _busy(self, why: str) -> Response:
+        response = error_response(429, f"{why}; retry after {self.settings.retry_after_s} s", "rate_limit_error")
+        response.headers["Retry-After"] = str(self.settings.retry_after_s)
         return response
 
     async def _forward(self, request: Request) -> Response:
@@ -167,17 +218,53 @@ class OpenAIIngress:
         headers = {"content-type": "application/json"}
         if data.get("stream"):
             stream = self.engine.options(stream=True).call_stream.remote("POST", path, body, headers)
-            status, ctype = await stream.__anext__()
+            try:
+                status, ctype = await stream.__anext__()
+            except asyncio.CancelledError:  # client gone or request_timeout_s before the first byte
+                stream.cancel()
+                raise
+            if status in (429, 503):  # the engine refused before streaming (its waiting queue is full)
+                stream.cancel()
+                return self._busy("the engine's queue is full")
+            deadline = time.monotonic() + self.settings.request_timeout_s
 
             async def relay():
-                async for chunk in stream:
-                    yield chunk
+                # The deadline covers the whole stream; leaving this generator (client gone, deadline) cancels the
+                # handle call, which closes the engine connection, which cancels the generation.
+                try:
+                    while True:
+                        left = deadline - time.monotonic()
+                        try:
+                            chunk = await asyncio.wait_for(stream.__anext__(), max(left, 0.001))
+                        except StopAsyncIteration:
+                            return
+                        except asyncio.TimeoutError:
+                            yield ("data: " + json.dumps({"error": {
+                                "message": f"the request took longer than request_timeout_s="
+                                           f"{self.settings.request_timeout_s:g}; it was cancelled",
+                                "type": "timeout_error", "code": 504}}) + "\n\ndata: [DONE]\n\n").encode()
+                            return
+                        yield chunk
+                finally:
+                    stream.cancel()
 
             return StreamingResponse(relay(), status_code=status, media_type=ctype or "text/event-stream")
-        status, ctype, payload = await self.engine.call.remote("POST", path, body, headers)
+        response = self.engine.call.remote("POST", path, body, headers)
+        try:
+            status, ctype, payload = await response
+        except asyncio.CancelledError:  # client gone or request_timeout_s: stop the generation too
+            response.cancel()
+            raise
+        if status in (429, 503):
+            return self._busy("the engine's queue is full")
         if status == 200:
             try:
                 self.metrics.tokens.inc(json.loads(payload).get("usage", {}).get("completion_tokens", 0))
             except (json.JSONDecodeError, AttributeError):
                 pass
         return Response(payload, status_code=status, media_type=ctype or None)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -9,6 +9,10 @@ promotion or a rollback drops no request (at the price of 2x the engine's resour
 Run it: `python -m serve.production --registered-model specdec-default --tracking-uri sqlite:///runs/default/mlflow.db`
 or `serve run serve.production:app_builder registered_model=... tracking_uri=...`, or a Serve config file
 (infra/serve-production.yaml) for `serve deploy`.
+
+Auth, limits and backpressure (`serve.production_settings`, docs/security.md): both deployments bound Serve's queue
+(`max_queued_requests`, 429 + Retry-After). `python -m serve.production` checks the auth rule before starting Ray
+(exit 2 with the reason) and its banner reports what the running ingress enforces.
 """
 
 from __future__ import annotations
@@ -19,55 +23,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
 from serve.engines.base import ReplicaConfig
-from serve.spec import FrozenModel
+from serve.serving import SERVING_FILE, ServingConfig
+from serve.production_settings import (LOCAL_HOSTS, PRODUCTION, ProductionSettings, auth_problem,
+                                       load_api_keys)
 
-PRODUCTION, CONFIG_FILE = "production", "serving_config.json"
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
-
-
-class ProductionSettings(FrozenModel):
-    """Where the config comes from and how the endpoint behaves. Every field can be given on the command line."""
-
-    registered_model: str | None = Field(None, description="registry name, e.g. specdec-default")
-    alias: str = Field(PRODUCTION, description="registry alias to serve (ignored when version is set)")
-    version: str | None = Field(None, description="a registered version number instead of an alias")
-    config_file: str | None = Field(None, description="a serving-config JSON/YAML file instead of the registry")
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI of the registry")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    app_name: str = PRODUCTION
-    num_replicas: int = Field(1, ge=1)
-    require_auth: bool | None = Field(None, description="None: required when host is not a localhost address")
-    api_keys_env: str = Field("SPECDEC_API_KEYS", description="env var with comma-separated API keys")
-    api_key_file: str | None = Field(None, description="file with one API key per line")
-    max_request_bytes: int = Field(1_000_000, ge=1024, description="bigger bodies get 413")
-    max_tokens_limit: int = Field(2048, ge=1, description="max_tokens above this gets 422")
-    threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
-    follow_alias_s: float = Field(10.0, ge=0, description="python -m serve.production: poll the registry alias this "
-                                                          "often and roll to a new version (0 = off)")
-
-    def auth_required(self) -> bool:
-        return self.require_auth if self.require_auth is not None else self.host not in LOCAL_HOSTS
-
-    def source_uri(self) -> str:
-        if self.config_file:
-            return str(Path(self.config_file).resolve())
-        if not self.registered_model:
-            raise ValueError("give registered_model (e.g. specdec-default) or config_file")
-        if self.version:
-            return f"models:/{self.registered_model}/{self.version}"
-        return f"models:/{self.registered_model}@{self.alias}"
+CONFIG_FILE = SERVING_FILE
+# The settings and their auth rules live in serve.production_settings (shared with serve.ingress without a circle);
+# re-exported here because this is the production endpoint's public module.
+__all__ = ["ProductionSettings", "PRODUCTION", "LOCAL_HOSTS", "build_app", "app_builder", "deploy", "main",
+           "resolve_serving", "load_serving_config", "replica_config"]
 
 
-def load_serving_config(tracking_uri: str | None, uri: str) -> dict[str, Any]:
-    """A serving config from `models:/<name>@<alias>`, `models:/<name>/<version>` or a JSON/YAML file."""
+def load_serving_config(tracking_uri: str | None, uri: str) -> ServingConfig:
+    """The serving config at `models:/<name>@<alias>`, `models:/<name>/<version>` or a JSON/YAML file, validated:
+    a file that is not a ServingConfig is refused with the field named."""
     if not uri.startswith("models:/"):
         import yaml
 
-        return dict(yaml.safe_load(Path(uri).read_text()))
+        return _validated(yaml.safe_load(Path(uri).read_text()), uri)
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -82,7 +56,17 @@ def load_serving_config(tracking_uri: str | None, uri: str) -> dict[str, Any]:
         version = client.get_model_version(name, number)
     folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=tracking_uri))
     target = folder / CONFIG_FILE if folder.is_dir() else folder
-    return json.loads(target.read_text())
+    return _validated(json.loads(target.read_text()), uri)
+
+
+def _validated(data: Any, where: str) -> ServingConfig:
+    from pydantic import ValidationError
+
+    try:
+        return ServingConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{where} is not a serving config: {exc}. Fix: use the serving_config.json a study wrote "
+                         "(deploy/ of its output folder) or a registered version") from None
 
 
 def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
@@ -98,29 +82,38 @@ def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
                              registry_uri=settings.tracking_uri).get_model_version_by_alias(
             settings.registered_model, settings.alias)
         origin.update(alias=settings.alias, version=str(found.version))
-    return {"origin": origin, "config": config}
+    return {"origin": origin, "config": config.model_dump(mode="json")}
 
 
 def replica_config(serving: dict[str, Any], threads: int | None = None) -> ReplicaConfig:
-    config = serving["config"]
-    trial = config["trial"]
-    return ReplicaConfig(engine=config.get("engine", "cpu"), model=config["model"],
-                         dtype=config.get("dtype", "float32"), spec=trial["spec"],
-                         max_running_requests=trial.get("max_running_requests"), threads=threads)
+    """The replica exactly as the serving config says (tp_size, extra_flags, env_from, start_timeout_s included);
+    `threads` overrides only the CPU engine's thread count of this machine."""
+    replica = ServingConfig.model_validate(serving["config"]).replica
+    return replica.model_copy(update={"threads": threads}) if threads is not None else replica
 
 
 def build_app(settings: ProductionSettings) -> Any:
     """The Serve application: ingress + one engine deployment, both rolling with a 100% surge."""
     from serve.ingress import OpenAIIngress
-    from serve.replica import EngineBackend
+    from serve.replica import EngineBackend, actor_options
 
     serving = resolve_serving(settings)
     engine_cfg = replica_config(serving, settings.threads)
-    num_gpus = engine_cfg.tp_size if engine_cfg.engine == "sglang" else 0
     engine = EngineBackend.options(
         num_replicas=settings.num_replicas, max_surge_percent=100, max_constructor_retry_count=3,
-        ray_actor_options={"num_cpus": 0.1, "num_gpus": num_gpus}).bind(engine_cfg.model_dump(mode="json"))
-    return OpenAIIngress.options(max_surge_percent=100).bind(engine, settings.model_dump(mode="json"), serving)
+        **_backpressure(settings),
+        ray_actor_options=actor_options(engine_cfg)).bind(engine_cfg.to_replica())
+    # max_constructor_retry_count=1: a refused start (no keys off-localhost, placeholder keys) fails in seconds
+    return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,
+                                 **_backpressure(settings)).bind(engine, settings.model_dump(mode="json"), serving)
+
+
+def _backpressure(settings: ProductionSettings) -> dict[str, Any]:
+    """Serve's own queue in front of a deployment is bounded; a request beyond it gets 429 with Retry-After."""
+    from ray.serve.config import BackpressureConfig
+
+    return {"max_queued_requests": settings.max_queued_requests,
+            "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=settings.retry_after_s)}
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -145,9 +138,16 @@ def deploy(settings: ProductionSettings, timeout_s: float = 900.0) -> dict[str, 
         if state.endswith("RUNNING"):
             return resolve_serving(settings)
         if state.endswith("DEPLOY_FAILED"):
-            raise RuntimeError(f"production app failed to deploy: {status.message}")
+            raise RuntimeError(f"production app failed to deploy: {_reason(status)}")
         time.sleep(0.5)
     raise TimeoutError(f"production app not RUNNING after {timeout_s:.0f} s")
+
+
+def _reason(status: Any) -> str:
+    """The deployments' own messages (a constructor's exception text) before the app's generic one."""
+    messages = [f"{name}: {d.message}" for name, d in (getattr(status, "deployments", None) or {}).items()
+                if getattr(d, "message", "")]
+    return "\n".join(messages) or str(status.message)
 
 
 def _parser() -> Any:
@@ -176,15 +176,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
+    # The same rule the ingress enforces, checked here first: a refused start says why in this terminal, at once,
+    # instead of after Serve's retries with the reason only in Ray's logs.
+    try:
+        problem = auth_problem(settings, settings.host, load_api_keys(settings))
+    except OSError as exc:
+        problem = f"--api-key-file: cannot read {settings.api_key_file!r}: {exc.strerror}"
+    if problem:
+        print(f"error: {problem}", flush=True)
+        return 2
     import ray
     from ray import serve
 
     ray.init(address=address, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    served = deploy(settings)
+    try:
+        served = deploy(settings)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"error: {exc}", flush=True)
+        serve.shutdown()
+        return 1
     origin = served["origin"]
+    # Ask the running ingress, not the settings: it knows the bind address and the keys it actually loaded.
+    auth = serve.get_app_handle(settings.app_name).auth_summary.remote().result(timeout_s=60)
     print(f"serving {origin['source']} (version {origin['version']}) at http://{settings.host}:{settings.port}/v1 "
-          f"-- auth {'required' if settings.auth_required() else 'off (localhost)'}; Ctrl-C stops", flush=True)
+          f"-- auth {auth}; Ctrl-C stops", flush=True)
     try:
         follow(settings, origin.get("version"))
     except KeyboardInterrupt:

@@ -2,8 +2,9 @@
 
 Two deployments share one engine-owning base: `EngineReplica` (HTTP ingress: every engine route under the app's
 prefix; one per trial) and `EngineBackend` (handle-only, behind the production ingress). Lifecycle: the constructor
-starts the engine (`serve.engines.base.engine_argv`) on a free port in its own process
-group, with its output in a log file, and waits for `GET /health` up to `start_timeout_s`. If the engine exits or
+runs the engine kind's node checks and preflight (here, where the engine will run), starts the engine on a free port
+in its own process group under a watchdog, with its output in a log file, and waits for `GET /health` up to
+`start_timeout_s`. If the engine exits or
 never gets ready, the constructor raises with the log tail, so Serve marks the app DEPLOY_FAILED and the trial can
 record LAUNCH_FAILED with the reason. Every route is proxied to the engine (streaming included). Serve's health
 check asks the process and `/health`. Shutdown kills the whole process group.
@@ -24,16 +25,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from serve.engines.base import ReplicaConfig, child_env, engine_argv
+from serve.engines import engine_for
+from serve.engines.base import ReplicaConfig, python_module_argv
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
+STOP_GRACE_S = 10.0  # x2 (SIGTERM wait, then SIGKILL wait) stays inside graceful_shutdown_timeout_s below
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def actor_options(config: ReplicaConfig) -> dict[str, Any]:
+    """`ray_actor_options` of the replica that owns `config`'s engine (its engine kind decides)."""
+    return engine_for(config.engine).actor_options(config)
 
 
 def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
@@ -45,30 +53,31 @@ def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
 
 
 class EngineProcess:
-    """One engine process: start, wait for readiness, stop. Usable without Ray (tests, benchmarks)."""
+    """One engine process: node checks, start, wait for readiness, stop. Usable without Ray (tests, benchmarks).
+
+    The constructor runs the engine kind's `prepare` here, on the node that will run the engine (GPUs Ray assigned,
+    driver, compiler, free GPU memory, the engine's own parser on the exact argv): it raises ConfigRejected when the
+    engine refuses the config and RuntimeError when this node cannot run it. The engine is started through
+    `serve.engines.watchdog`, which kills its process group if this process dies without running `stop`."""
 
     def __init__(self, config: ReplicaConfig, host: str = "127.0.0.1") -> None:
-        if config.engine == "sglang":
-            from serve.engines.sglang import gpu_problem
-
-            problem = gpu_problem(config.tp_size)
-            if problem:
-                raise RuntimeError(problem)
         self.config = config
+        self.kind = engine_for(config.engine)
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="specdec-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine-{self.port}.log"
-        self.argv = engine_argv(config, host, self.port)
-        env = child_env(config.env)
+        self.argv = self.kind.argv(config, host, self.port)
+        self.prepared = self.kind.prepare(config, self.argv)
         self.startup_s: float | None = None  # spawn -> first healthy /health (model load, probe, server up)
         self._spawned = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
-            # Own session = own process group: teardown kills the engine and anything it spawned.
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+            # Own session = own process group, led by the watchdog: teardown kills the engine and its children.
+            self.process = subprocess.Popen(python_module_argv("serve.engines.watchdog") + ["--", *self.argv],
+                                            stdout=log, stderr=subprocess.STDOUT, env=self.kind.start_env(config),
                                             start_new_session=True, cwd=os.getcwd())
 
     def wait_ready(self) -> None:
@@ -92,7 +101,8 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to the group, SIGKILL after `grace_s`; bounded, so it fits in Serve's graceful shutdown."""
         if self.process.poll() is not None:
             return
         try:
@@ -107,14 +117,13 @@ class EngineProcess:
 
 
 app = FastAPI()
-_DEPLOYMENT_OPTIONS = dict(
+_DEPLOYMENT_OPTIONS: dict[str, Any] = dict(
     max_ongoing_requests=256,  # the engine queues (FIFO, max_running_requests); the replica must not
     max_constructor_retry_count=1,  # a config that cannot start fails fast instead of 20 retries
     health_check_period_s=5,
     health_check_timeout_s=30,
     graceful_shutdown_wait_loop_s=1,
-    graceful_shutdown_timeout_s=20,
-    ray_actor_options={"num_cpus": 0.1},
+    graceful_shutdown_timeout_s=2 * STOP_GRACE_S + 5,
 )
 
 
@@ -174,7 +183,11 @@ class EngineReplica(_EngineOwner):
 
     @app.get("/replica/argv")
     async def engine_command(self) -> dict[str, Any]:
-        return {"argv": self.engine.argv, "pid": self.engine.process.pid, "startup_s": self.engine.startup_s}
+        """What ran where: the engine's argv, its start-up time, the node checks' findings, the Ray node."""
+        import ray
+
+        return {"argv": self.engine.argv, "pid": self.engine.process.pid, "startup_s": self.engine.startup_s,
+                "prepared": self.engine.prepared, "node_id": ray.get_runtime_context().get_node_id()}
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(self, path: str, request: Request) -> Response:

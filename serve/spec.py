@@ -14,7 +14,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-Algorithm = Literal["none", "ngram", "eagle", "eagle3", "standalone"]
+Algorithm = Literal["none", "ngram", "eagle", "eagle3", "standalone", "llama_ngram_simple", "llama_ngram_map_k",
+                    "llama_ngram_map_k4v", "llama_ngram_mod", "llama_ngram_cache", "llama_draft"]
 ALGORITHMS: tuple[str, ...] = ("none", "ngram", "eagle", "eagle3", "standalone")
 DRAFT_MODEL_ALGORITHMS: tuple[str, ...] = ("eagle", "eagle3", "standalone")
 
@@ -41,6 +42,11 @@ class NgramSpec(FrozenModel):
     match_type: Literal["BFS", "PROB"] = Field("BFS", description="BFS: recency order; PROB: frequency order")
     max_trie_depth: int = Field(18, ge=2, description="the n-gram window: longest n-gram stored and matched")
     capacity: int = Field(10_000_000, ge=1, description="trie node budget, LRU-evicted when full")
+    # SGLang's external corpus: a suffix automaton over documents loaded at start (and at runtime), drafting beside
+    # the trie within `external_sam_budget` of the draft nodes; `/flush_cache` keeps it.
+    external_corpus: str | None = Field(None, description="JSONL of strings loaded at start (SGLang: the path)")
+    external_sam_budget: int = Field(0, ge=0, description="draft nodes reserved for the corpus subtree")
+    external_corpus_max_tokens: int = Field(10_000_000, ge=1, description="start fails past this many corpus tokens")
 
 
 class _DraftModelSpec(FrozenModel):
@@ -65,12 +71,96 @@ class StandaloneSpec(_DraftModelSpec):
     algorithm: Literal["standalone"] = "standalone"
 
 
+# --- llama.cpp `llama-server` speculative types (engine kind "llama_cpp"; its own tagged variants) ---------------
+# llama.cpp's menu is not SGLang's: other algorithms, other knobs, so its variants carry llama.cpp's own names
+# (`--spec-type X` -> algorithm `llama_X`, knobs after the `--spec-*` flags; defaults are llama-server's) and never
+# collide with none/ngram/eagle/eagle3/standalone. The baseline stays `none`. Rendered to flags by
+# serve/engines/llama_cpp/flags.py. `threads` (-t) is searchable per trial here: on a CPU box it is a real knob.
+
+
+class _LlamaSpec(FrozenModel):
+    threads: int | None = Field(None, ge=1, description="llama-server -t; None = the study's engine.threads")
+
+
+class _LlamaNgramLookupSpec(_LlamaSpec):
+    # ngram-simple / ngram-map-k / ngram-map-k4v: look up the last size_n tokens, draft the size_m tokens that followed
+    size_n: int = Field(12, ge=1, le=1024, description="lookup n-gram length (--spec-ngram-*-size-n)")
+    size_m: int = Field(48, ge=1, le=1024, description="draft m-gram length (--spec-ngram-*-size-m)")
+    min_hits: int = Field(1, ge=1, description="hits an n-gram needs before its m-gram is drafted")
+
+
+class LlamaNgramSimpleSpec(_LlamaNgramLookupSpec):
+    algorithm: Literal["llama_ngram_simple"] = "llama_ngram_simple"
+
+
+class LlamaNgramMapKSpec(_LlamaNgramLookupSpec):
+    algorithm: Literal["llama_ngram_map_k"] = "llama_ngram_map_k"
+
+
+class LlamaNgramMapK4vSpec(_LlamaNgramLookupSpec):
+    algorithm: Literal["llama_ngram_map_k4v"] = "llama_ngram_map_k4v"
+
+
+class LlamaNgramModSpec(_LlamaSpec):
+    algorithm: Literal["llama_ngram_mod"] = "llama_ngram_mod"
+    n_match: int = Field(24, ge=1, description="lookup length (--spec-ngram-mod-n-match)")
+    n_min: int = Field(48, ge=0, description="fewest draft tokens worth verifying (--spec-ngram-mod-n-min)")
+    n_max: int = Field(64, ge=1, description="most draft tokens (--spec-ngram-mod-n-max)")
+
+
+class LlamaNgramCacheSpec(_LlamaSpec):
+    algorithm: Literal["llama_ngram_cache"] = "llama_ngram_cache"
+    dynamic_cache: bool = Field(True, description="a dynamic lookup cache file, fresh per engine start")
+    static_cache: str | None = Field(None, description="a static lookup cache file (--lookup-cache-static)")
+
+
+class LlamaDraftSpec(_LlamaSpec):
+    """`--spec-type draft-simple`: a smaller GGUF of the same vocabulary drafts greedily."""
+
+    algorithm: Literal["llama_draft"] = "llama_draft"
+    draft_model: str | None = Field(None, description="draft GGUF: a known model id (id@f32 for F32) or a path")
+    draft_n_max: int = Field(3, ge=1, description="most draft tokens per step (--spec-draft-n-max)")
+    draft_n_min: int = Field(0, ge=0, description="fewest draft tokens worth verifying (--spec-draft-n-min)")
+    p_min: float = Field(0.0, ge=0, le=1, description="stop drafting below this draft probability")
+    p_split: float = Field(0.1, ge=0, le=1, description="speculative split probability (--spec-draft-p-split)")
+
+
+LLAMA_CPP_SPECS: tuple[type[FrozenModel], ...] = (
+    LlamaNgramSimpleSpec, LlamaNgramMapKSpec, LlamaNgramMapK4vSpec, LlamaNgramModSpec, LlamaNgramCacheSpec,
+    LlamaDraftSpec)
+LlamaCppSpec = Union[LlamaNgramSimpleSpec, LlamaNgramMapKSpec, LlamaNgramMapK4vSpec, LlamaNgramModSpec,
+                     LlamaNgramCacheSpec, LlamaDraftSpec]
+LLAMA_CPP_ALGORITHMS: tuple[str, ...] = tuple(t.model_fields["algorithm"].default for t in LLAMA_CPP_SPECS)
+
+
+def validate_llama_cpp_spec(spec: FrozenModel, prefix: str = "spec") -> list[Violation]:
+    """Rules llama-server does not check itself or answers with a crash or a silent clamp. Pure."""
+    found = []
+    if isinstance(spec, LlamaNgramModSpec) and spec.n_min > spec.n_max:
+        found.append(Violation(f"{prefix}.n_min", f"{spec.algorithm}: n_min <= n_max must hold",
+                               f"n_min={spec.n_min}, n_max={spec.n_max}"))
+    if isinstance(spec, LlamaDraftSpec):
+        if not spec.draft_model:
+            found.append(Violation(
+                f"{prefix}.draft_model", "llama_draft needs a draft model (set draft_model in the search space: a "
+                "known model id such as smollm2-135m, id@f32, or a .gguf path)", "draft_model=None"))
+        if spec.draft_n_min > spec.draft_n_max:
+            found.append(Violation(f"{prefix}.draft_n_min", "llama_draft: draft_n_min <= draft_n_max must hold",
+                                   f"draft_n_min={spec.draft_n_min}, draft_n_max={spec.draft_n_max}"))
+    if isinstance(spec, LlamaNgramCacheSpec) and not spec.dynamic_cache and not spec.static_cache:
+        found.append(Violation(f"{prefix}.dynamic_cache", "llama_ngram_cache needs a dynamic or a static cache "
+                               "(set dynamic_cache: true or static_cache: <file>)",
+                               "dynamic_cache=False, static_cache=None"))
+    return found
+
+
 SpecConfig = Annotated[
-    Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec], Field(discriminator="algorithm")
+    Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec, LlamaCppSpec], Field(discriminator="algorithm")
 ]
 SPEC_ADAPTER: TypeAdapter[SpecConfig] = TypeAdapter(SpecConfig)
 SPEC_TYPES: dict[str, type[FrozenModel]] = {
     "none": NoSpec, "ngram": NgramSpec, "eagle": EagleSpec, "eagle3": Eagle3Spec, "standalone": StandaloneSpec,
+    **{name: spec_type for name, spec_type in zip(LLAMA_CPP_ALGORITHMS, LLAMA_CPP_SPECS)},
 }
 
 
@@ -102,6 +192,8 @@ def validate_spec(spec: SpecConfig, prefix: str = "spec") -> list[Violation]:
         return _validate_ngram(spec, prefix)
     if isinstance(spec, (EagleSpec, Eagle3Spec, StandaloneSpec)):
         return _validate_draft_model(spec, prefix)
+    if isinstance(spec, LLAMA_CPP_SPECS):
+        return validate_llama_cpp_spec(spec, prefix)
     return []
 
 
@@ -121,6 +213,15 @@ def _validate_ngram(spec: NgramSpec, prefix: str) -> list[Violation]:
         found.append(Violation(
             f"{prefix}.num_draft_tokens", "ngram: num_draft_tokens >= 2 must hold (the root plus at least one draft)",
             f"num_draft_tokens={spec.num_draft_tokens}"))
+    if spec.external_sam_budget > spec.num_draft_tokens - 1:
+        # SGLang refuses this at start-up (speculative_hook.py) when a corpus is given; the CPU engine always does.
+        found.append(Violation(
+            f"{prefix}.external_sam_budget", "ngram: external_sam_budget <= num_draft_tokens - 1 must hold",
+            f"external_sam_budget={spec.external_sam_budget}, num_draft_tokens={spec.num_draft_tokens}"))
+    if spec.external_corpus is not None and spec.external_sam_budget == 0:
+        found.append(Violation(
+            f"{prefix}.external_sam_budget", "ngram: a corpus needs external_sam_budget > 0 (SGLang refuses 0)",
+            f"external_corpus={spec.external_corpus!r}, external_sam_budget=0"))
     return found
 
 
@@ -163,4 +264,6 @@ def _validate_draft_model(spec: EagleSpec | Eagle3Spec | StandaloneSpec, prefix:
 def draft_token_count(spec: SpecConfig) -> int:
     """Draft tokens a spec asks the target to verify per step (0 for the baseline); used by tie-breaking."""
     value = getattr(spec, "num_draft_tokens", None)
+    if value is None:  # llama.cpp variants count draft tokens without the root
+        return int(next((getattr(spec, f) for f in ("draft_n_max", "n_max", "size_m") if hasattr(spec, f)), 0))
     return int(value) - 1 if value else 0

@@ -42,7 +42,8 @@ class EngineContract:
                     "max_running_requests"):
             assert key in info
         assert info["speculative_eagle_topk"] == info["speculative_ngram_max_bfs_breadth"]  # SGLang's rewrite
-        assert isinstance(info["internal_states"], list) and "avg_spec_accept_length" in info["internal_states"][0]
+        # avg_spec_accept_length is optional: SGLang adds it only after a 40-decode-batch window (the CPU engine too)
+        assert isinstance(info["internal_states"], list) and info["internal_states"]
 
     def test_generate_returns_text_ids_and_counters(self, engine):
         data = generate(engine.url).json()
@@ -65,7 +66,7 @@ class EngineContract:
         generate(engine.url, max_new_tokens=32)
         assert httpx.post(f"{engine.url}/flush_cache", timeout=60).status_code == 200
         state = httpx.get(f"{engine.url}/server_info", timeout=60).json()["internal_states"][0]
-        assert state["avg_spec_accept_length"] in (None, 0, 0.0, 1.0)
+        assert state.get("avg_spec_accept_length") in (None, 0, 0.0, 1.0)  # absent after a flush
 
     def test_openai_routes(self, engine):
         models = httpx.get(f"{engine.url}/v1/models", timeout=60).json()

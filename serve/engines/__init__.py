@@ -1,0 +1,28 @@
+"""Engine kinds. `engine_for(kind)` is the one place a kind string becomes behaviour (DESIGN §3)."""
+
+from __future__ import annotations
+
+from serve.engines.base import Engine
+
+
+def engine_for(kind: str) -> Engine:
+    """The `Engine` for a config's `engine` value ("cpu" | "sglang" | "llama_cpp")."""
+    if kind == "cpu":
+        from serve.engines.cpu.adapter import CpuEngine
+
+        return CpuEngine()
+    if kind == "sglang":
+        from serve.engines.sglang import SglangEngine
+
+        return SglangEngine()
+    if kind == "llama_cpp":
+        from serve.engines.llama_cpp.adapter import LlamaCppEngine
+
+        return LlamaCppEngine()
+    raise ValueError(f"engine kind {kind!r} is unknown: use 'cpu' (embedded, no GPU), 'sglang' (GPU node) or "
+                     "'llama_cpp' (llama.cpp's llama-server; bash infra/install-llama-cpp.sh)")
+
+
+def algorithms_of(kind: str) -> frozenset[str]:
+    """The speculative algorithms an engine kind implements (static knowledge: validation, not preflight)."""
+    return engine_for(kind).algorithms

@@ -1,102 +1,129 @@
-"""The engine contract: what a replica is told (`ReplicaConfig`) and how it becomes an engine command line.
+"""The engine contract: what a replica is told (`ReplicaConfig`) and what an engine kind must know (`Engine`).
 
-Both engines are separate processes that speak one HTTP protocol (DESIGN §3): SGLang's native `/generate`,
-`/health`, `/server_info`, `/flush_cache`, and the OpenAI routes. So one replica class, one load generator and one
-record format serve both. Speculative flags are rendered with SGLang 0.5.23's exact names for both engines; the CPU
-engine accepts the same names on purpose.
+Every engine is a separate process speaking one HTTP protocol (DESIGN §3): SGLang's native `/generate`, `/health`,
+`/server_info`, `/flush_cache`, and the OpenAI routes. So one replica class, one load generator and one record format
+serve every engine. What differs per engine kind lives in its `Engine` subclass, chosen once from the config
+(`serve.engines.engine_for`): the algorithms it implements, its command line, the Ray resources of its replica, the
+checks that must pass on the replica's node before it starts, and how many replicas fit a cluster. No module outside
+`serve/engines/` branches on the kind.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Literal
-
 from pathlib import Path
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_serializer
 
-from serve.engines.flags import ALGORITHM_NAMES, render_spec
 from serve.spec import FrozenModel, NoSpec, SpecConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+EngineKind = Literal["cpu", "sglang", "llama_cpp"]
+REDACTED = "<redacted>"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for our own `python -m serve...` subprocesses: they must import this project even when the
     caller's working directory is elsewhere (Tune runs trials in their own folders) and it is not pip-installed."""
-    import os
-
     env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 
+def redact_env(env: dict[str, str], info: Any) -> dict[str, str]:
+    """Serializer for `env` fields: values (tokens, passwords) leave a config only when the caller asks for them
+    (`model_dump(context={"reveal_env": True})`, done solely to hand the config to the replica that starts the
+    engine). Logged, printed and written forms carry the variable names only."""
+    if (getattr(info, "context", None) or {}).get("reveal_env"):
+        return dict(env)
+    return {name: REDACTED for name in env}
+
+
 class ReplicaConfig(FrozenModel):
     """Everything one engine replica needs to start. Trials and the production endpoint both build one."""
 
-    engine: Literal["cpu", "sglang"] = "cpu"
+    engine: EngineKind = "cpu"
     model: str = Field(description="cpu: model id, HF dir or .gguf; sglang: model path or HF id")
     dtype: Literal["float32", "bfloat16"] = "float32"
     spec: SpecConfig = Field(default_factory=NoSpec)
     max_running_requests: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
+    replica_cpus: float | None = Field(None, ge=0, description="CPUs Ray reserves per replica; None = engine default")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per replica, e.g. {engine_node: 1} to pin replicas")
     extra_flags: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="engine process environment; values never logged")
+    env_from: list[str] = Field(default_factory=list, description="names of variables the engine takes from the "
+                                "replica's own environment (how a served config carries secrets: by reference)")
     start_timeout_s: float = Field(600.0, gt=0)
     log_dir: str | None = Field(None, description="where the engine log goes; None = a temp dir")
 
+    _redact = field_serializer("env")(redact_env)
 
-def cpu_engine_argv(config: ReplicaConfig, host: str, port: int) -> list[str]:
-    """The embedded CPU engine's command line (`python -m serve.engines.cpu`)."""
-    argv = [sys.executable, "-m", "serve.engines.cpu", "--model-path", config.model, "--host", host,
-            "--port", str(port), "--dtype", config.dtype]
-    if config.threads is not None:
-        argv += ["--threads", str(config.threads)]
-    return argv + render_spec(config.spec, config.max_running_requests) + list(config.extra_flags)
+    def to_replica(self) -> dict[str, Any]:
+        """The JSON form handed to the Serve replica (the only form that carries env values)."""
+        return self.model_dump(mode="json", context={"reveal_env": True})
 
 
-def engine_argv(config: ReplicaConfig, host: str, port: int) -> list[str]:
-    """Command line for the configured engine."""
-    if config.engine == "cpu":
-        return cpu_engine_argv(config, host, port)
-    from serve.engines.sglang import sglang_argv  # version-aware flag table; imports nothing heavy
+class ConfigRejected(RuntimeError):
+    """The engine itself (e.g. SGLang's own parser) refused the configuration: the trial is INVALID, not a failure
+    of the machine. Raised in the replica; the message starts with `MARKER` so it survives Serve's error text."""
 
-    return sglang_argv(config, host, port)
+    MARKER = "[engine rejected the config]"
 
-
-# /server_info keys (SGLang names) that must read back as requested, per spec field.
-EFFECTIVE_KEYS = {
-    "num_draft_tokens": "speculative_num_draft_tokens",
-    "max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
-    "min_bfs_breadth": "speculative_ngram_min_bfs_breadth",
-    "match_type": "speculative_ngram_match_type",
-    "max_trie_depth": "speculative_ngram_max_trie_depth",
-    "capacity": "speculative_ngram_capacity",
-    "num_steps": "speculative_num_steps",
-    "topk": "speculative_eagle_topk",
-}
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{self.MARKER} {reason}")
+        self.reason = reason
 
 
-def effective_diff(config: ReplicaConfig, server_info: dict) -> dict[str, tuple[object, object]]:
-    """{field: (requested, effective)} for every speculative setting the engine changed. Pure.
+class Engine:
+    """One engine kind. Stateless; methods that run on the replica's node say so."""
 
-    Auto params (None) and NGRAM's derived steps/topk are not requested, so they are not diffs; they are recorded
-    with the server info. `max_running_requests` counts only when it was requested.
-    """
-    diffs: dict[str, tuple[object, object]] = {}
-    algorithm = server_info.get("speculative_algorithm")
-    wanted = ALGORITHM_NAMES.get(config.spec.algorithm)
-    if (algorithm or None) != wanted:
-        diffs["algorithm"] = (wanted, algorithm)
-    for field, key in EFFECTIVE_KEYS.items():
-        requested = getattr(config.spec, field, None)
-        if requested is None or key not in server_info:
-            continue
-        if server_info[key] != requested:
-            diffs[field] = (requested, server_info[key])
-    if config.max_running_requests is not None:
-        effective = server_info.get("max_running_requests")
-        if effective != config.max_running_requests:
-            diffs["max_running_requests"] = (config.max_running_requests, effective)
-    return diffs
+    kind: ClassVar[str]
+    algorithms: ClassVar[frozenset[str]]
+    label: ClassVar[str]  # for messages: "the CPU engine", "SGLang"
+
+    def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        """The engine's full command line."""
+        raise NotImplementedError
+
+    def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
+        """`ray_actor_options` of the replica that owns the engine process."""
+        raise NotImplementedError
+
+    def concurrent_replicas(self, config: ReplicaConfig, cluster_resources: dict[str, float]) -> int:
+        """How many replicas of this config can run at once on a cluster with these total resources."""
+        raise NotImplementedError
+
+    def prepare(self, config: ReplicaConfig, argv: list[str]) -> dict[str, Any]:
+        """Runs in the replica, on its node, before the engine starts: prerequisites and the engine's own verdict on
+        `argv`. Returns what it found (recorded with the trial); raises ConfigRejected when the engine refuses the
+        config, RuntimeError when this node cannot run it."""
+        return {}
+
+    def start_env(self, config: ReplicaConfig) -> dict[str, str]:
+        """The engine process's environment: `env`'s values plus each `env_from` name read from this process's own
+        environment. A name that is not set there is an error, not an engine started without its secret."""
+        missing = [name for name in config.env_from if name not in config.env and name not in os.environ]
+        if missing:
+            raise RuntimeError(f"env_from: variable(s) {missing} are not set in the replica's environment; set them "
+                               "on every node that can run the engine (e.g. the Serve runtime_env or the pod spec)")
+        return child_env({**{name: os.environ[name] for name in config.env_from if name not in config.env},
+                          **config.env})
+
+    @staticmethod
+    def server_accept_length(server_info: dict[str, Any]) -> float | None:
+        """The engine's own cumulative accept length, when it reports one. Optional by contract: SGLang adds
+        `avg_spec_accept_length` only after a 40-decode-batch window and a flush resets it. Per-request
+        `meta_info` counters are the trial's source of truth."""
+        states = server_info.get("internal_states") or [{}]
+        value = states[0].get("avg_spec_accept_length") if isinstance(states[0], dict) else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+def python_module_argv(module: str) -> list[str]:
+    """`python -m module` with this interpreter (never a name looked up on PATH)."""
+    return [sys.executable, "-m", module]

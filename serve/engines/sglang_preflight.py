@@ -1,7 +1,8 @@
 """Run SGLang's own argument parser and resolution on an argv, in this (sub)process; print one JSON line.
 
 `python -m serve.engines.sglang_preflight` reads {"argvs": [[...], ...], "parse_only": bool} on stdin and prints
-{"results": [{"ok": bool, "stage": "import|parse|resolve|check", "error": str|None, "resolved": {...}}, ...]}.
+{"results": [{"ok": bool, "stage": "import|parse|resolve|check", "error": str|None, "resolved": {...}}, ...]};
+or reads {"fields": true} and prints {"fields": [ServerArgs field names], "version": ...}: the flags this SGLang has.
 parse_only checks flag names, types and choices with SGLang's argparse parser (fast: one parser for all argvs);
 otherwise each argv also goes through `resolve_once()` and `check_server_args()` (seconds each). It needs only
 `sglang` (installed `--no-deps`) and what `sglang.srt.server_args` imports (reference/sglang-0.5.23.md §8); GPU-only
@@ -20,14 +21,14 @@ import sys
 import traceback
 from typing import Any
 
+from serve.engines.settings import SETTINGS
+
 # GPU-only or optional packages that sglang imports at module level (reference §8, checked on 0.5.23).
 GPU_ONLY = {"torchvision", "sgl_kernel", "flashinfer", "deep_gemm", "vllm", "aiter", "torch_npu", "petit_kernel",
             "amdsmi", "pymtml", "tvm_ffi", "modelscope", "torchcodec", "pynvml"}
-RESOLVED_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-                 "speculative_num_draft_tokens", "speculative_draft_model_path", "speculative_ngram_min_bfs_breadth",
-                 "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type",
-                 "speculative_ngram_max_trie_depth", "speculative_ngram_capacity", "max_running_requests",
-                 "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device")
+# What a trial records of SGLang's resolution: every setting of the one table, plus what else changes a trial.
+RESOLVED_KEYS = tuple(s.server_arg for s in SETTINGS) + (
+    "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device")
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -113,8 +114,24 @@ def run(argv: list[str]) -> dict[str, Any]:
         return {"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {detail}", "resolved": {}}
 
 
+def server_arg_fields() -> dict[str, Any]:
+    import dataclasses
+
+    import sglang
+    from sglang.srt.server_args import ServerArgs
+
+    # 0.5.23's ServerArgs is a msgspec Struct; older ones are dataclasses.
+    names = getattr(ServerArgs, "__struct_fields__", None) or [f.name for f in dataclasses.fields(ServerArgs)]
+    return {"fields": sorted(names),
+            "version": getattr(sglang, "__version__", None)}
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    if request.get("fields"):
+        _install_stubs()
+        sys.stdout.write("\n" + json.dumps(server_arg_fields()) + "\n")
+        return
     argvs = [list(a) for a in request["argvs"]]
     try:
         _install_stubs()

@@ -37,3 +37,18 @@ class TestSglangEngineContract(EngineContract):
             yield process
         finally:
             process.stop()
+
+
+def test_stopping_the_engine_frees_its_gpu(tmp_path):
+    """Defect 6 on real hardware: after teardown (watchdog-led process group killed) the GPU holds no engine memory,
+    so the next trial's node check passes."""
+    from serve.engines.sglang import wait_gpus_free
+
+    config = ReplicaConfig(engine="sglang", model=MODEL or "", start_timeout_s=1200, log_dir=str(tmp_path))
+    process = EngineProcess(config)
+    try:
+        process.wait_ready()
+    finally:
+        process.stop()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[:1]
+    assert wait_gpus_free(visible, timeout_s=120) is None

@@ -85,3 +85,26 @@ def test_openai_errors_are_400(client):
         client.completions.create(model="smol", prompt=PROMPT, max_tokens=16, n=2)
     after = client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0)
     assert after.usage.completion_tokens == 2  # still serving
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+    ({"prompt": "x", "max_tokens": 2, "stop": ["ok", "\udfff"]}, "stop"),
+    ({"prompt": "x", "max_tokens": 2, "seed": 2**63}, "seed"),
+    ({"prompt": "x", "max_tokens": "2"}, "max_tokens"),
+    ({"prompt": [1, True], "max_tokens": 2}, "prompt"),
+    ({"prompt": "x", "max_tokens": 2, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "max_tokens": 2, "stop": "y" * 400_000}, "stop"),
+])
+def test_hostile_completion_bodies_are_400_not_500(server, body, field):
+    import json
+
+    resp = httpx.post(server.url + "/v1/completions", content=json.dumps({"model": "smol", **body}),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 400 and field in resp.json()["error"]["message"]
+
+
+def test_chat_surrogate_is_400(server):
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"content-type": "application/json"},
+                      content='{"model": "smol", "messages": [{"role": "user", "content": "hi \\ud83d"}]}')
+    assert resp.status_code == 400 and "messages" in resp.json()["error"]["message"]

@@ -14,6 +14,7 @@ import pytest
 
 from serve.engines.cpu.decode import Decoder, Request, StopRules
 from serve.engines.cpu.runner import ModelRunner
+from serve.engines.cpu.server import FLUSH_FAILED
 from serve.engines.cpu.verify import Sampling
 pytestmark = pytest.mark.integration
 
@@ -59,7 +60,7 @@ def test_server_info_reports_sglang_resolution(client):
     curve = info["verify_cost"]
     assert curve["sizes"] == [1, 2, 3, 4, 6, 8, 12, 16] and curve["relative"][0] == 1.0 and len(curve["ms"]) == 8
     state = info["internal_states"][0]
-    assert state["avg_spec_accept_length"] is None and state["spec_verify_ct"] == 0  # just flushed
+    assert "avg_spec_accept_length" not in state and state["spec_verify_ct"] == 0  # just flushed (SGLang: absent)
 
 
 def test_greedy_output_equals_plain_decoding(client, smol):
@@ -87,8 +88,9 @@ def test_counters_agree_per_request_and_server_wide(client):
     verify = sum(m["spec_verify_ct"] for m in metas)
     correct = sum(m["spec_num_correct_drafts"] for m in metas)
     assert state["spec_verify_ct"] == verify and state["spec_num_correct_drafts"] == correct
-    assert state["avg_spec_accept_length"] == pytest.approx((correct + verify) / verify)
-    assert state["avg_spec_accept_length"] == pytest.approx(sum(m["completion_tokens"] - 1 for m in metas) / verify)
+    assert state["spec_emitted_tokens"] == correct + verify == sum(m["completion_tokens"] - 1 for m in metas)
+    # SGLang's avg_spec_accept_length folds in every 40 decode batches (one request at a time: one verify step each)
+    assert ("avg_spec_accept_length" in state) == (verify >= 40)
     assert state["num_finished_requests"] == 3 and state["completion_tokens"] == 3 * NEW
 
 
@@ -113,7 +115,7 @@ def test_flush_is_refused_while_a_request_runs(client, server):
         assert json.loads(first[5:])["meta_info"]["finish_reason"] is None
         busy = httpx.post(server.url + "/flush_cache", timeout=30)
         rest = [line for line in lines if line.startswith("data:")]
-    assert busy.status_code == 400 and "pending" in busy.text
+    assert (busy.status_code, busy.text) == (400, FLUSH_FAILED)  # SGLang's answer when not idle
     assert rest[-1] == "data: [DONE]"
     assert client.post("/flush_cache").status_code == 200  # idle again
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import tempfile
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import optuna
@@ -61,16 +64,36 @@ def postgres(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
+    """A head node owned by this fixture. `ray start --block` stays in the foreground and stops its own processes on
+    SIGTERM; `ray stop` would stop every Ray on the machine, killing other test sessions' drivers mid-run."""
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     ray = str(Path(sys.executable).parent / "ray")
-    started = subprocess.run([ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                              "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
-    assert started.returncode == 0, started.stdout + started.stderr
+    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen([ray, "start", "--head", f"--port={port}", "--num-cpus=2",
+                                 "--include-dashboard=false", "--disable-usage-stats", "--block"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        deadline = time.monotonic() + 180
+        while not _accepts(port):
+            assert head.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "ray head not reachable after 180 s:\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
         yield f"127.0.0.1:{port}", env
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)  # the group this fixture started, and nothing else
+            head.wait(timeout=30)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def run_driver(study_file: Path, output: Path, env: dict, resume: bool) -> subprocess.CompletedProcess:
@@ -84,18 +107,27 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     space = tmp_path / "space.yaml"
     space.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 3}\n")
     study_file = tmp_path / "study.yaml"
+    # Trust auth ignores the password, so the storage URL can carry one that must never be shown (issue #15 item 6).
+    storage = postgres.replace("specdec@", "specdec:hunter2@") + "/optuna"
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
-              f"storage: {{url: '{postgres}/optuna'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
+              f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
               "workload: {warmup_prompts: 2, measure_prompts: 2, max_new_tokens: 12}\n"
               "promotion: {finalists: 1}\nengine: {start_timeout_s: 300}\n")
     study_file.write_text("name: dist\nbudget: {max_trials: 2}\n" + common)
     first = run_driver(study_file, tmp_path / "driver1", env, resume=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "hunter2" not in first.stdout + first.stderr + (tmp_path / "driver1" / "study.yaml").read_text()
 
     # A second driver, elsewhere, continues the same study from the database up to 3 trials.
     study_file.write_text("name: dist\nbudget: {max_trials: 3}\n" + common)
     second = run_driver(study_file, tmp_path / "driver2", env, resume=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    # A third driver with another workload must not continue this study's history (issue #15 item 13).
+    study_file.write_text("name: dist\nbudget: {max_trials: 4}\n" + common.replace("max_new_tokens: 12", "max_new_tokens: 16"))
+    third = run_driver(study_file, tmp_path / "driver3", env, resume=True)
+    assert third.returncode == 2 and "--resume refused" in third.stderr and "workload:" in third.stderr, third.stderr
+    assert "hunter2" not in third.stderr
 
     trials = optuna.load_study(study_name="dist", storage=f"{postgres}/optuna").get_trials()
     assert [t.number for t in trials] == [0, 1, 2]

@@ -6,8 +6,12 @@ alias `production`; promotion and rollback move the alias and roll the app while
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +25,7 @@ from serve.production import ProductionSettings, deploy
 from serve.replica import EngineProcess
 
 pytestmark = pytest.mark.integration
-KEY = "test-key-123"
+KEY = "test-key-0123456789abcdef"  # >= MIN_KEY_CHARS: short keys are refused at start
 MODEL = "smollm2-135m"
 BASELINE = {"spec": {"algorithm": "none"}, "warmup_requests": 0, "max_running_requests": None, "concurrency": 1}
 NGRAM = {"spec": {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1,
@@ -42,7 +46,7 @@ def endpoint(tmp_path_factory):
     set_production(tracker, "specdec-prod", "1")
     keys = tmp / "keys.txt"
     keys.write_text(KEY + "\n")
-    base_url = connect_ray()
+    base_url = connect_ray("production-test")
     settings = ProductionSettings(registered_model="specdec-prod", tracking_uri=uri, require_auth=True,
                                   api_key_file=str(keys), max_request_bytes=4096, max_tokens_limit=64)
     deploy(settings)
@@ -147,3 +151,99 @@ def test_metrics_are_exposed(endpoint):
     base_url, _, _ = endpoint
     text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
     assert "specdec_requests_total" in text and "specdec_request_latency_seconds" in text
+
+
+def _count(base_url: str, route: str, status: int) -> float:
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    needle = f'specdec_requests_total{{route="{route}",status="{status}"}} '
+    return sum(float(line[len(needle):]) for line in text.splitlines() if line.startswith(needle))
+
+
+def _engine_requests(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    prefix = 'specdec_engine_requests{state="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_a_dropped_non_streamed_request_stops_decoding_behind_serve(endpoint):
+    """Client -> Serve proxy -> ingress -> engine handle -> engine: closing the socket must cancel the generation."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    base_url, _, _ = endpoint
+    deadline = time.monotonic() + 120
+    while _engine_requests(base_url).get("running", 1) or _engine_requests(base_url).get("waiting", 1):
+        assert time.monotonic() < deadline, "engine never idle"
+        time.sleep(0.2)  # polling a condition under a deadline
+    finished = _engine_requests(base_url)["finished"]
+    url = urlparse(base_url)
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        while not _engine_requests(base_url).get("running"):
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    while _engine_requests(base_url).get("running"):
+        assert time.monotonic() < deadline, "the engine kept decoding for a client that left"
+        time.sleep(0.2)
+    assert _engine_requests(base_url)["finished"] == finished, "the dropped request ran to its end"
+
+
+def test_a_non_ascii_bearer_is_401_and_counted(endpoint):
+    base_url, _, _ = endpoint
+    before = _count(base_url, "/v1/completions", 401)
+    response = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                          headers={"Authorization": "Bearer clé-ключ".encode("utf-8")}, timeout=60)
+    assert response.status_code == 401, response.text
+    assert _count(base_url, "/v1/completions", 401) == before + 1
+
+
+def test_docs_and_openapi_schema_are_off(endpoint):
+    base_url, _, _ = endpoint
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        for headers in ({}, {"Authorization": f"Bearer {KEY}"}):
+            assert httpx.get(base_url + path, headers=headers, timeout=30).status_code == 404, path
+
+
+def test_chat_without_max_tokens_gets_the_endpoint_limit(endpoint):
+    base_url, settings, _ = endpoint
+    out = client(base_url).chat.completions.create(
+        model=MODEL, temperature=0, messages=[{"role": "user", "content": "Count from 1 to 500, one per line."}])
+    assert out.usage.completion_tokens <= settings.max_tokens_limit
+
+
+def test_the_banner_reports_what_the_ingress_enforces(endpoint):
+    from ray import serve
+
+    _, settings, _ = endpoint
+    summary = serve.get_app_handle(settings.app_name).auth_summary.remote().result(timeout_s=60)
+    assert summary.startswith("required (1 key(s); proxy binds 127.0.0.1")
+
+
+def _production_cli(tmp_path: Path, args: list[str], keys: str | None) -> subprocess.CompletedProcess:
+    config = tmp_path / "serving.json"
+    config.write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_API_KEYS"}
+    if keys is not None:
+        env["SPECDEC_API_KEYS"] = keys
+    return subprocess.run([sys.executable, "-m", "serve.production", "--config-file", str(config), *args],
+                          capture_output=True, text=True, env=env, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.parametrize("keys, needle", [
+    (None, "API keys are required when the endpoint binds '0.0.0.0'"),
+    ("change-me-1,change-me-2", "placeholder"),  # the keys infra/serve-production.yaml used to ship
+    ("k3y-7f9q", "shorter than"),
+])
+def test_off_localhost_without_usable_keys_fails_fast_with_the_reason(tmp_path, keys, needle):
+    proc = _production_cli(tmp_path, ["--host", "0.0.0.0"], keys)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    if keys:
+        assert keys.split(",")[0] not in proc.stdout  # keys are never echoed

@@ -133,6 +133,11 @@ def test_interrupted_study_resumes_without_duplicates(tmp_path):
     assert len(names) == len(set(names)) == 4
 
 
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "vocab_size": 1000,
+              "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
+
+
 def test_sglang_engine_runs_up_to_preflight_and_fails_clearly_without_a_gpu(tmp_path):
     # SGLang's own parser resolves the config (a local config.json is all it needs); the launch then stops with
     # the reason instead of leaving a replica pending for a GPU that does not exist.
@@ -142,16 +147,34 @@ def test_sglang_engine_runs_up_to_preflight_and_fails_clearly_without_a_gpu(tmp_
         pytest.skip("sglang is not installed (CI installs it --no-deps)")
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "vocab_size": 1000,
-        "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}))
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     study = load_study(None, {"name": "it-sglang", "output_dir": str(tmp_path / "out"), "engine.kind": "sglang",
                               "model.target": str(model), "search_space": "ngram.yaml", "budget.max_trials": 1})
     assert run_study(study, load_space(study.search_space_path())) == 1  # no baseline could be measured
     tracker, runs = child_runs(study, tmp_path / "out")
     (run,) = runs
     assert run.data.tags["outcome"] == "LAUNCH_FAILED"
+    # Both checks ran in the replica (defect 3: not in the trial process): SGLang's parser accepted the flags there,
+    # then the node check refused to start an engine without a GPU.
     assert "no NVIDIA driver" in run.data.tags["reason"] and "engine.kind: cpu" in run.data.tags["reason"]
-    info = json.loads(Path(tracker.client().download_artifacts(run.info.run_id, "server_info.json")).read_text())
-    assert info["preflight"]["ok"] and info["preflight"]["resolved"]["speculative_algorithm"] is None
+    assert "preflight ok" in run.data.tags["reason"]
+
+
+def test_sglang_flags_the_installed_sglang_refuses_make_an_invalid_trial(tmp_path):
+    # SGLang's parser runs in the replica and refuses the argv: INVALID with SGLang's own words, not LAUNCH_FAILED.
+    from serve.engines.sglang import installed_version
+
+    if installed_version() is None:
+        pytest.skip("sglang is not installed (CI installs it --no-deps)")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    study = load_study(None, {"name": "it-sglang-bad", "output_dir": str(tmp_path / "out"), "engine.kind": "sglang",
+                              "model.target": str(model), "search_space": "ngram.yaml", "budget.max_trials": 1,
+                              "engine.extra_flags": ["--no-such-flag-in-sglang", "1"]})
+    assert run_study(study, load_space(study.search_space_path())) == 1
+    _, runs = child_runs(study, tmp_path / "out")
+    (run,) = runs
+    assert run.data.tags["outcome"] == "INVALID", run.data.tags["reason"]
+    assert "SGLang rejected the flags at parse" in run.data.tags["reason"]
+    assert "unrecognized arguments" in run.data.tags["reason"]

@@ -93,3 +93,45 @@ def test_output_path_defaults_under_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_study(None, {"name": "s1"}).output_path() == tmp_path / "runs" / "s1"
     assert str(load_study(None, {"output_dir": "/x/y"}).output_path()) == "/x/y"
+
+
+# --- errors at load, not at trial 5 (issue #15 item 14) -----------------------------------------------------------
+
+@pytest.mark.parametrize("override, fragments", [
+    ({"promotion.equivalence_threshold": 0}, ["promotion.equivalence_threshold", "got 0", "Fix: 1.0 for fp32"]),
+    ({"promotion.tie_tolerance": 1.5}, ["promotion.tie_tolerance", "got 1.5", "Fix: e.g. 0.01"]),
+    ({"promotion.tie_tolerance": 1}, ["promotion.tie_tolerance", "[0, 1)"]),
+    ({"promotion.margin": float("inf")}, ["promotion.margin", "finite"]),
+    ({"workload.max_new_tokens": 10**9}, ["workload.max_new_tokens", "<= 32768", "got 1000000000", "Fix:"]),
+    ({"engine.extra_flags": ["--port", "1"]}, ["engine.extra_flags", "'--port' sets --port", "Fix: remove it"]),
+    ({"engine.extra_flags": ["--speculative-num-draft-tokens=3"]},
+     ["'--speculative-num-draft-tokens=3' sets --speculative-num-draft-tokens"]),
+    ({"engine.extra_flags": ["--spec", "NGRAM"]}, ["'--spec' is a prefix of --speculative-"]),
+])
+def test_values_that_would_fail_mid_study_fail_at_load(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_study(None, override)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_extra_flags_the_tuner_does_not_render_pass():
+    study = load_study(None, {"engine.extra_flags": ["--mem-fraction-static", "0.8", "--log-level=debug"]})
+    assert study.engine.extra_flags == ["--mem-fraction-static", "0.8", "--log-level=debug"]
+
+
+def test_bounds_at_their_edges_are_accepted():
+    study = load_study(None, {"promotion.equivalence_threshold": 1.0, "promotion.tie_tolerance": 0,
+                              "workload.max_new_tokens": 32768})
+    assert study.workload.max_new_tokens == 32768
+
+
+# --- credentials (issue #15 item 6) -------------------------------------------------------------------------------
+
+def test_the_resolved_study_masks_passwords_but_the_config_keeps_them():
+    study = load_study(None, {"storage.url": "postgresql://tuner:hunter2@db:5432/optuna",
+                              "tracking.uri": "https://bob:s3cret@mlflow.example/?token=abc"})
+    text = study_to_yaml(study)
+    assert "hunter2" not in text and "s3cret" not in text and "abc" not in text
+    assert "postgresql://tuner:***@db:5432/optuna" in text
+    assert study.storage.url == "postgresql://tuner:hunter2@db:5432/optuna"  # still usable to connect

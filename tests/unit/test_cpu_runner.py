@@ -1,5 +1,6 @@
-"""Tree verification, KV pruning and draft trees on tiny random HF models (no download): a Llama, and a Gemma 3 with
-a 4-token sliding window so that the window masks of tree forwards are exercised on short sequences.
+"""Tree verification, KV pruning and draft trees on tiny random HF models (no download): a Llama (which the runner
+drives through the fast forward of llama.py), and a Gemma 3 with a 4-token sliding window (HF's modules) so that the
+window masks of tree forwards are exercised on short sequences.
 
 The reference is HF's own full forward over the whole sequence (no cache, HF's own masks), one token at a time."""
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from serve.engines.cpu.decode import Decoder, Request, StopRules
+from serve.engines.cpu.llama import KVCache
 from serve.engines.cpu.ngram import DraftTree
 from serve.engines.cpu.runner import ModelRunner, tree_visibility
 from serve.engines.cpu.speculators import StandaloneSpeculator
@@ -37,6 +39,12 @@ def model(request):
     torch.set_num_threads(1)  # tiny matmuls: OpenMP sync costs more than it saves, badly so on a shared CPU
     yield _tiny(request.param)
     torch.set_num_threads(threads)
+
+
+def test_llama_takes_the_fast_forward_and_gemma_the_hf_modules(model):
+    runner = ModelRunner(model)
+    assert runner.backend == ("fast-llama" if model.config.model_type == "llama" else "hf")
+    assert isinstance(runner.new_cache(), KVCache) == (runner.backend == "fast-llama")
 
 
 def _reference(model, prompt: list[int], n: int) -> list[int]:
@@ -142,8 +150,16 @@ def test_keep_prunes_cache_to_prefix_plus_path(model):
     # the pruned cache continues exactly like a cache that only ever saw root, 3, 4
     fresh = runner.new_cache()
     runner.prefill(fresh, PROMPT + [1, 3, 4])
-    for kept, ref in zip(cache.layers, fresh.layers):
-        assert torch.allclose(kept.keys, ref.keys, atol=1e-5) and torch.allclose(kept.values, ref.values, atol=1e-5)
+    for (k, v), (ref_k, ref_v) in zip(_kv(cache), _kv(fresh), strict=True):
+        assert torch.allclose(k, ref_k, atol=1e-5) and torch.allclose(v, ref_v, atol=1e-5)
+
+
+def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [kv_heads, length, head_dim] of either cache kind."""
+    if isinstance(cache, KVCache):
+        n = cache.length
+        return [(cache.keys[i, :, :n], cache.values[i, :, :n]) for i in range(cache.keys.shape[0])]
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
 
 def test_bfloat16_decodes_and_drafts():

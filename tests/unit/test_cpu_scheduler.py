@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 
 from serve.engines.cpu.decode import Request, StepStats, StopRules
-from serve.engines.cpu.scheduler import Scheduler
+import pytest
+
+from serve.engines.cpu.scheduler import QueueFull, Scheduler, TooLarge
 from serve.engines.cpu.verify import Sampling
 
 
@@ -75,7 +77,8 @@ def test_counters_and_flush():
     stats = sched.stats(speculative=True)
     assert stats["num_finished_requests"] == 2 and stats["completion_tokens"] == 8
     assert stats["spec_verify_ct"] == 3 and stats["spec_num_correct_drafts"] == 3
-    assert stats["avg_spec_accept_length"] == 2.0 and stats["spec_num_proposed_drafts"] == 9
+    assert stats["spec_num_proposed_drafts"] == 9
+    assert "avg_spec_accept_length" not in stats  # SGLang: only after a 40-decode-batch window is folded in
     assert sched.flush() and decoder.resets == 1
     assert sched.stats(speculative=True)["spec_verify_ct"] == 0
 
@@ -85,3 +88,127 @@ def test_flush_is_refused_while_requests_wait():
     sched = Scheduler(decoder, 1)  # never started: the request stays queued
     sched.submit(_req("a", 3), lambda req, error: None)
     assert not sched.flush() and decoder.resets == 0
+
+
+def _started(decoder, **bounds) -> Scheduler:
+    sched = Scheduler(decoder, bounds.pop("max_running", 48), **bounds)
+    sched.start()
+    return sched
+
+
+def _collect(sched: Scheduler, requests: list[Request], internal: bool = False):
+    done = threading.Event()
+    finished: list[str] = []
+
+    def sink(req, error):
+        if req.finished:
+            finished.append(req.rid)
+            if len(finished) == len(requests):
+                done.set()
+
+    tickets = [sched.submit(req, sink, internal=internal) for req in requests]
+    return tickets, finished, done
+
+
+def test_avg_spec_accept_length_appears_after_40_decode_batches_and_a_flush_resets_it():
+    gate = threading.Event()
+    gate.set()
+    sched = _started(_Decoder(gate))
+    try:
+        # one request of 1 prefill + 39 verify steps (2 tokens each) = 79 tokens: 39 decode batches, no fold yet
+        _, _, done = _collect(sched, [_req("a", 79)])
+        assert done.wait(10)
+        assert "avg_spec_accept_length" not in sched.stats(speculative=True)
+        _, _, done = _collect(sched, [_req("b", 3)])  # 1 more verify step: the 40th decode batch folds the window
+        assert done.wait(10)
+        stats = sched.stats(speculative=True)
+        assert stats["avg_spec_accept_length"] == 2.0 and stats["spec_verify_ct"] == 40
+        assert sched.flush()
+        assert "avg_spec_accept_length" not in sched.stats(speculative=True)
+    finally:
+        sched.stop()
+
+
+def test_two_requests_in_one_round_are_one_decode_batch_of_size_two():
+    gate = threading.Event()
+    decoder = _Decoder(gate)
+    sched = Scheduler(decoder, 2)
+    # 2 requests x (1 prefill + 40 verify steps): 40 decode batches of 2 -> one fold holding 80 verify steps
+    _, _, done = _collect(sched, [_req("a", 81), _req("b", 81)])
+    sched.start()
+    gate.set()
+    try:
+        assert done.wait(10)
+        stats = sched.stats(speculative=True)
+        assert stats["spec_verify_ct"] == 80 and stats["avg_spec_accept_length"] == 2.0
+    finally:
+        sched.stop()
+
+
+def test_a_full_waiting_queue_refuses_the_next_request():
+    sched = Scheduler(_Decoder(threading.Event()), 1, max_queued_requests=2)  # not started: everything waits
+    sched.submit(_req("a", 3), lambda req, error: None)
+    sched.submit(_req("b", 3), lambda req, error: None)
+    with pytest.raises(QueueFull, match="--max-queued-requests"):
+        sched.submit(_req("c", 3), lambda req, error: None)
+    sched.submit(_req("health", 1), lambda req, error: None, internal=True)  # the health probe is never refused
+
+
+def test_a_cancelled_waiting_request_frees_its_place_at_once():
+    sched = Scheduler(_Decoder(threading.Event()), 1, max_queued_requests=1)
+    ticket = sched.submit(_req("a", 3), lambda req, error: None)
+    sched.cancel(ticket)
+    assert sched.load() == (0, 0)
+    sched.submit(_req("b", 3), lambda req, error: None)
+
+
+def test_cancel_is_a_flag_on_the_ticket_not_the_object_address():
+    """A late cancel (the client left just after its request finished) must not drop a later request that happens to
+    live at the same address: here the very same Request object, submitted again."""
+    gate = threading.Event()
+    gate.set()
+    sched = _started(_Decoder(gate), max_running=1)
+    try:
+        req = _req("a", 3)
+        tickets, _, done = _collect(sched, [req])
+        assert done.wait(10)
+        sched.cancel(tickets[0] if tickets[0] is not None else req)  # (before the fix: cancel took the request)
+        req.output_ids.clear()
+        req.finish_reason = None
+        _, finished, done = _collect(sched, [req])
+        assert done.wait(10), "the re-submitted request was dropped by a stale cancel"
+        assert finished == ["a"]
+    finally:
+        sched.stop()
+
+
+def test_token_budget_refuses_what_can_never_fit_and_holds_back_what_does_not_fit_yet():
+    gate = threading.Event()
+    decoder = _Decoder(gate)
+    sched = Scheduler(decoder, 48, max_total_tokens=10)  # prompt 2 + 5 new = 7 reserved per request
+    with pytest.raises(TooLarge, match="--max-total-tokens=10"):
+        sched.submit(_req("huge", 9), lambda req, error: None)
+    _, finished, done = _collect(sched, [_req("a", 5), _req("b", 5)])
+    sched.start()
+    gate.set()
+    try:
+        assert done.wait(10)
+    finally:
+        sched.stop()
+    assert decoder.log == ["a"] * 3 + ["b"] * 3  # b waited for a's tokens to be released: never both at once
+    assert sched.stats(speculative=True)["reserved_tokens"] == 0
+
+
+def test_watchers_see_every_step():
+    gate = threading.Event()
+    gate.set()
+    sched = _started(_Decoder(gate))
+    seen: list[int] = []
+    unwatch = sched.watch(lambda: seen.append(1))
+    try:
+        _, _, done = _collect(sched, [_req("a", 5)])
+        assert done.wait(10)
+        unwatch()
+    finally:
+        sched.stop()
+    assert len(seen) >= 3  # 3 steps (and the leave)

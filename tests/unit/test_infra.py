@@ -78,3 +78,11 @@ def test_cluster_study_selects_distributed_backends():
     study = load_study(ROOT / "infra/study-cluster.yaml")
     assert study.tracking.uri.startswith("http") and study.storage.url.startswith("postgresql")
     assert study.ray.address == "auto" and study.engine.kind == "sglang"
+
+
+def test_no_deployment_file_ships_an_api_key():
+    # A key in a checked-in file is a placeholder at best (the ingress refuses those) and a leak at worst: keys come
+    # from a mounted secret (api_key_file) or the cluster's environment.
+    for path in sorted((ROOT / "infra").rglob("*.yaml")):
+        text = path.read_text()
+        assert "SPECDEC_API_KEYS:" not in text, path

@@ -1,28 +1,21 @@
-"""Parity of `NgramCache` with SGLang 0.5.23's own C++ trie, compiled from the wheel's sources at test time.
+"""Parity of `NgramCache` with SGLang 0.5.23's own C++ trie, compiled from the wheel's sources at test time
+(see tests/unit/sglang_ngram_oracle.py for where the sources come from; skipped without them or g++).
 
-Runs where the sources can be found: `SGLANG_NGRAM_SRC` (the `ngram_corpus` folder holding trie.cpp), or an
-installed sglang package. Skipped otherwise, and when g++ is missing. No SGLang code is kept in this repository: the
-harness below only includes the wheel's headers and drives `Trie` the way `Ngram::batchMatch` does with a fresh
-`MatchState` (i.e. recomputing the match from the context, which is NgramCache's contract).
-
-To get the sources: `pip download --no-deps sglang==0.5.23 -d /tmp/sgl && cd /tmp/sgl && unzip -q sglang-*.whl
-'sglang/kernels/jit/csrc/ngram_corpus/*'`, then `SGLANG_NGRAM_SRC=/tmp/sgl/sglang/kernels/jit/csrc/ngram_corpus`.
+This file drives `Trie` alone with a fresh `MatchState` per query (`NgramCache.draft` without a state): insert,
+draft, eviction and reset on random single-sequence scenarios. test_ngram_schedule_parity.py drives the whole
+`Ngram` object with several requests on the engine's schedule.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
 import random
-import shutil
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from serve.engines.cpu.ngram import DraftTree, NgramCache
+from tests.unit.sglang_ngram_oracle import compile_harness, tree_paths as _tree_paths
 
 _HARNESS = r"""
 // Standard headers first: the private->public define below must only reach SGLang's trie.h.
@@ -110,45 +103,9 @@ int main() {
 """
 
 
-def _source_dir() -> Path | None:
-    env = os.environ.get("SGLANG_NGRAM_SRC")
-    if env:
-        return Path(env)
-    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    if version != "0.5.23":  # the harness uses 0.5.23's Trie internals, and 0.5.23 is the semantics we promise
-        pytest.skip(f"installed sglang is {version}, the parity oracle needs 0.5.23 (or set SGLANG_NGRAM_SRC)")
-    return Path(next(iter(spec.submodule_search_locations))) / "kernels" / "jit" / "csrc" / "ngram_corpus"
-
-
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
-    src = _source_dir()
-    if src is None or not (src / "trie.cpp").is_file():
-        pytest.skip("SGLang's ngram_corpus C++ sources not found (set SGLANG_NGRAM_SRC or install sglang==0.5.23)")
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
-    build = tmp_path_factory.mktemp("ngram_oracle")
-    (build / "harness.cpp").write_text(_HARNESS)
-    exe = build / "harness"
-    # Same language level and optimisation as SGLang's JIT build (DEFAULT_CFLAGS), no -march: no FMA contraction.
-    cmd = ["g++", "-std=c++20", "-O3", f"-I{src}", str(build / "harness.cpp"), str(src / "trie.cpp"),
-           str(src / "result.cpp"), "-o", str(exe)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    return exe
-
-
-def _tree_paths(tokens, parents) -> Counter:
-    """Multiset of root-to-node token paths: equal for equal trees whatever the sibling order."""
-    paths: list[tuple[int, ...]] = []
-    for tok, parent in zip(tokens, parents):
-        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
-    return Counter(paths)
+    return compile_harness(tmp_path_factory.mktemp("ngram_oracle"), _HARNESS, ["trie.cpp", "result.cpp"])
 
 
 def _ours_trie_paths(cache: NgramCache) -> set[tuple[int, ...]]:

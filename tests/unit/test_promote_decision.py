@@ -1,14 +1,16 @@
-"""pipeline.promote decision (DESIGN §8). Scores are hand-computed: score = median - 1.4826 * MAD."""
+"""pipeline.decision (DESIGN §8). Scores are hand-computed: score = median - 1.4826 * MAD; the bar is the baseline
+MEDIAN + max(margin x median, 1.4826 x MAD)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from pipeline.promote import Finalist, PromotionPolicy, decide, run_stats
+from pipeline.config import PromotionPolicy
+from pipeline.decision import Finalist, decide, run_stats
 from serve.spec import NgramSpec
 
-BASE = [100.0, 100.0, 100.0]  # score 100; default bar = 100 + 3% = 103
+BASE = [100.0, 100.0, 100.0]  # median 100, MAD 0; default bar = 100 + 3% = 103
 
 
 def fin(fid: str, runs, *, drafts: int = 3, equivalent: bool = True) -> Finalist:
@@ -72,11 +74,45 @@ def test_noise_eats_the_gain():
     assert d.kind == "keep_baseline"
 
 
-def test_noisy_baseline_lowers_the_bar():
-    # Baseline [80, 100, 120]: median 100, MAD 20, score 70.348; bar 72.45844. A steady 80 clears it.
-    d = decide([80, 100, 120], [fin("a", [80, 80, 80])])
-    assert d.bar == pytest.approx(72.45844)
-    assert d.winner == "a"
+# --- issue #15 item 11: the bar never drops below the baseline's median ----------------------------------------
+
+def test_a_noisy_baseline_never_lowers_the_bar_below_its_median():
+    # Baseline [80, 100, 120]: median 100, MAD 20 -> noise 29.652 > 3% margin; bar 129.652. The old rule (bar = the
+    # baseline's noise-lowered score 70.35 + 3%) promoted a steady 90, slower than the baseline's median.
+    d = decide([80, 100, 120], [fin("slower", [90, 90, 90])])
+    assert d.kind == "keep_baseline" and d.winner is None
+    assert d.bar == pytest.approx(129.652)
+    assert "baseline median 100.00 + its noise 1.4826 x MAD = 29.65" in by_id(d, "slower").lost_because
+
+
+def test_a_noisy_baseline_raises_the_bar_by_its_noise_not_just_the_margin():
+    # 120 beats median + 3% (103) but not median + noise (129.65): the gain is within the baseline's scatter.
+    assert decide([80, 100, 120], [fin("a", [120, 120, 120])]).kind == "keep_baseline"
+    assert decide([80, 100, 120], [fin("a", [130, 130, 130])]).winner == "a"
+
+
+def test_a_failed_baseline_rerun_reported_as_zero_keeps_the_baseline():
+    # Baseline [100, 0, 0]: the old rule gave median 0, bar 0 and promoted anything.
+    d = decide([100, 0, 0], [fin("a", [90, 90, 90])])
+    assert d.kind == "keep_baseline" and d.bar is None
+    assert d.reason.startswith("keep baseline: 2 of 3 baseline re-run(s) failed")
+    assert "re-run the promotion" in d.reason
+    assert "baseline re-run(s) failed" in by_id(d, "a").lost_because
+
+
+def test_one_failed_baseline_rerun_invalidates_even_a_clear_win():
+    d = decide([100, 100, 100], [fin("a", [200] * 3)], baseline_failures=["final-baseline-run1: engine died"])
+    assert d.kind == "keep_baseline"
+    assert "final-baseline-run1: engine died" in d.reason
+
+
+def test_a_finalist_with_a_failed_rerun_cannot_win():
+    d = decide(BASE, [fin("flaky", [200, 0, 200]), fin("steady", [110] * 3)])
+    assert d.winner == "steady"
+    assert "1 of its re-runs failed" in by_id(d, "flaky").lost_because
+    assert "disqualified for a failed re-run: ['flaky']" in d.reason
+    d = decide(BASE, [fin("flaky", [200] * 3).model_copy(update={"failures": ("run2: timeout",)})])
+    assert d.kind == "keep_baseline" and "run2: timeout" in by_id(d, "flaky").lost_because
 
 
 def test_tie_prefers_fewer_draft_tokens():
@@ -113,7 +149,7 @@ def test_no_finalists_keeps_the_baseline():
 # --- bad input --------------------------------------------------------------------------------------------------
 
 def test_too_few_finalist_runs_names_the_finalist_and_count():
-    with pytest.raises(ValueError, match=r"finalist 'k4' has 2 throughput run\(s\); policy.min_runs=3"):
+    with pytest.raises(ValueError, match=r"finalist 'k4' has 2 throughput run\(s\); policy.runs=3"):
         decide(BASE, [fin("k4", [120, 121])])
 
 
@@ -123,8 +159,8 @@ def test_too_few_baseline_runs():
 
 
 def test_min_runs_below_three_is_rejected():
-    with pytest.raises(ValidationError, match="min_runs"):
-        PromotionPolicy(min_runs=2)
+    with pytest.raises(ValidationError, match="runs"):
+        PromotionPolicy(runs=2)
 
 
 def test_duplicate_finalist_ids():
@@ -148,3 +184,11 @@ def test_finalist_needs_spec_or_draft_tokens_and_they_must_agree():
 def test_policy_rejects_unknown_keys():
     with pytest.raises(ValidationError, match="extra"):
         PromotionPolicy(margins=0.1)
+
+
+def test_the_study_file_and_the_decision_share_one_policy_type():
+    from pipeline.config import load_study
+
+    policy = load_study(None, {"promotion.margin": 0.25}).promotion
+    assert isinstance(policy, PromotionPolicy)
+    assert decide(BASE, [fin("a", [125] * 3)], policy).kind == "keep_baseline"

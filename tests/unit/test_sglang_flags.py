@@ -1,24 +1,46 @@
-"""Our SGLang flags against SGLang's real parser (sglang 0.5.23 installed --no-deps; skipped where it is absent).
+"""Our SGLang flags against SGLang's real parsers: 0.5.23 installed --no-deps (CI), and 0.5.22 side by side in a
+`pip install --no-deps --target` folder (infra/install-sglang-parser.sh puts it under ~/.cache/specdec-tuner/sglang/);
+skipped where absent.
 
 Flag rendering: every value of every parameter of every branch of every bundled space (others at their defaults),
 plus seeded random full points, must parse with zero unrecognized or ambiguous flags. argparse checks each flag on
-its own, so covering every (flag, value) pair covers every point's flags. Resolution: a table of cases where
-SGLang rewrites or rejects settings is checked against what our validation says.
+its own, so covering every (flag, value) pair covers every point's flags. Flags are rendered from the ServerArgs
+fields of the version that parses them (never from a version number). Resolution: a table of cases where SGLang
+rewrites or rejects settings is checked against what our validation says.
 """
 
 import json
+import os
+import stat
+import sys
+from pathlib import Path
 
 import optuna
 import pytest
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.space import CategoricalParam, FixedParam, IntParam, _default, _evaluate, define_by_run, load_space, resolve
-from serve.engines.base import ReplicaConfig
-from serve.engines.flags import LATEST, TABLES, render_spec, table_for
-from serve.engines.sglang import installed_version, run_preflight, sglang_argv
+from serve.engines.base import ConfigRejected, ReplicaConfig
+from serve.engines.settings import SETTINGS, UnsupportedSetting, render_spec
+from serve.engines.sglang import (SglangEngine, installed_version, launcher, run_preflight, server_arg_fields,
+                                  sglang_argv)
 from serve.spec import EagleSpec, NgramSpec, StandaloneSpec, validate_spec
 
 needs_sglang = pytest.mark.skipif(installed_version() is None, reason="sglang is not installed (CI installs it --no-deps)")
+SIDE_BY_SIDE = Path(os.environ.get("SPECDEC_SGLANG_PARSERS", Path.home() / ".cache/specdec-tuner/sglang"))
+TESTED_VERSIONS = ("0.5.22", "0.5.23")
+
+
+def sglang_path(version):
+    """None = the installed SGLang when it is this version; else the side-by-side folder (skip if absent)."""
+    if installed_version() == version:
+        return None
+    if version == TESTED_VERSIONS[-1]:
+        pytest.skip(f"sglang {version} is not installed (CI installs it --no-deps)")
+    folder = SIDE_BY_SIDE / version
+    if not (folder / "sglang").is_dir():
+        pytest.skip(f"sglang {version} parser absent: bash infra/install-sglang-parser.sh (installs it in {folder})")
+    return str(folder)
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4,
               "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
@@ -64,18 +86,20 @@ def random_points(space, count, seed):
         yield {**trial.params, **constants}
 
 
-def all_argvs(tmp_path):
+def all_argvs(tmp_path, available=None):
     study = load_study(None, {"engine.kind": "sglang", "model.target": str(tmp_path),
                               "model.drafts": {a: str(tmp_path) for a in ("eagle", "eagle3", "standalone")}})
     argvs = {}
     for path in sorted(SEARCH_SPACES_DIR.glob("*.yaml")):
+        if path.name.startswith("llama-cpp-"):
+            continue  # llama.cpp's own algorithms, not SGLang's: tests/unit/test_llama_cpp_spec.py
         space = load_space(path)
         points = list(points_of(space)) + list(random_points(space, 60, seed=0))
         for point in points:
             resolution = resolve(space, point, study)
             assert resolution.valid, (path.name, point, resolution.violations)
             cfg = ReplicaConfig(engine="sglang", model=str(tmp_path), spec=resolution.config.spec)
-            argv = sglang_argv(cfg, "127.0.0.1", 30000, LATEST)
+            argv = sglang_argv(cfg, "127.0.0.1", 30000, available)
             argvs[json.dumps(argv)] = (path.name, point)
     return argvs
 
@@ -83,19 +107,66 @@ def all_argvs(tmp_path):
 def test_every_bundled_point_renders_with_exact_names(tmp_path):
     argvs = all_argvs(tmp_path)
     assert len(argvs) > 200
+    table_flags = {s.flag for s in SETTINGS}
     for key in argvs:
         argv = json.loads(key)
-        assert not set(argv) & set(LATEST.removed), argv
+        assert argv[0] != "sglang", argv  # never a bare name looked up on PATH
+        assert {a for a in argv if a.startswith("--speculative")} <= table_flags, argv
         if "NGRAM" in argv:  # SGLang derives steps/topk for NGRAM; passing them inflates the KV reservation
             assert "--speculative-num-steps" not in argv and "--speculative-eagle-topk" not in argv
 
 
-@needs_sglang
-def test_every_bundled_point_parses_with_sglangs_parser(tmp_path):
-    argvs = all_argvs(tmp_path)
-    results = run_preflight([json.loads(k) for k in argvs], parse_only=True)
+@pytest.mark.parametrize("version", TESTED_VERSIONS)
+def test_every_bundled_point_parses_with_each_tested_sglang(tmp_path, version):
+    path = sglang_path(version)
+    fields = server_arg_fields(path)
+    assert fields and "speculative_ngram_max_trie_depth" in fields  # 0.5.22 too: the match-window flags are older
+    argvs = all_argvs(tmp_path, fields)
+    results = run_preflight([json.loads(k) for k in argvs], parse_only=True, sglang_path=path)
     bad = [(argvs[k], r.error) for k, r in zip(argvs, results) if not r.ok]
     assert bad == [], bad[:5]
+
+
+@pytest.mark.parametrize("version", TESTED_VERSIONS)
+def test_every_table_setting_is_a_server_arg_of_each_tested_sglang(version):
+    path = sglang_path(version)
+    fields = server_arg_fields(path)
+    assert {s.server_arg for s in SETTINGS} <= fields
+
+
+def test_a_setting_the_installed_sglang_lacks_is_refused_before_launch():
+    # As an SGLang without the trie-depth flag would be: the point is refused with the field, the flag and the fix,
+    # instead of launching with a flag SGLang answers "unrecognized arguments" to (every NGRAM trial lost).
+    fields = {s.server_arg for s in SETTINGS} - {"speculative_ngram_max_trie_depth"}
+    config = ReplicaConfig(engine="sglang", model="/m", spec=NgramSpec(max_trie_depth=9))
+    with pytest.raises(UnsupportedSetting) as info:
+        sglang_argv(config, "127.0.0.1", 1, fields)
+    message = str(info.value)
+    assert "spec.max_trie_depth=9" in message and "--speculative-ngram-max-trie-depth" in message
+    assert "sglang==0.5.23" in message
+    # A spec that does not need the missing setting renders fine with the same fields.
+    assert "--speculative-algorithm" not in sglang_argv(ReplicaConfig(engine="sglang", model="/m"), "h", 1, fields)
+
+
+def test_the_engine_turns_a_missing_setting_into_a_rejected_config(monkeypatch):
+    import serve.engines.sglang as sglang
+
+    monkeypatch.setattr(sglang, "server_arg_fields", lambda path=None: frozenset({"speculative_algorithm"}))
+    with pytest.raises(ConfigRejected, match="speculative-num-draft-tokens"):
+        SglangEngine().argv(ReplicaConfig(engine="sglang", model="/m", spec=NgramSpec()), "127.0.0.1", 1)
+
+
+def test_launcher_is_the_script_next_to_the_interpreter_never_a_name_on_path(tmp_path):
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    python = bindir / "python"
+    assert launcher(str(python)) == [str(python), "-m", "sglang.launch_server"]
+    script = bindir / "sglang"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    assert launcher(str(python)) == [str(script), "serve"]
+    argv = sglang_argv(ReplicaConfig(engine="sglang", model="/m"), "127.0.0.1", 5)
+    assert argv[0] in (str(Path(sys.executable).parent / "sglang"), sys.executable)
 
 
 @needs_sglang
@@ -105,15 +176,6 @@ def test_removed_flags_are_rejected_by_sglang(tmp_path):
                             parse_only=True)
     assert "ambiguous option" in results[0].error
     assert "unrecognized arguments" in results[1].error
-
-
-def test_version_tables():
-    assert table_for("0.5.23") is LATEST and table_for("0.6.1") is LATEST and table_for(None) is LATEST
-    legacy = table_for("0.5.10.post1")
-    assert legacy is TABLES[1]
-    flags = render_spec(NgramSpec(max_trie_depth=9), table=legacy)
-    assert flags[flags.index("--speculative-ngram-max-match-window-size") + 1] == "9"
-    assert "--speculative-ngram-max-trie-depth" not in flags
 
 
 @needs_sglang
@@ -134,9 +196,27 @@ def test_sglang_resolution_matches_our_rules(tmp_path):
     assert validate_spec(ngram) == []
 
     # topk=1: SGLang silently shortens draft to steps+1; we refuse the point before it is deployed.
-    assert r_chain.ok and r_chain.diffs(chain_fix, None) == {"speculative_num_draft_tokens": (8, 4)}
+    chain_config = ReplicaConfig(engine="sglang", model=model, spec=chain_fix)
+    assert r_chain.ok and r_chain.diffs(chain_config) == {"num_draft_tokens": (8, 4)}
     assert [v.field for v in validate_spec(chain_fix)] == ["spec.num_draft_tokens"]
 
     # Partial EAGLE params: SGLang fails without naming the rule; our validation names it.
     assert not r_partial.ok and r_partial.stage == "resolve"
     assert "all set or all unset" in str(validate_spec(partial)[0])
+
+
+@needs_sglang
+def test_external_corpus_flags_resolve_and_sglangs_budget_rule_is_ours(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('"def add(a, b):\\n    return a + b"\n')
+    model = str(tmp_path)
+    good = NgramSpec(num_draft_tokens=8, external_corpus=str(corpus), external_sam_budget=3)
+    too_big = NgramSpec(num_draft_tokens=4, external_corpus=str(corpus), external_sam_budget=5)
+    argvs = [sglang_argv(ReplicaConfig(engine="sglang", model=model, spec=s), "127.0.0.1", 30000) for s in (good, too_big)]
+    assert "--speculative-ngram-external-corpus-path" in argvs[0]
+    r_good, r_big = run_preflight(argvs)
+    assert r_good.ok, r_good.error
+    assert r_good.resolved["speculative_ngram_external_sam_budget"] == 3
+    assert not r_big.ok and r_big.stage in ("resolve", "check") and "external_sam_budget" in r_big.error
+    assert validate_spec(good) == [] and [v.field for v in validate_spec(too_big)] == ["spec.external_sam_budget"]

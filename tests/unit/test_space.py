@@ -200,3 +200,35 @@ def test_grid_points_refuse_continuous_parameters_and_huge_spaces(tmp_path):
 def test_a_bundled_space_is_found_by_its_name_with_or_without_yaml():
     for name in ("grid-small", "grid-small.yaml"):
         assert load_study(None, {"search_space": name}).search_space_path() == SEARCH_SPACES_DIR / "grid-small.yaml"
+
+
+# --- bounds are checked at load (issue #15 item 14) ---------------------------------------------------------------
+
+def test_a_bound_dividing_by_literal_zero_fails_at_load_naming_parameter_and_expression(tmp_path):
+    path = space_file(tmp_path, "algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                                "    max_bfs_breadth: {type: int, low: 1, high: 4}\n"
+                                "    num_draft_tokens: {type: int, low: 2, high: max_bfs_breadth // 0}\n")
+    with pytest.raises(ConfigError) as err:
+        load_space(path)
+    assert "branches.ngram.num_draft_tokens.high: 'max_bfs_breadth // 0' divides by zero" in str(err.value)
+
+
+def test_a_bound_dividing_by_a_parameter_that_can_be_zero_fails_at_load(tmp_path):
+    path = space_file(tmp_path, "algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                                "    warmup_requests: {type: int, low: 0, high: 4}\n"
+                                "    num_draft_tokens: {type: int, low: 2, high: 16 // warmup_requests}\n")
+    with pytest.raises(ConfigError) as err:
+        load_space(path)
+    message = str(err.value)
+    assert "branches.ngram.num_draft_tokens.high: '16 // warmup_requests' cannot be evaluated" in message
+    assert "{'warmup_requests': 0}" in message
+
+
+def test_bound_evaluation_errors_are_config_errors_not_tracebacks():
+    from pipeline.space import evaluate_bound
+
+    with pytest.raises(ConfigError, match=r"ngram.x.high: 'a // b' cannot be evaluated .* with \{'a': 4, 'b': 0\}"):
+        evaluate_bound("a // b", {"a": 4, "b": 0}, "ngram.x.high")
+    with pytest.raises(ConfigError, match="is not allowed"):
+        evaluate_bound("__import__('os')", {}, "x")
+    assert evaluate_bound("min(a, 3) + 1", {"a": 7}) == 4

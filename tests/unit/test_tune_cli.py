@@ -58,3 +58,46 @@ def test_dry_run_starts_no_ray():
             "sys.exit(rc)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("setting, field", [
+    ("promotion.equivalence_threshold=0", "promotion.equivalence_threshold"),
+    ("promotion.tie_tolerance=1.5", "promotion.tie_tolerance"),
+    ("workload.max_new_tokens=1000000000", "workload.max_new_tokens"),
+    ("engine.extra_flags=[--port, '1']", "engine.extra_flags"),
+])
+def test_dry_run_refuses_values_that_would_fail_mid_study(setting, field, capsys):
+    assert main(["--dry-run", "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "Fix" in err and "Traceback" not in err
+
+
+def test_dry_run_refuses_a_bound_dividing_by_zero_without_a_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                   "    num_draft_tokens: {type: int, low: 2, high: 8 // 0}\n")
+    assert main(["--dry-run", "--search-space", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "branches.ngram.num_draft_tokens.high: '8 // 0'" in err and "Traceback" not in err
+
+
+def test_dry_run_masks_passwords(capsys):
+    assert main(["--dry-run", "--samples", "1", "--storage", "postgresql://tuner:hunter2@db/optuna",
+                 "--tracking-uri", "http://bob:s3cret@mlflow:5000"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out and "s3cret" not in out
+    assert "postgresql://tuner:***@db/optuna" in out and "http://bob:***@mlflow:5000" in out
+
+
+def test_dry_run_uses_the_study_sampler_and_budget(capsys):
+    assert main(["--dry-run", "--trials", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "10 random start-up trials of 40" in out  # the study's rule, not Optuna's default
+    assert "# first 40 trial configs" in out and "#39 " in out
+
+
+def test_the_resume_hint_repeats_the_command_line():
+    from pipeline.tune import resume_command
+
+    assert resume_command(["--name", "a b", "--resume", "--trials", "4"]) == \
+        "python -m pipeline.tune --name 'a b' --trials 4 --resume"

@@ -4,13 +4,14 @@ Imports torch/transformers inside the functions; `models` imports this module la
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["gguf_to_hf_dir", "load_model", "torch_dtype"]
+__all__ = ["gguf_to_hf_dir", "load_hf_model", "load_model", "load_tokenizer", "torch_dtype"]
 
 DTYPES = ("float32", "bfloat16")
 
@@ -51,10 +52,36 @@ def gguf_to_hf_dir(gguf: Path, out: Path) -> None:
 
 
 def load_model(model_dir: Path, dtype: str) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from an HF dir, in `dtype` ("float32" or "bfloat16")."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(HF model in eval mode, tokenizer) from an HF dir, in `dtype` ("float32" or "bfloat16")."""
+    return load_hf_model(model_dir, dtype), load_tokenizer(model_dir)
+
+
+def load_hf_model(model_dir: Path, dtype: str) -> Any:
+    """The HF module of an HF dir, in eval mode (the engine uses it only for models without a fast forward)."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), attn_implementation="sdpa")
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return model, tokenizer
+    return model
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The tokenizer of an HF dir. A Llama dir whose tokenizer_config.json names `TokenizersBackend` (what our
+    conversion of SmolLM2 writes) loads that class directly: `AutoTokenizer` would first build the model's config
+    class, which imports torch.distributed and costs ~1 s of engine start, to arrive at the same class with the same
+    settings (tests/unit/test_cpu_fast_start.py). Other model types keep AutoTokenizer, whose per-type overrides
+    (e.g. qwen2's) matter."""
+    model_dir = Path(model_dir)
+    declared = _json(model_dir / "tokenizer_config.json").get("tokenizer_class")
+    model_type = _json(model_dir / "config.json").get("model_type")
+    if declared == "TokenizersBackend" and model_type == "llama" and (model_dir / "tokenizer.json").exists():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}

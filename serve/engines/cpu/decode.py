@@ -30,7 +30,8 @@ __all__ = ["StopRules", "Request", "Decoder", "Speculator", "StepStats"]
 
 class Speculator(Protocol):
     """A draft source. `propose` returns a tree rooted at `req.tokens[-1]`; `observe` runs after every verify step
-    with the accepted tree indices (tokens already appended); `release` when the request ends; `reset` on flush."""
+    with the accepted tree indices (tokens already appended); `release` when the request ends; `reset` on flush;
+    `begin_round` before each scheduler round (every request of the previous round has had its step)."""
 
     num_draft_tokens: int
 
@@ -38,6 +39,7 @@ class Speculator(Protocol):
     def observe(self, req: Request, accepted: list[int]) -> None: ...
     def release(self, req: Request) -> None: ...
     def reset(self) -> None: ...
+    def begin_round(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,13 @@ class Decoder:
         if req.cache is None:
             return self._prefill(req)
         return self._verify(req)
+
+    def begin_round(self) -> None:
+        """Called by the scheduler before each round of steps (NGRAM lands the previous round's inserts here)."""
+        # Optional on the protocol's implementers: a draft source without round-level state need not define it.
+        begin = getattr(self.speculator, "begin_round", None)
+        if begin is not None:
+            begin()
 
     def release(self, req: Request) -> None:
         req.cache = None

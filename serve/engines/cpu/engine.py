@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from serve.engines.cpu.config import EngineConfig
-from serve.engines.cpu.convert import load_model
+from serve.engines.cpu.convert import load_tokenizer
 from serve.engines.cpu.decode import Decoder, Speculator
 from serve.engines.cpu.models import resolve_model
 from serve.engines.cpu.ngram import NgramCache
 from serve.engines.cpu.params import RequestFactory
-from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, measure_verify_cost
+from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, cached_verify_cost
 from serve.engines.cpu.runner import ModelRunner
 from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
@@ -68,7 +68,7 @@ class Engine:
             state["ngram_trie_nodes"] = speculator.cache.num_nodes
         info.update({
             "version": ENGINE_VERSION, "engine": "cpu", "model_dir": self.model_dir, "draft_model_dir": self.draft_dir,
-            "torch_threads": torch.get_num_threads(), "verify_cost": self.verify_cost,
+            "torch_threads": torch.get_num_threads(), "forward": self.runner.backend, "verify_cost": self.verify_cost,
             "startup_time": self.startup_time, "warnings": list(self.config.warnings),
             "internal_states": [state],
         })
@@ -110,17 +110,19 @@ def build_engine(config: EngineConfig) -> Engine:
     model_dir = resolve_model(config.model_path)
     timings["resolve_model"] = time.monotonic() - t0
     t0 = time.monotonic()
-    model, tokenizer = load_model(model_dir, config.dtype)
+    # Llama-family models load straight from safetensors into the fast forward (no HF modules): see runner.py
+    runner = ModelRunner.from_dir(model_dir, config.dtype)
     timings["load_weight"] = time.monotonic() - t0
-    runner = ModelRunner(model)
+    t0 = time.monotonic()
+    tokenizer = load_tokenizer(model_dir)
+    timings["load_tokenizer"] = time.monotonic() - t0
     draft_runner = None
     draft_dir = None
     if isinstance(config.spec, StandaloneSpec):
         t0 = time.monotonic()
         draft_dir = resolve_model(config.spec.draft_model)
-        draft_model, draft_tokenizer = load_model(draft_dir, config.dtype)
-        _check_same_vocab(tokenizer, draft_tokenizer, config)
-        draft_runner = ModelRunner(draft_model)
+        _check_same_vocab(tokenizer, load_tokenizer(draft_dir), config)
+        draft_runner = ModelRunner.from_dir(draft_dir, config.dtype)
         timings["load_draft_weight"] = time.monotonic() - t0
     model_max = int(getattr(runner.config, "max_position_embeddings", 0) or 0) or 4096
     context_length = config.context_length or model_max
@@ -130,11 +132,13 @@ def build_engine(config: EngineConfig) -> Engine:
     verify_cost = None
     if config.verify_probe_seconds > 0:
         t0 = time.monotonic()
-        verify_cost = measure_verify_cost(runner, config.verify_probe_seconds, STARTUP_PROBE_SIZES)
+        verify_cost = cached_verify_cost(runner, model_dir, config.dtype, config.verify_probe_seconds,
+                                         STARTUP_PROBE_SIZES, refresh=config.verify_probe_refresh)
         timings["verify_cost_probe"] = time.monotonic() - t0
     decoder = Decoder(runner, tokenizer, make_speculator(config, draft_runner))
-    scheduler = Scheduler(decoder, config.max_running_requests)
-    factory = RequestFactory(tokenizer, eos_ids_of(model, tokenizer), context_length, runner.vocab_size,
+    scheduler = Scheduler(decoder, config.max_running_requests, config.max_queued_requests,
+                          config.max_total_tokens or 4 * context_length)
+    factory = RequestFactory(tokenizer, eos_ids_of(runner.model, tokenizer), context_length, runner.vocab_size,
                              config.random_seed)
     scheduler.start()
     return Engine(config=config, tokenizer=tokenizer, runner=runner, decoder=decoder, scheduler=scheduler,

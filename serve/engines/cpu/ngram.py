@@ -8,24 +8,27 @@ Semantics follow `sglang/kernels/jit/csrc/ngram_corpus/{trie,result}.cpp` of the
 - The trie holds at most `capacity` nodes, counting the root as SGLang does. Before each suffix is inserted, enough
   least-recently-used nodes are evicted to make room for it (`Trie::squeeze`). Because the LRU keeps parents ahead of
   children, only leaves are ever evicted.
-- `draft` matches every suffix of the context's last `max_trie_depth` tokens. Each match with children is an anchor.
-  Anchors are expanded longest first into one tree, merging equal tokens under the same tree parent, until
-  `num_draft_tokens - 1` nodes exist:
+- `draft` finds the trie nodes of the suffixes of the context's last `max_trie_depth` tokens (the anchors) through a
+  per-request `MatchState`, as `Trie::match` does: a state that still describes this request's previous step is
+  advanced by the tokens appended since then, one token at a time from the anchors it cached; otherwise (first
+  step, a flush, an evicted anchor, no forward progress) it is rebuilt from the context. Advancing does not see a
+  suffix that entered the trie after the state was cached unless it is at most as long as the tokens appended since,
+  so drafts depend on the state, exactly as in SGLang. Without a state, `draft` rebuilds (a fresh `MatchState`).
+- Anchors with children are expanded longest first into one tree, merging equal tokens under the same tree parent,
+  until `num_draft_tokens - 1` nodes exist:
   - BFS (`Trie::buildRecency`): breadth-first. Children are taken in recency order. The breadth starts at
     `(D-1-d)*s + min_bfs_breadth` for an anchor of depth d (s = (max-min)/(D-1), D = max_trie_depth) and shrinks by s
     at each level, never below 1. So long matches give narrow chains and short matches give wide bushes.
   - PROB (`Trie::buildFrequency`): best-first on a max-heap of path probabilities. Each expanded node offers its top
     `max_bfs_breadth` children by frequency (ties: smaller token first), each with prob = parent_prob * freq / sum.
     Ties in probability are popped in the order a libstdc++ `std::priority_queue` pops them, so the chosen nodes are
-    the ones SGLang would choose.
+    the ones SGLang would choose. `min_bfs_breadth` plays no part in PROB.
 - The rest of the budget is padded with token 0 under the root, so the verify width is always `num_draft_tokens`.
 
-Three things differ from SGLang, and none of them changes which tokens are drafted:
-- The output order is breadth-first, like SGLang's `fillResult`. But siblings come in the order they were added,
-  where SGLang follows the hash order of a `std::unordered_map`.
-- SGLang caches each request's suffix anchors between steps (`MatchState`). Here the match is recomputed from
-  `context` on every call, so a suffix that entered the trie since the last step is always seen.
-- There is no background insert thread: `insert` is synchronous, as after SGLang's `synchronize()`.
+When inserts happen (one step behind, a round's inserts after the whole round drafted) is the caller's schedule:
+`speculators.NgramSpeculator` runs SGLang's. One thing differs from SGLang and does not change which tokens are
+drafted: the output order is breadth-first like SGLang's `fillResult`, but siblings come in the order they were
+added, where SGLang follows the hash order of a `std::unordered_map` (the same tree, laid out differently).
 """
 
 from __future__ import annotations
@@ -34,51 +37,24 @@ import operator
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DraftTree", "NgramCache"]
+from serve.engines.cpu.drafttree import DraftTree, layout
+from serve.engines.cpu.stdheap import heap_pop, heap_push
+
+__all__ = ["DraftTree", "MatchState", "NgramCache", "layout"]
 
 _MAX_TOKEN = 2**31 - 1  # SGLang stores token ids as int32
 _SHIFT = 1 << 32  # PROB rank key: token - freq * _SHIFT sorts by (freq desc, token asc) as SGLang's CompareByFreq does
 _TOKEN_MASK = _SHIFT - 1
 
 
-@dataclass(frozen=True)
-class DraftTree:
-    """Draft nodes in topological order (every parent before its children). The root -- the last real token of
-    the sequence -- is NOT included. parents[i] is the index in `tokens` of node i's parent, or -1 if its parent is
-    the root."""
-
-    tokens: tuple[int, ...]
-    parents: tuple[int, ...]
-    num_real: int  # nodes that came from the trie; the rest are SGLang-style pads (token 0, children of the root)
-
-    def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(
-                "DraftTree: tokens and parents must have the same length, "
-                f"got {len(self.tokens)} and {len(self.parents)}"
-            )
-        if not 0 <= self.num_real <= len(self.tokens):
-            raise ValueError(f"DraftTree: num_real must be in [0, {len(self.tokens)}], got {self.num_real}")
-        for i, parent in enumerate(self.parents):
-            if not -1 <= parent < i:
-                raise ValueError(f"DraftTree: parents[{i}] must be -1 or an earlier index, got {parent}")
-
-    def depths(self) -> tuple[int, ...]:
-        """Depth of each node, 1 for children of the root."""
-        out: list[int] = []
-        for parent in self.parents:
-            out.append(1 if parent < 0 else out[parent] + 1)
-        return tuple(out)
-
-
 class _Node:
     # children: token -> node, in recency order (most recent LAST); it doubles as SGLang's per-node `lru` list.
     # ranked: PROB only, rank keys of the children kept sorted (SGLang's `sorted_children`).
     # offers: PROB only, cached (freq / sum_freq, child) of the top children; None when the children changed.
-    __slots__ = ("token", "parent", "children", "freq", "ranked", "offers")
+    # alive: False once evicted, so that a MatchState holding it rebuilds (SGLang's NodeRef version check).
+    __slots__ = ("token", "parent", "children", "freq", "ranked", "offers", "alive")
 
     def __init__(self, token: int, parent: _Node | None, ranked: list[int] | None) -> None:
         self.token = token
@@ -87,6 +63,22 @@ class _Node:
         self.freq = 1
         self.ranked = ranked
         self.offers: list[tuple[float, _Node]] | None = None
+        self.alive = True
+
+
+class MatchState:
+    """One request's cached suffix matches between steps (trie.cpp's `MatchState`). `anchors[d - 1]` is the trie node
+    of the length-d suffix ending at the last token the state covered (None: not in the trie then), and
+    `processed_total_len` is the request length it covered. Create one per request, pass it to every
+    `NgramCache.draft` of that request, drop it when the request ends (SGLang erases it when the request leaves the
+    decode batch). A flush invalidates every state (the cache's epoch changes)."""
+
+    __slots__ = ("epoch", "processed_total_len", "anchors")
+
+    def __init__(self) -> None:
+        self.epoch = 0  # the cache's epochs start at 1: a new state never looks current
+        self.processed_total_len = 0
+        self.anchors: list[_Node | None] = []
 
 
 def _check_int(name: str, value: object, minimum: int, fix: str) -> int:
@@ -135,6 +127,7 @@ class NgramCache:
         self._num_draft_tokens = _check_int(
             "num_draft_tokens", num_draft_tokens, 1, "it counts the root, so 1 means no draft nodes"
         )
+        self._epoch = 0
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -146,6 +139,27 @@ class NgramCache:
         self._root = _Node(-1, None, None)
         # Every non-root node, least recently used first (SGLang's global_lru_ reversed).
         self._lru: OrderedDict[_Node, None] = OrderedDict()
+        self._epoch += 1  # every MatchState cached before the flush rebuilds (SGLang's trie_epoch_)
+
+    @property
+    def max_trie_depth(self) -> int:
+        return self._depth
+
+    @property
+    def min_bfs_breadth(self) -> int:
+        return self._min_breadth
+
+    @property
+    def max_bfs_breadth(self) -> int:
+        return self._max_breadth
+
+    @property
+    def match_type(self) -> str:
+        return "PROB" if self._prob else "BFS"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self._num_draft_tokens
 
     @property
     def num_nodes(self) -> int:
@@ -205,6 +219,7 @@ class NgramCache:
         pop = self._lru.popitem
         for _ in range(count):
             node, _ = pop(last=False)
+            node.alive = False
             if node.children:
                 raise RuntimeError("ngram trie invariant broken: the least recently used node still has children")
             parent = node.parent
@@ -216,16 +231,23 @@ class NgramCache:
 
     # ------------------------------------------------------------------ draft
 
-    def draft(self, context: Sequence[int]) -> DraftTree:
+    def draft(self, context: Sequence[int], state: MatchState | None = None, total_len: int | None = None) -> DraftTree:
         """Draft tree for a sequence whose last token is `context[-1]` (the root). Exactly num_draft_tokens - 1 nodes:
-        trie nodes first, then pads (token 0 under the root) as SGLang does, so the verify width is constant."""
-        window = self._window(context, "context")
-        if not window:
-            raise ValueError(
-                "ngram: context must hold at least one token (its last token is the root), got an empty one"
-            )
+        trie nodes first, then pads (token 0 under the root) as SGLang does, so the verify width is constant.
+
+        `state` is the request's MatchState (updated in place); `total_len` is the full length of the request's
+        sequence, of which `context` is the tail (default: len(context)). Without a state the match is rebuilt."""
         budget = self._num_draft_tokens - 1
-        anchors = self._anchors(window)
+        return layout(*self.build(context, budget, state, total_len), budget)
+
+    def build(
+        self, context: Sequence[int], budget: int, state: MatchState | None = None, total_len: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """SGLang's `Trie::buildRecency`/`buildFrequency` with a node budget (what `draft` and the external corpus'
+        budget split use): the tree as (tokens, parents), position 0 the root (context[-1]), every parent before its
+        children, no pads."""
+        window, total = self._query(context, total_len)
+        anchors = self._match(window, state or MatchState(), total)
         # Tree under construction; position 0 is the root, as in SGLang's `std::vector<Node> tree`.
         tree_tokens = [window[-1]]
         tree_parents = [-1]
@@ -234,23 +256,57 @@ class NgramCache:
             self._build_frequency(anchors, budget, tree_tokens, tree_parents, tree_next)
         else:
             self._build_recency(anchors, budget, tree_tokens, tree_parents, tree_next)
-        return self._layout(tree_tokens, tree_parents, budget)
+        return tree_tokens, tree_parents
 
-    def _anchors(self, window: list[int]) -> list[tuple[_Node, int]]:
-        """Trie nodes of the context suffixes that have children, longest suffix first, with their depths."""
+    # ------------------------------------------------------------------ match state (trie.cpp's Trie::match)
+
+    def _match(self, window: list[int], state: MatchState, total_len: int) -> list[tuple[_Node, int]]:
+        """Expandable anchors (nodes with children), longest suffix first, with their depths."""
+        processed = state.processed_total_len
+        forward = total_len >= processed
+        appended = total_len - processed if forward else 0
+        can_advance = (
+            state.epoch == self._epoch and forward and appended <= len(window)
+            and len(state.anchors) == min(processed, self._depth)
+        )
+        if not (can_advance and self._advance(state, window[len(window) - appended:], total_len)):
+            self._rebuild(window, state, total_len)
+        anchors = state.anchors
+        return [(node, d) for d in range(len(anchors), 0, -1) if (node := anchors[d - 1]) is not None and node.children]
+
+    def _rebuild(self, window: list[int], state: MatchState, total_len: int) -> None:
         root = self._root
         n = len(window)
-        anchors = []
-        for depth in range(n, 0, -1):
+        anchors: list[_Node | None] = []
+        for depth in range(1, min(n, self._depth) + 1):
             cursor: _Node | None = root
-            for token in window[n - depth :]:
+            for token in window[n - depth:]:
                 cursor = cursor.children.get(token)  # type: ignore[union-attr]
                 if cursor is None:
                     break
-            else:
-                if cursor.children:  # type: ignore[union-attr]
-                    anchors.append((cursor, depth))
-        return anchors
+            anchors.append(cursor)
+        state.epoch = self._epoch
+        state.processed_total_len = total_len
+        state.anchors = anchors
+
+    def _advance(self, state: MatchState, appended: list[int], total_len: int) -> bool:
+        """Extend the cached anchors by the appended tokens; False if one of them was evicted (rebuild instead)."""
+        if any(node is not None and not node.alive for node in state.anchors):
+            return False
+        root_children = self._root.children
+        depth_cap = self._depth
+        anchors = state.anchors
+        for token in appended:
+            nxt: list[_Node | None] = [root_children.get(token)]
+            for d in range(1, min(len(anchors) + 1, depth_cap)):
+                prev = anchors[d - 1]
+                nxt.append(None if prev is None else prev.children.get(token))
+            anchors = nxt
+        state.anchors = anchors
+        state.processed_total_len = total_len
+        return True
+
+    # ------------------------------------------------------------------ tree construction
 
     def _build_recency(
         self, anchors: list[tuple[_Node, int]], budget: int, tree_tokens: list[int], tree_parents: list[int],
@@ -298,7 +354,7 @@ class NgramCache:
             heap: list[tuple[float, int, _Node]] = []
             _offer_children(heap, 0, anchor, 1.0, top_k)
             while heap and cursor <= budget:
-                prob, parent, node = _heap_pop(heap)
+                prob, parent, node = heap_pop(heap)
                 next_of_parent = tree_next[parent]
                 pos = next_of_parent.get(node.token)
                 if pos is None:
@@ -311,26 +367,22 @@ class NgramCache:
                 if node.children:
                     _offer_children(heap, pos, node, prob, top_k)
 
-    @staticmethod
-    def _layout(tree_tokens: list[int], tree_parents: list[int], budget: int) -> DraftTree:
-        """Breadth-first order like SGLang's fillResult, root dropped, then pads up to the budget."""
-        kids: list[list[int]] = [[] for _ in tree_tokens]
-        for pos in range(1, len(tree_tokens)):
-            kids[tree_parents[pos]].append(pos)
-        order = list(kids[0])
-        for pos in order:  # grows while iterating: a breadth-first walk
-            order.extend(kids[pos])
-        index = {0: -1}
-        tokens, parents = [], []
-        for pos in order:
-            index[pos] = len(tokens)
-            tokens.append(tree_tokens[pos])
-            parents.append(index[tree_parents[pos]])
-        num_real = len(tokens)
-        pads = budget - num_real
-        return DraftTree(tuple(tokens) + (0,) * pads, tuple(parents) + (-1,) * pads, num_real)
-
     # ------------------------------------------------------------------ helpers
+
+    def _query(self, context: Sequence[int], total_len: int | None) -> tuple[list[int], int]:
+        window = self._window(context, "context")
+        if not window:
+            raise ValueError(
+                "ngram: context must hold at least one token (its last token is the root), got an empty one"
+            )
+        if total_len is None:
+            return window, len(context)
+        if isinstance(total_len, bool) or not isinstance(total_len, int) or total_len < len(window):
+            raise ValueError(
+                f"ngram: total_len must be an int >= the context's matched length {len(window)}, got {total_len!r}; "
+                "pass the full length of the request's sequence"
+            )
+        return window, total_len
 
     def _window(self, tokens: Sequence[int], name: str) -> list[int]:
         try:
@@ -355,44 +407,6 @@ def _offer_children(heap: list, parent: int, node: _Node, prob: float, top_k: in
         sum_freq = float(sum(child.freq for child in top)) or 1.0
         # C++ computes freq / sum_freq * prob left to right, so caching freq / sum_freq keeps every bit.
         offers = node.offers = [(child.freq / sum_freq, child) for child in top]
+    # Ties in probability pop in libstdc++'s order (stdheap), as trie.cpp's std::priority_queue pops them.
     for ratio, child in offers:
-        item = (ratio * prob, parent, child)
-        heap.append(item)
-        _sift_up(heap, len(heap) - 1, 0, item)
-
-
-# std::priority_queue<..., CompareByLastDouble> from libstdc++, so that ties in probability are popped in SGLang's
-# order. Only the probability (item[0]) is compared, as in trie.cpp.
-
-
-def _heap_pop(heap: list) -> tuple:
-    top = heap[0]
-    last = heap.pop()
-    n = len(heap)
-    if n == 0:
-        return top
-    # std::__adjust_heap: walk the hole down to a leaf along the larger child, then sift `last` up from there.
-    hole = 0
-    child = 0
-    while child < (n - 1) // 2:
-        child = 2 * (child + 1)
-        if heap[child][0] < heap[child - 1][0]:
-            child -= 1
-        heap[hole] = heap[child]
-        hole = child
-    if n % 2 == 0 and child == (n - 2) // 2:
-        child = 2 * (child + 1)
-        heap[hole] = heap[child - 1]
-        hole = child - 1
-    _sift_up(heap, hole, 0, last)
-    return top
-
-
-def _sift_up(heap: list, hole: int, top: int, item: tuple) -> None:
-    value = item[0]
-    parent = (hole - 1) // 2
-    while hole > top and heap[parent][0] < value:
-        heap[hole] = heap[parent]
-        hole = parent
-        parent = (hole - 1) // 2
-    heap[hole] = item
+        heap_push(heap, (ratio * prob, parent, child))

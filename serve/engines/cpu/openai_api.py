@@ -1,33 +1,35 @@
 """OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both streaming).
 
 One choice per request (`n` = 1); no logprobs, tools or response formats (400 if asked). Chat prompts are rendered
-with the tokenizer's own chat template. Usage reports prompt/completion/total tokens; speculative counters are in
-`/generate`'s meta_info and `/server_info`, not here (SGLang returns them only on request, in an extension field).
+with the tokenizer's own chat template. Types are strict (`"2"` is not 2); stop strings are bounded as in `params`;
+`max_tokens` absent means 16 for completions (OpenAI's default) and the room left in the context for chat, and the
+token budget of the scheduler bounds what that can reserve. A client that disconnects cancels its request.
+Usage reports prompt/completion/total tokens; speculative counters are in `/generate`'s meta_info and
+`/server_info`, not here (SGLang returns them only on request, in an extension field).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serve.engines.cpu.engine import Engine
-from serve.engines.cpu.params import BadRequest, SamplingParams, parse_model
-from serve.engines.cpu.server import Snapshot, error_response, read_json, stream_request
+from serve.engines.cpu.params import INT64, BadRequest, SamplingParams, check_stops, parse_model
+from serve.engines.cpu.streaming import RequestStream, Snapshot, collect, error_response, read_json, sse
 
 __all__ = ["register_openai_routes"]
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -36,11 +38,16 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     ignore_eos: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return check_stops(value)
 
 
 class CompletionBody(_Common):
@@ -52,7 +59,7 @@ class CompletionBody(_Common):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
@@ -60,7 +67,7 @@ class _Message(BaseModel):
 
 class ChatBody(_Common):
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="not implemented: only false")
 
 
@@ -84,9 +91,10 @@ def register_openai_routes(app: FastAPI, engine: Engine) -> None:
             prompt = prompt[0]
         if body.echo:
             raise BadRequest("echo: not implemented by the CPU engine; send false")
-        ids = engine.factory.prompt_ids(prompt if isinstance(prompt, str) else None,
-                                        None if isinstance(prompt, str) else list(prompt))
-        return await _run(engine, body, ids, body.max_tokens if body.max_tokens is not None else 16, chat=False)
+        token_ids = None if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)]
+        ids = engine.factory.prompt_ids(prompt if isinstance(prompt, str) else None, token_ids)
+        return await _run(engine, http, body, ids, body.max_tokens if body.max_tokens is not None else 16,
+                          chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
@@ -98,11 +106,12 @@ def register_openai_routes(app: FastAPI, engine: Engine) -> None:
             raise BadRequest(f"messages: model {name!r} has no chat template; use /v1/completions with a plain prompt")
         messages = [_flatten(m) for m in body.messages]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        engine.factory.check_length(text, "messages")
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if limit is None:  # OpenAI/SGLang: up to the context; bounded here by the room left
             limit = max(1, engine.context_length - len(ids))
-        return await _run(engine, body, ids, limit, chat=True)
+        return await _run(engine, http, body, ids, limit, chat=True)
 
 
 def _flatten(message: _Message) -> dict:
@@ -112,12 +121,15 @@ def _flatten(message: _Message) -> dict:
         for part in content:
             if part.get("type") != "text":
                 raise BadRequest(f"messages: content part type {part.get('type')!r} is not supported (text only)")
-            parts.append(str(part.get("text", "")))
+            piece = part.get("text", "")
+            if not isinstance(piece, str):
+                raise BadRequest(f"messages: a text part's `text` must be a string, got {type(piece).__name__}")
+            parts.append(piece)
         content = "".join(parts)
     return {"role": message.role, "content": content or ""}
 
 
-async def _run(engine: Engine, body: _Common, ids: list[int], max_tokens: int, chat: bool):
+async def _run(engine: Engine, http: HttpRequest, body: _Common, ids: list[int], max_tokens: int, chat: bool):
     params = parse_model(SamplingParams, {
         "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "min_p": body.min_p, "stop": body.stop, "seed": body.seed, "ignore_eos": body.ignore_eos,
@@ -135,12 +147,13 @@ async def _run(engine: Engine, body: _Common, ids: list[int], max_tokens: int, c
         reason = snap.meta_info["finish_reason"]
         return None if reason is None else ("length" if reason["type"] == "length" else "stop")
 
+    stream = RequestStream(engine, req)
     if not body.stream:
-        last = None
-        async for snap in stream_request(engine, req):
-            last = snap
-        if last is None or last.error:
-            return error_response(last.error if last else "request produced no output", 500)
+        last = await collect(stream, http)
+        if last is None:  # the client is gone; nobody reads this
+            return error_response("client disconnected", 499)
+        if last.error:
+            return error_response(last.error, 500)
         text = factory.text_of(last.output_ids, last.meta_info["finish_reason"], params, True)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish(last), "logprobs": None}
         if chat:
@@ -160,15 +173,15 @@ async def _run(engine: Engine, body: _Common, ids: list[int], max_tokens: int, c
             choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-        return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
+        return sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
     async def events() -> AsyncIterator[bytes]:
         sent = ""
         if chat:
             yield chunk(None, None, first=True)
-        async for snap in stream_request(engine, req):
+        async for snap in stream:
             if snap.error:
-                yield _sse({"error": {"message": snap.error, "code": 500}})
+                yield sse({"error": {"message": snap.error, "code": 500}})
                 break
             text = factory.text_of(snap.output_ids, snap.meta_info["finish_reason"], params, snap.finished)
             delta = text[len(sent):] if text.startswith(sent) else ""
@@ -178,12 +191,8 @@ async def _run(engine: Engine, body: _Common, ids: list[int], max_tokens: int, c
             if snap.finished:
                 yield chunk(None, finish(snap))
                 if include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                    yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": usage(snap)})
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

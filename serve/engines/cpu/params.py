@@ -2,6 +2,11 @@
 
 Unknown fields are errors (HTTP 400 naming them). SGLang parameters the engine does not implement are accepted only
 at their neutral value (e.g. `frequency_penalty` 0), so that a client is never silently given something else.
+
+Hostile input is refused with 400, never a 500 or a stalled server: types are strict (`"2"` is not 2, `true` is not a
+token id), seeds must fit int64, text must be valid Unicode (no lone surrogates), and stop strings are bounded
+(at most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters each, as OpenAI bounds them to 4) and checked in
+time linear in their length (`held_back`).
 """
 
 from __future__ import annotations
@@ -14,9 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from serve.engines.cpu.decode import Request, StopRules
 from serve.engines.cpu.verify import Sampling
 
-__all__ = ["BadRequest", "SamplingParams", "GenerateBody", "RequestFactory", "parse_model", "DEFAULT_MAX_NEW_TOKENS"]
+__all__ = ["BadRequest", "SamplingParams", "GenerateBody", "RequestFactory", "parse_model", "DEFAULT_MAX_NEW_TOKENS",
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "held_back", "check_text", "stop_list",
+           "check_stops", "INT64"]
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # a stop string is a short marker; a 400k-character one blocked the event loop for 13.8 s
+MAX_STOP_TOKEN_IDS = 64
+INT64 = (-(2**63), 2**63 - 1)
+MAX_CHARS_PER_TOKEN = 64  # a prompt longer than context_length * this cannot fit: refuse it before tokenizing
 
 
 class BadRequest(ValueError):
@@ -24,7 +36,8 @@ class BadRequest(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON has real numbers and booleans, so a string "2" or a `true` where an int is due is a client bug
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SamplingParams(_Strict):
@@ -34,10 +47,10 @@ class SamplingParams(_Strict):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    seed: int | None = None
-    sampling_seed: int | None = None  # SGLang's name for the per-request seed
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
+    sampling_seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # SGLang's name for the per-request seed
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -46,6 +59,11 @@ class SamplingParams(_Strict):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not implemented: only 0")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not implemented: only 0")
     repetition_penalty: float = Field(1.0, ge=1.0, le=1.0, description="not implemented: only 1")
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return check_stops(value)
 
 
 class GenerateBody(_Strict):
@@ -58,13 +76,76 @@ class GenerateBody(_Strict):
     def _none_is_default(cls, value: Any) -> Any:
         return {} if value is None else value
     stream: bool = False
-    rid: str | None = None
+    rid: str | None = Field(None, max_length=256)  # echoed in every meta_info: bounded
     return_logprob: bool = Field(False, description="not implemented: only false")
     log_metrics: bool = True
 
 
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def check_stops(value: str | list[str] | None) -> str | list[str] | None:
+    """A pydantic validator body: at most MAX_STOP_STRINGS non-empty stops of at most MAX_STOP_CHARS characters."""
+    stops = stop_list(value)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    for s in stops:
+        if not s:
+            raise ValueError("empty stop strings are not allowed")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+    return value
+
+
+def check_text(data: Any, where: str = "body") -> None:
+    """Raise BadRequest naming the first string in `data` that is not valid Unicode (a lone surrogate, which JSON's
+    `\\ud800` escapes can carry and which no tokenizer can encode)."""
+    stack = [(where, data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise BadRequest(f"{path}: not valid Unicode (lone surrogate at character {err.start}); "
+                                 "send UTF-8 text") from None
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path != "body" else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in enumerate(value))
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` may be the start of a stop string (so must not be streamed yet):
+    the longest proper prefix of any stop that `text` ends with. Knuth-Morris-Pratt over the last len(stop) - 1
+    characters, so the cost is linear in the stop lengths, whatever the text."""
+    longest = 0
+    for stop in stops:
+        m = len(stop)
+        if m < 2:
+            continue
+        fail = [0] * m  # fail[i]: longest proper border of stop[:i + 1]
+        k = 0
+        for i in range(1, m):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        k = 0
+        for ch in text[-(m - 1):]:
+            while k and ch != stop[k]:
+                k = fail[k - 1]
+            if ch == stop[k]:
+                k += 1
+        longest = max(longest, k)
+    return longest
+
+
 def parse_model(kind: type[BaseModel], data: Any) -> Any:
     """Validate `data` as `kind`; raise BadRequest naming each bad field, its value and the rule."""
+    check_text(data)
     try:
         return kind.model_validate(data)
     except ValidationError as err:
@@ -74,8 +155,14 @@ def parse_model(kind: type[BaseModel], data: Any) -> Any:
             if e["type"] == "extra_forbidden":
                 problems.append(f"{where}: unknown field")
             else:
-                problems.append(f"{where}: {e['msg']}, got {e.get('input')!r}")
+                problems.append(f"{where}: {e['msg']}, got {_short(e.get('input'))}")
         raise BadRequest("; ".join(problems)) from None
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    # error messages echo the bad value, but never a 900 KB one
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class RequestFactory:
@@ -95,15 +182,24 @@ class RequestFactory:
             raise BadRequest("body: exactly one of `text` or `input_ids` is required"
                              + (" (got both)" if text is not None else " (got neither)"))
         if text is not None:
+            self.check_length(text, "text")
             ids = list(self.tokenizer.encode(text))
         else:
-            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            given = input_ids or []
+            bad = [t for t in given if not 0 <= t < self.vocab_size]
             if bad:
                 raise BadRequest(f"input_ids: token ids must be in [0, {self.vocab_size}), got {bad[0]}")
-            ids = list(input_ids)
+            ids = list(given)
         if not ids:
             raise BadRequest("body: the prompt is empty (no tokens); send a non-empty `text` or `input_ids`")
         return ids
+
+    def check_length(self, text: str, where: str) -> None:
+        """Refuse text that cannot fit the context before tokenizing it (tokenizing runs on the event loop)."""
+        limit = self.context_length * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise BadRequest(f"{where}: {len(text)} characters cannot fit context_length={self.context_length} "
+                             f"(limit {limit} characters); send a shorter prompt")
 
     def build(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
         room = self.context_length - len(prompt_ids)
@@ -119,9 +215,11 @@ class RequestFactory:
                 raise BadRequest(
                     f"sampling_params.max_new_tokens: prompt_tokens + max_new_tokens = {len(prompt_ids)} + {max_new} "
                     f"exceeds context_length={self.context_length}; lower max_new_tokens to <= {room}")
-        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        if any(s == "" for s in stops):
-            raise BadRequest("sampling_params.stop: empty stop strings are not allowed")
+        stops = stop_list(params.stop)
+        bad_stop_ids = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad_stop_ids:
+            raise BadRequest(f"sampling_params.stop_token_ids: token ids must be in [0, {self.vocab_size}), "
+                             f"got {bad_stop_ids[0]}")
         stop_len = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0)
         rules = StopRules(
             max_new_tokens=max_new, eos_ids=self.eos_ids, stop_token_ids=frozenset(params.stop_token_ids or ()),
@@ -148,6 +246,4 @@ class RequestFactory:
         if final:
             return text
         text = text.rstrip("\ufffd")
-        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return text[: len(text) - hold]
+        return text[: len(text) - held_back(text, stop_list(params.stop))]

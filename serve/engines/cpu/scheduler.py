@@ -2,19 +2,33 @@
 
 What batching the engine does (and does not do):
 - Requests wait in one FIFO queue. At the start of every round the worker admits waiting requests, oldest first,
-  while fewer than `max_running_requests` are running.
+  while fewer than `max_running_requests` are running and the token budget has room (below).
 - A round gives every running request exactly one step, in admission order: its prefill, or one draft + verify step
   (= one target forward, plus the draft model's forwards for STANDALONE). There is no cross-request batched forward:
   two running requests take about twice as long per round as one, so throughput does not grow with concurrency;
   latency is shared fairly. SGLang batches the running requests into one forward per step instead.
-- Finished or cancelled requests leave at once; their KV caches are dropped.
+- Finished or cancelled requests leave at once; their KV caches are dropped. Cancelling sets a flag on the
+  request's `Ticket` (never a key derived from the object's address, which a later request may reuse).
 
-Server-wide counters (since start or the last flush), updated after every step:
-`avg_spec_accept_length` = (tokens emitted by all verify steps) / (number of verify steps), over every request,
-finished or still running. Per request, the emitted tokens of its verify steps are completion_tokens - 1 (the first
-token comes from the prefill), so over finished requests it equals
-sum(spec_num_correct_drafts + spec_verify_ct) / sum(spec_verify_ct) = sum(completion_tokens - 1) / sum(spec_verify_ct).
-(SGLang's is the same ratio but folded in only every 40 decode iterations; here it is exact at every moment.)
+Bounds (so that no client can make the engine grow without limit):
+- `max_queued_requests` waiting requests at most (SGLang's `--max-queued-requests`); one more raises `QueueFull`
+  (the server answers 429 with Retry-After; SGLang answers 503 "The request queue is full.").
+- `max_total_tokens` (SGLang's `--max-total-tokens`, the KV pool): a running request reserves prompt_tokens +
+  max_new_tokens; a waiting request is admitted only when its reservation fits beside the running ones (one request
+  always runs when nothing else does). A request whose reservation alone exceeds the budget raises `TooLarge` (400).
+- Internal requests (the `/health` probe) skip both bounds and the counters, as SGLang's `log_metrics=False`.
+
+Server-wide counters (since start or the last flush):
+- Exact, engine-only extras, updated after every step: `spec_verify_ct`, `spec_emitted_tokens`,
+  `spec_num_correct_drafts`, `spec_num_proposed_drafts`, `num_finished_requests`, `prompt_tokens`,
+  `completion_tokens`. Over finished requests, spec_emitted_tokens / spec_verify_ct
+  = sum(completion_tokens - 1) / sum(spec_verify_ct).
+- `avg_spec_accept_length`, as SGLang 0.5.23 reports it (`metrics_reporter.py` `update_spec_metrics`,
+  `report_decode_stats`; `internal_state.py` `_average_accept_length`): a round with at least one verify step is one
+  "decode batch"; it adds its verify steps (SGLang's batch size) and the tokens they emitted to a window; every
+  `DECODE_LOG_INTERVAL` (40) decode batches the window is folded into the totals; the key is present only once the
+  totals hold a verify step, as totals_emitted / totals_verify_steps. So the last < 40 batches are missing, and
+  right after start or a flush (which resets window, totals and the batch count) the key is absent.
 """
 
 from __future__ import annotations
@@ -28,12 +42,35 @@ from dataclasses import dataclass, field
 
 from serve.engines.cpu.decode import Decoder, Request
 
-__all__ = ["Scheduler", "Counters"]
+__all__ = ["Scheduler", "Counters", "Ticket", "QueueFull", "TooLarge", "DECODE_LOG_INTERVAL",
+           "DEFAULT_MAX_QUEUED_REQUESTS"]
 
 log = logging.getLogger("serve.engines.cpu")
 
+DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval default
+DEFAULT_MAX_QUEUED_REQUESTS = 128
+
 # called on the worker thread after every step of the request (and once with an error string if a step raised)
 Sink = Callable[[Request, str | None], None]
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds `max_queued_requests`: try again later."""
+
+
+class TooLarge(ValueError):
+    """The request's prompt + max_new_tokens exceed the whole token budget: it could never run."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request and its scheduling state."""
+
+    req: Request
+    sink: Sink
+    internal: bool = False
+    reserved: int = 0
+    cancelled: bool = False
 
 
 @dataclass
@@ -45,7 +82,23 @@ class Counters:
     spec_emitted_tokens: int = 0
     spec_num_correct_drafts: int = 0
     spec_num_proposed_drafts: int = 0
+    decode_batches: int = 0  # SGLang's forward_ct_decode
+    window_verify: int = 0  # SGLang's spec_num_forward_ct (this log interval)
+    window_emitted: int = 0  # spec_num_accept_tokens
+    total_verify: int = 0  # spec_total_num_forward_ct (folded)
+    total_emitted: int = 0  # spec_total_num_accept_tokens
     steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (time, tokens)
+
+    def end_round(self, verify: int, emitted: int) -> None:
+        if not verify:
+            return
+        self.window_verify += verify
+        self.window_emitted += emitted
+        self.decode_batches += 1
+        if self.decode_batches % DECODE_LOG_INTERVAL == 0:
+            self.total_verify += self.window_verify
+            self.total_emitted += self.window_emitted
+            self.window_verify = self.window_emitted = 0
 
     def as_dict(self, speculative: bool) -> dict:
         out = {
@@ -55,10 +108,10 @@ class Counters:
             "last_gen_throughput": self._throughput(),
         }
         if speculative:
-            ct = self.spec_verify_ct
+            if self.total_verify > 0:
+                out["avg_spec_accept_length"] = self.total_emitted / self.total_verify
             out.update({
-                "avg_spec_accept_length": self.spec_emitted_tokens / ct if ct else None,
-                "spec_verify_ct": ct,
+                "spec_verify_ct": self.spec_verify_ct,
                 "spec_emitted_tokens": self.spec_emitted_tokens,
                 "spec_num_correct_drafts": self.spec_num_correct_drafts,
                 "spec_num_proposed_drafts": self.spec_num_proposed_drafts,
@@ -74,13 +127,17 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, decoder: Decoder, max_running_requests: int) -> None:
+    def __init__(self, decoder: Decoder, max_running_requests: int,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, max_total_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.max_running = max_running_requests
+        self.max_queued = max_queued_requests
+        self.max_total_tokens = max_total_tokens
         self.counters = Counters()
-        self._waiting: collections.deque[tuple[Request, Sink]] = collections.deque()
-        self._running: list[tuple[Request, Sink]] = []
-        self._cancelled: set[int] = set()
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._running: list[Ticket] = []
+        self._reserved = 0
+        self._watchers: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-worker", daemon=True)
@@ -94,15 +151,47 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    def submit(self, req: Request, sink: Sink) -> None:
+    def submit(self, req: Request, sink: Sink, internal: bool = False) -> Ticket:
+        """Queue `req`; raise QueueFull or TooLarge (see the module docstring) instead of growing without bound."""
+        reserved = len(req.prompt_ids) + req.rules.max_new_tokens
+        ticket = Ticket(req, sink, internal=internal, reserved=0 if internal else reserved)
         with self._cond:
-            self._waiting.append((req, sink))
+            if not internal:
+                if self.max_total_tokens is not None and reserved > self.max_total_tokens:
+                    raise TooLarge(f"prompt_tokens + max_new_tokens = {reserved} exceeds this engine's token budget "
+                                   f"--max-total-tokens={self.max_total_tokens}; send a shorter prompt or fewer "
+                                   "new tokens")
+                if sum(not t.internal for t in self._waiting) >= self.max_queued:
+                    raise QueueFull(f"The request queue is full ({self.max_queued} waiting, "
+                                    "--max-queued-requests); retry later")
+            self._waiting.append(ticket)
             self._cond.notify_all()
+        return ticket
 
-    def cancel(self, req: Request) -> None:
-        """Drop a request (client gone); it leaves at its next turn."""
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop a request (client gone): at once if it still waits, else at its next turn."""
         with self._cond:
-            self._cancelled.add(id(req))
+            ticket.cancelled = True
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                waiting = True
+            else:
+                waiting = False
+        if waiting:
+            self._notify()
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (on the worker thread) after every step and whenever a request leaves; returns the
+        function that stops it. For waiters such as /health and /flush_cache?timeout=."""
+        with self._cond:
+            self._watchers.append(callback)
+
+        def unwatch() -> None:
+            with self._cond:
+                if callback in self._watchers:
+                    self._watchers.remove(callback)
+
+        return unwatch
 
     def load(self) -> tuple[int, int]:
         with self._cond:
@@ -123,7 +212,22 @@ class Scheduler:
             out = self.counters.as_dict(speculative)
             out["num_running_reqs"] = len(self._running)
             out["num_waiting_reqs"] = len(self._waiting)
+            out["max_queued_requests"] = self.max_queued
+            out["max_total_num_tokens"] = self.max_total_tokens
+            out["reserved_tokens"] = self._reserved
             return out
+
+    def _admit(self) -> None:
+        # FIFO, head of line: a big request at the front waits for room rather than being overtaken forever
+        while self._waiting and len(self._running) < self.max_running:
+            head = self._waiting[0]
+            fits = (self.max_total_tokens is None or not self._running
+                    or self._reserved + head.reserved <= self.max_total_tokens)
+            if not fits:
+                break
+            self._waiting.popleft()
+            self._reserved += head.reserved
+            self._running.append(head)
 
     def _loop(self) -> None:
         while True:
@@ -132,41 +236,63 @@ class Scheduler:
                     self._cond.wait()
                 if self._stop:
                     return
-                while self._waiting and len(self._running) < self.max_running:
-                    self._running.append(self._waiting.popleft())
+                self._admit()
                 batch = list(self._running)
-            for item in batch:
-                self._turn(*item)
+            # NGRAM: the previous round's inserts land now, as SGLang's synchronize() before a batch drafts.
+            # getattr: decoders that keep no round-level state (test doubles) need not define it.
+            begin_round = getattr(self.decoder, "begin_round", None)
+            if begin_round is not None:
+                begin_round()
+            verify = emitted = 0
+            for ticket in batch:
+                stats = self._turn(ticket)
+                if stats is not None and stats.verify and self.decoder.speculator is not None:
+                    verify += 1
+                    emitted += stats.emitted
+            with self._cond:
+                self.counters.end_round(verify, emitted)
 
-    def _turn(self, req: Request, sink: Sink) -> None:
-        if id(req) in self._cancelled:
-            self._leave(req, sink)
-            return
+    def _turn(self, ticket: Ticket):
+        req, sink = ticket.req, ticket.sink
+        if ticket.cancelled:
+            self._leave(ticket)
+            return None
         try:
             stats = self.decoder.step(req)
         except Exception as err:  # a model error must not kill the worker: fail this request, keep serving
             log.exception("request %s failed", req.rid)
-            self._leave(req, sink)
+            self._leave(ticket)
             sink(req, f"{type(err).__name__}: {err}")
-            return
-        with self._cond:
-            c = self.counters
-            c.steps.append((time.monotonic(), stats.emitted))
-            if stats.verify and self.decoder.speculator is not None:
-                c.spec_verify_ct += 1
-                c.spec_emitted_tokens += stats.emitted
-                c.spec_num_correct_drafts += stats.emitted - 1
-                c.spec_num_proposed_drafts += stats.proposed
-            if req.finished:
-                c.num_finished_requests += 1
-                c.prompt_tokens += len(req.prompt_ids)
-                c.completion_tokens += len(req.output_ids)
+            return None
+        if not ticket.internal:
+            with self._cond:
+                c = self.counters
+                c.steps.append((time.monotonic(), stats.emitted))
+                if stats.verify and self.decoder.speculator is not None:
+                    c.spec_verify_ct += 1
+                    c.spec_emitted_tokens += stats.emitted
+                    c.spec_num_correct_drafts += stats.emitted - 1
+                    c.spec_num_proposed_drafts += stats.proposed
+                if req.finished:
+                    c.num_finished_requests += 1
+                    c.prompt_tokens += len(req.prompt_ids)
+                    c.completion_tokens += len(req.output_ids)
         if req.finished:
-            self._leave(req, sink)
+            self._leave(ticket)
         sink(req, None)
+        self._notify()
+        return None if ticket.internal else stats
 
-    def _leave(self, req: Request, sink: Sink) -> None:
-        self.decoder.release(req)
+    def _leave(self, ticket: Ticket) -> None:
+        self.decoder.release(ticket.req)
         with self._cond:
-            self._running = [item for item in self._running if item[0] is not req]
-            self._cancelled.discard(id(req))
+            if ticket in self._running:
+                self._running.remove(ticket)
+                self._reserved -= ticket.reserved
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._cond:
+            watchers = list(self._watchers)
+        for callback in watchers:
+            callback()

@@ -1,8 +1,20 @@
 """HTTP server: SGLang 0.5.23's native routes plus the OpenAI ones (`openai_api`). `python -m serve.engines.cpu`.
 
-Native routes: `POST /generate`, `GET /health` (and `/health_generate`), `GET /server_info` (and the deprecated
-`/get_server_info`), `GET /get_model_info`, `GET|POST /flush_cache` (400 unless idle, as SGLang).
-Errors: a bad request gets HTTP 400 `{"error": {"message": ...}}` naming the field; the server keeps serving.
+Native routes, with SGLang 0.5.23's behaviour (read from the wheel: `srt/entrypoints/http_server.py`,
+`managers/scheduler_components/flush_wrapper.py`):
+- `POST /generate` (plain and SSE).
+- `GET /health` (and `/health_generate`): submits a real 1-token generation (`input_ids=[0]`, greedy, not counted in
+  the metrics) and answers 200 as soon as *any* step of any request completes after the call started (so a busy
+  engine answers at its next step), 503 if none does within `HEALTH_CHECK_TIMEOUT_S` (20 s, SGLang's
+  `SGLANG_HEALTH_CHECK_TIMEOUT`). SGLang polls for that once a second; here it is event-driven.
+- `GET /server_info` (and the deprecated `/get_server_info`), `GET /get_model_info`.
+- `GET|POST /flush_cache?timeout=S`: flushes only when no request is queued or running. `timeout` 0 (default):
+  400 "Flush cache failed." at once when busy. `timeout` > 0: waits for idle, then flushes; 400 "Timed out waiting
+  for idle state." when the time runs out; while one such flush waits, another gets 400 "Another flush_cache is
+  already in progress.". Success: 200 with SGLang's text.
+Errors: a bad request gets HTTP 400 `{"error": {"message": ...}}` naming the field; a full waiting queue 429 with
+`Retry-After` (SGLang: 503 "The request queue is full."). A client that disconnects cancels its request, streamed or
+not. No `/docs` or `/openapi.json`.
 """
 
 from __future__ import annotations
@@ -16,79 +28,86 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from serve.engines.cpu.config import EngineConfig
-from serve.engines.cpu.decode import Request
+from serve.engines.cpu.decode import Request, StopRules
 from serve.engines.cpu.engine import Engine
+from serve.engines.cpu.faults import before_start, install as install_faults
+from serve.engines.cpu.openai_api import register_openai_routes
 from serve.engines.cpu.params import BadRequest, GenerateBody, parse_model
+from serve.engines.cpu.scheduler import QueueFull, TooLarge
+from serve.engines.cpu.streaming import RETRY_AFTER_S, RequestStream, Snapshot, collect, error_response, read_json, sse
+from serve.engines.cpu.verify import Sampling
 
-__all__ = ["create_app", "Snapshot", "stream_request", "read_json", "error_response", "serve", "exit_with_parent"]
+__all__ = ["create_app", "serve", "exit_with_parent", "HEALTH_CHECK_TIMEOUT_S", "FLUSH_OK", "FLUSH_FAILED",
+           "FLUSH_TIMED_OUT", "FLUSH_IN_PROGRESS"]
 
 log = logging.getLogger("serve.engines.cpu")
 
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A request's state after one step, copied on the worker thread."""
-
-    output_ids: list[int]
-    finished: bool
-    meta_info: dict
-    error: str | None = None
+HEALTH_CHECK_TIMEOUT_S = 20.0
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n")
+FLUSH_FAILED = "Flush cache failed.\n"
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
+FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
 
 
-async def stream_request(engine: Engine, req: Request) -> AsyncIterator[Snapshot]:
-    """Submit `req` and yield a snapshot after each of its steps; cancels it if the consumer goes away."""
+async def _until_progress(engine: Engine, timeout_s: float) -> bool:
+    """True once the worker completes a step or a request leaves (after this call), False after `timeout_s`."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Snapshot] = asyncio.Queue()
-    speculative = engine.speculative
-    draft_tokens = engine.config.server_args()["speculative_num_draft_tokens"]
+    event = asyncio.Event()
 
-    def sink(r: Request, error: str | None) -> None:
-        snap = Snapshot(list(r.output_ids), r.finished or error is not None,
-                        r.meta_info(speculative, draft_tokens), error)
-        loop.call_soon_threadsafe(queue.put_nowait, snap)
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # loop closed at shutdown
+            pass
 
-    engine.scheduler.submit(req, sink)
-    done = False
+    unwatch = engine.scheduler.watch(wake)
     try:
-        while not done:
-            snap = await queue.get()
-            done = snap.finished
-            yield snap
+        await asyncio.wait_for(event.wait(), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False
     finally:
-        if not done:
-            engine.scheduler.cancel(req)
-
-
-async def read_json(http: HttpRequest) -> Any:
-    body = await http.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"body: not valid JSON ({err})") from None
-
-
-def error_response(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+        unwatch()
 
 
 def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="specdec CPU engine", docs_url=None, redoc_url=None)
+    app = FastAPI(title="specdec CPU engine", docs_url=None, redoc_url=None, openapi_url=None)
+    flush_pending = False
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_: HttpRequest, err: BadRequest) -> JSONResponse:
         return error_response(str(err))
 
+    @app.exception_handler(TooLarge)
+    async def _too_large(_: HttpRequest, err: TooLarge) -> JSONResponse:
+        return error_response(str(err))
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(_: HttpRequest, err: QueueFull) -> JSONResponse:
+        return error_response(str(err), 429, headers={"Retry-After": str(RETRY_AFTER_S)})
+
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> PlainTextResponse:
-        return PlainTextResponse("")
+        # built directly, not by the factory: the factory's request count seeds unseeded requests
+        probe = Request(rid="HEALTH_CHECK", prompt_ids=[0], sampling=Sampling(temperature=0.0),
+                        rules=StopRules(max_new_tokens=1), seed=0)
+        progressed = asyncio.ensure_future(_until_progress(engine, HEALTH_CHECK_TIMEOUT_S))
+        await asyncio.sleep(0)  # the watcher is registered before the probe can step
+        stream = RequestStream(engine, probe, internal=True)
+        try:
+            ok = await progressed
+        finally:
+            stream.close()
+        if not ok:
+            log.error("health check failed: no step completed in %.0f s", HEALTH_CHECK_TIMEOUT_S)
+        return PlainTextResponse("", status_code=200 if ok else 503)
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -101,13 +120,35 @@ def create_app(engine: Engine) -> FastAPI:
                              "is_generation": True})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> PlainTextResponse:
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> PlainTextResponse:
+        nonlocal flush_pending
+        if flush_pending:
+            return PlainTextResponse(FLUSH_IN_PROGRESS, status_code=400)
         if engine.scheduler.flush():
-            return PlainTextResponse("Cache flushed.\n")
-        running, waiting = engine.scheduler.load()
-        return PlainTextResponse(
-            f"Cache not flushed because there are pending requests (running={running}, waiting={waiting}).\n",
-            status_code=400)
+            return PlainTextResponse(FLUSH_OK)
+        if timeout <= 0:
+            return PlainTextResponse(FLUSH_FAILED, status_code=400)
+        flush_pending = True
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                waiter = asyncio.ensure_future(_until_progress(engine, max(remaining, 0.0)))
+                await asyncio.sleep(0)  # registered before the idle check below, so no step is missed
+                if engine.scheduler.flush():
+                    waiter.cancel()
+                    return PlainTextResponse(FLUSH_OK)
+                if remaining <= 0:
+                    waiter.cancel()
+                    progressed = False
+                else:
+                    progressed = await waiter
+                if not progressed:
+                    if engine.scheduler.flush():
+                        return PlainTextResponse(FLUSH_OK)
+                    return PlainTextResponse(FLUSH_TIMED_OUT, status_code=400)
+        finally:
+            flush_pending = False
 
     @app.post("/generate")
     async def generate(http: HttpRequest):
@@ -119,35 +160,31 @@ def create_app(engine: Engine) -> FastAPI:
         req = factory.build(factory.prompt_ids(body.text, body.input_ids), params, body.rid)
 
         def payload(snap: Snapshot) -> dict:
-            text = factory.text_of(snap.output_ids, snap.meta_info["finish_reason"], params, snap.finished)
-            return {"text": text, "output_ids": snap.output_ids,
-                    "meta_info": snap.meta_info}
+            ids = snap.output_ids
+            text = factory.text_of(ids, snap.meta_info["finish_reason"], params, snap.finished)
+            return {"text": text, "output_ids": ids, "meta_info": snap.meta_info}
 
+        stream = RequestStream(engine, req)
         if body.stream:
             async def events() -> AsyncIterator[bytes]:
-                async for snap in stream_request(engine, req):
+                async for snap in stream:
                     if snap.error:
-                        yield _sse({"error": {"message": snap.error, "code": 500}})
+                        yield sse({"error": {"message": snap.error, "code": 500}})
                         break
-                    yield _sse(payload(snap))
+                    yield sse(payload(snap))
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        last = None
-        async for snap in stream_request(engine, req):
-            last = snap
-        if last is None or last.error:
-            return error_response(last.error if last else "request produced no output", 500)
+        last = await collect(stream, http)
+        if last is None:  # the client is gone; nobody reads this
+            return error_response("client disconnected", 499)
+        if last.error:
+            return error_response(last.error, 500)
         return JSONResponse(payload(last))
 
-    from serve.engines.cpu.openai_api import register_openai_routes
-
     register_openai_routes(app, engine)
+    install_faults(app, engine)  # test-only --test-fault switches; nothing without the flag
     return app
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -180,6 +217,9 @@ def serve(config: EngineConfig) -> int:
 
     started = time.monotonic()
     exit_with_parent()
+    code = before_start(config.test_faults, config.spec.algorithm != "none")  # test-only --test-fault
+    if code is not None:
+        return code
     try:
         engine = build_engine(config)
     except (EngineError, ModelFetchError, OSError, ValueError) as err:

@@ -1,0 +1,119 @@
+"""What makes a resume safe: the study it continues is the same study, and no trial is left hanging.
+
+A study's outputs (the baseline's reference outputs, Optuna's history, the trial records) only mean something for
+one search space, one workload, one model on one engine. `identity.json` in the output folder records those the
+first time; `--resume` with any of them changed is refused with the names of what changed (a new study is the
+honest answer: another `--name` or `--output`), rather than silently comparing new trials with old outputs.
+
+The budget (`budget.max_trials`) and the promotion policy may change on resume: they decide how much more to run and
+how to choose, not what a measurement means. Pure apart from `read_identity` / `write_identity`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.atomic import write_text_atomic
+from pipeline.config import StudyConfig
+from pipeline.errors import PipelineError
+
+IDENTITY_FILE = "identity.json"
+
+
+def digest(value: Any) -> str:
+    """A short, stable fingerprint of JSON-able data."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def workload_digest(prompts: Sequence[tuple[int, str, int]], temperature: float) -> str:
+    """Fingerprint of exactly what the trials send: (index, text, max_new_tokens) of every warm-up and measured
+    prompt, in order, and the temperature (greedy outputs are compared, sampled ones are not)."""
+    return digest({"prompts": [list(p) for p in prompts], "temperature": temperature})
+
+
+def study_identity(study: StudyConfig, space_dump: dict[str, Any], workload: str) -> dict[str, str]:
+    """The parts of a study that give its measurements their meaning, as readable strings (shown when they differ)."""
+    engine = study.engine
+    return {
+        "search space": f"{study.search_space} (sha256 {digest(space_dump)})",
+        "workload": f"{study.workload.source} (sha256 {workload})",
+        "model": json.dumps(study.model.model_dump(mode="json"), sort_keys=True),
+        "engine": json.dumps({"kind": engine.kind, "tp_size": engine.tp_size, "extra_flags": engine.extra_flags,
+                              "env": sorted(engine.env)}, sort_keys=True),
+        "objective": json.dumps(study.objective.model_dump(mode="json"), sort_keys=True),
+        "concurrency": str(study.concurrency[0]),
+    }
+
+
+def identity_changes(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
+    """One line per identity key that differs, naming the key, the recorded and the current value. Pure."""
+    return [f"{key}: was {recorded.get(key, '(not recorded)')}, now {current[key]}"
+            for key in current if key in recorded and recorded[key] != current[key]]
+
+
+IDENTITY_ATTR = "specdec.identity"  # the same record on the Optuna study, for a new driver folder on a shared DB
+
+
+def read_identity(out: Path) -> dict[str, Any] | None:
+    path = out / IDENTITY_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"{path}: cannot read the recorded study identity ({exc}); it is written atomically, so "
+                            "this file was edited or damaged by hand: restore it, or start a new study") from None
+
+
+def write_identity(out: Path, identity: dict[str, str], max_trials: int) -> None:
+    write_text_atomic(out / IDENTITY_FILE, json.dumps({"identity": identity, "max_trials": max_trials}, indent=2))
+
+
+def check_resume(recorded: dict[str, Any] | None, identity: dict[str, str], where: object) -> None:
+    """Refuse to continue a study (`where`: its folder or its Optuna study) whose meaning differs from this one;
+    raises PipelineError naming every change."""
+    if recorded is None:
+        return  # a study from before identity.json: nothing to compare with (it is written now)
+    changes = identity_changes(recorded.get("identity", {}), identity)
+    if changes:
+        raise PipelineError(
+            f"--resume refused: {where} holds a study whose meaning differs from this one:\n"
+            + "\n".join(f"  - {c}" for c in changes)
+            + "\nIts baseline outputs and trial history belong to the recorded settings. Fix: resume with the "
+              "recorded settings, or start a new study with another --name or --output.")
+
+
+def budget_note(recorded: dict[str, Any] | None, max_trials: int) -> str | None:
+    """A line telling the user the budget changed on resume (it is honoured), or None."""
+    before = (recorded or {}).get("max_trials")
+    if before is None or before == max_trials:
+        return None
+    return f"budget changed on resume: {before} -> {max_trials} trials (trials already finished count towards it)"
+
+
+def settle_running(ot_study: Any) -> list[int]:
+    """Fail every Optuna trial still RUNNING: its driver or Tune trial is gone and will never report it. Returns the
+    trial numbers settled. Call only when no trial of this study is running (before Tune starts, or after it
+    finished without being interrupted)."""
+    from optuna.trial import TrialState
+
+    settled = []
+    for trial in ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        ot_study.tell(trial.number, state=TrialState.FAIL)
+        settled.append(trial.number)
+    return settled
+
+
+def finished_trials(ot_study: Any) -> int:
+    """Trials that count towards the budget: every finished one (COMPLETE, PRUNED or FAIL)."""
+    return sum(1 for t in ot_study.get_trials(deepcopy=False) if t.state.is_finished())
+
+
+def tune_unfinished(result_grid: Any) -> int:
+    """Trials a Tune run left neither TERMINATED nor ERROR: only an interrupt (Ctrl-C) leaves those."""
+    return len(result_grid) - result_grid.num_errors - result_grid.num_terminated

@@ -1,0 +1,34 @@
+"""Search spaces: YAML files in search_spaces/ -> a validated `SearchSpace` -> Optuna -> `TrialConfig`.
+
+One job per module:
+- `model`    the parsed shape of a space file (parameter types, branches) and each parameter's default;
+- `loader`   reading and checking a file: every problem at load, so `--dry-run` finds it;
+- `bounds`   bound expressions over earlier parameters (`high: max_bfs_breadth`);
+- `define`   the Optuna define-by-run function and the enqueued baseline;
+- `resolve`  a sampled point -> a validated `TrialConfig`, or the reasons it is INVALID;
+- `grid`     enumeration of every point (the search-efficiency replay);
+- `sampler`  the study's TPE sampler (the study, `--dry-run` and the replay use the same one).
+The names below are the package's public surface; import them from `pipeline.space`.
+"""
+
+from pipeline.space.bounds import Bound, evaluate_bound, names_in
+from pipeline.space.define import BASELINE_ATTR, SpaceSampler, define_by_run, enqueue_baseline, suggest
+from pipeline.space.grid import grid_points
+from pipeline.space.loader import check_space, load_space
+from pipeline.space.model import (
+    TRIAL_FIELDS, CategoricalParam, FixedParam, FloatParam, IntParam, Param, SearchSpace, baseline_point,
+    default_value,
+)
+from pipeline.space.resolve import Resolution, resolve
+from pipeline.space.sampler import startup_trials, tpe_sampler
+
+# Old private names, still imported by tests/unit/test_sglang_flags.py (not this package's file to change).
+_evaluate = evaluate_bound
+_default = default_value
+
+__all__ = [
+    "BASELINE_ATTR", "Bound", "CategoricalParam", "FixedParam", "FloatParam", "IntParam", "Param", "Resolution",
+    "SearchSpace", "SpaceSampler", "TRIAL_FIELDS", "baseline_point", "check_space", "default_value",
+    "define_by_run", "enqueue_baseline", "evaluate_bound", "grid_points", "load_space", "names_in", "resolve",
+    "startup_trials", "suggest", "tpe_sampler",
+]

@@ -1,0 +1,36 @@
+"""The embedded CPU engine as an engine kind: its command line and its replica's resources.
+
+Its flags are SGLang's names (rendered from the one table, `serve/engines/settings.py`), so the same search space
+means the same thing here and on SGLang. It validates its flags itself in well under a second at start, so it needs no
+separate preflight; a refused flag set exits with code 2 and the reason, which the replica reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve.engines.base import Engine, ReplicaConfig, python_module_argv
+from serve.engines.settings import render_spec
+
+
+class CpuEngine(Engine):
+    kind = "cpu"
+    label = "the CPU engine"
+    algorithms = frozenset({"none", "ngram", "standalone"})
+
+    def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        argv = python_module_argv("serve.engines.cpu") + [
+            "--model-path", config.model, "--host", host, "--port", str(port), "--dtype", config.dtype]
+        if config.threads is not None:
+            argv += ["--threads", str(config.threads)]
+        return argv + render_spec(config.spec, config.max_running_requests) + list(config.extra_flags)
+
+    def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
+        # The engine process uses every core of its node; the actor that owns it only proxies.
+        cpus = config.replica_cpus if config.replica_cpus is not None else 0.1
+        return {"num_cpus": cpus, "num_gpus": 0, "resources": dict(config.replica_resources)}
+
+    def concurrent_replicas(self, config: ReplicaConfig, cluster_resources: dict[str, float]) -> int:
+        """One per node that can host it: two CPU engines on one node would time-share its cores and measure noise."""
+        fits = [cluster_resources.get(k, 0) // v for k, v in config.replica_resources.items() if v > 0]
+        return max(1, int(min(fits))) if fits else 1

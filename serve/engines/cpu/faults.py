@@ -1,0 +1,212 @@
+"""Test-only fault switches of the CPU engine (`--test-fault SPEC`, repeatable). Off unless the flag is given.
+
+They exist so that integration tests can make a real engine fail in each way a trial must survive and record
+(LAUNCH_FAILED, TIMEOUT, UNHEALTHY, NOT_EQUIVALENT) instead of faking the failure around it. Nothing in the product
+passes this flag; a study can, through `engine.extra_flags`.
+
+SPEC is `KIND[=VALUE][@speculative]`:
+- `exit-at-start[=CODE]`  exit with CODE (default 3) before loading the model: the engine never gets healthy.
+- `slow-start=SECONDS`    sleep SECONDS before loading the model, so `/health` answers that much later.
+- `crash-after=N`         the process exits (code 70) when generation request N+1 arrives.
+- `hang-after=N`          generation requests after the first N are accepted and never answered.
+- `wrong-tokens`          the first output token of every answer is replaced by the next token id (the engine decodes
+                          on from the true token, so only what the client sees is wrong).
+Generation requests are `POST /generate`, `/v1/completions` and `/v1/chat/completions`; other routes are never faulty.
+`@speculative` arms the fault only when `--speculative-algorithm` is set. One study's trials share `extra_flags`, so
+this is how a study gets a faulty speculative trial next to a correct baseline (which `wrong-tokens` needs).
+
+Parsing and the per-request decision are pure; `before_start` and `install` apply them to a starting server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
+
+from serve.spec import FrozenModel
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from serve.engines.cpu.decode import Decoder, Request, StepStats
+
+__all__ = ["Fault", "FaultSpecError", "parse_fault", "parse_faults", "armed", "request_action", "before_start",
+           "install", "GENERATION_ROUTES", "CRASH_EXIT_CODE", "FLAG"]
+
+log = logging.getLogger("serve.engines.cpu")
+
+FLAG = "--test-fault"
+CRASH_EXIT_CODE = 70  # EX_SOFTWARE: distinguishable from a clean exit and from a signal in the replica's message
+DEFAULT_EXIT_CODE = 3
+GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+SPECULATIVE_SCOPE = "speculative"
+Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "wrong-tokens"]
+_VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
+    "exit-at-start": ("an exit code 1..255 (default 3)", int),
+    "slow-start": ("seconds > 0", float),
+    "crash-after": ("a request count >= 0", int),
+    "hang-after": ("a request count >= 0", int),
+    "wrong-tokens": ("no value", None),
+}
+_USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, crash-after=N, "
+          "hang-after=N, wrong-tokens")
+
+
+class FaultSpecError(ValueError):
+    """A `--test-fault` value that does not parse; the message names the value and the fix."""
+
+
+class Fault(FrozenModel):
+    kind: Kind
+    value: float | None = None  # exit code, seconds or request count, per kind
+    only_speculative: bool = False
+
+    def __str__(self) -> str:
+        value = "" if self.value is None else f"={self.value:g}"
+        return f"{self.kind}{value}{'@' + SPECULATIVE_SCOPE if self.only_speculative else ''}"
+
+
+def parse_fault(text: str) -> Fault:
+    """`KIND[=VALUE][@speculative]` -> Fault; FaultSpecError naming the value and the fix."""
+    spec, _, scope = text.strip().partition("@")
+    if scope and scope != SPECULATIVE_SCOPE:
+        raise FaultSpecError(f"{FLAG}: unknown scope '@{scope}' in {text!r}; the only scope is "
+                             f"'@{SPECULATIVE_SCOPE}' (omit it to arm the fault always)")
+    kind, has_value, raw = spec.partition("=")
+    if kind not in _VALUE_RULES:
+        raise FaultSpecError(f"{FLAG}: unknown fault {kind!r} in {text!r}; {_USAGE}")
+    what, kind_type = _VALUE_RULES[kind]
+    value: float | None = None
+    if kind_type is None:
+        if has_value:
+            raise FaultSpecError(f"{FLAG}: {kind} takes no value, got {text!r}; write {kind!r}")
+    elif has_value:
+        try:
+            value = float(kind_type(raw))
+        except ValueError:
+            raise FaultSpecError(f"{FLAG}: {kind} needs {what}, got {raw!r} in {text!r}") from None
+    elif kind == "exit-at-start":
+        value = DEFAULT_EXIT_CODE
+    else:
+        raise FaultSpecError(f"{FLAG}: {kind} needs {what}, e.g. '{kind}=1'; got {text!r}")
+    if value is not None and not _in_range(kind, value):
+        raise FaultSpecError(f"{FLAG}: {kind} needs {what}, got {raw!r} in {text!r}")
+    return Fault(kind=kind, value=value, only_speculative=bool(scope))  # type: ignore[arg-type]
+
+
+def _in_range(kind: str, value: float) -> bool:
+    if kind == "exit-at-start":
+        return 1 <= value <= 255
+    if kind == "slow-start":
+        return value > 0
+    return value >= 0
+
+
+def parse_faults(texts: Iterable[str]) -> tuple[Fault, ...]:
+    """Every `--test-fault` value parsed; at most one fault per kind (two would contradict each other)."""
+    faults = tuple(parse_fault(t) for t in texts)
+    kinds = [f.kind for f in faults]
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:
+        raise FaultSpecError(f"{FLAG}: {', '.join(repeated)} given more than once; give each kind at most once")
+    return faults
+
+
+def armed(faults: Iterable[Fault], speculative: bool) -> dict[str, Fault]:
+    """The faults that apply to an engine running with (`speculative`) or without speculation, by kind. Pure."""
+    return {f.kind: f for f in faults if speculative or not f.only_speculative}
+
+
+def request_action(faults: dict[str, Fault], method: str, path: str, count: int) -> Literal["pass", "crash", "hang"]:
+    """What to do with an incoming request, `count` being the generation requests seen before it. Pure.
+    A crash wins over a hang when both are due: the process is gone either way."""
+    if method != "POST" or path not in GENERATION_ROUTES:
+        return "pass"
+    crash, hang = faults.get("crash-after"), faults.get("hang-after")
+    if crash is not None and count >= (crash.value or 0):
+        return "crash"
+    if hang is not None and count >= (hang.value or 0):
+        return "hang"
+    return "pass"
+
+
+def before_start(faults: Iterable[Fault], speculative: bool,
+                 sleep: Callable[[float], None] = time.sleep) -> int | None:
+    """Apply the start-up faults: an exit code to return from the server's main, or None to go on starting
+    (after sleeping for `slow-start`). Logs every armed fault so the engine log says this engine misbehaves on
+    purpose."""
+    active = armed(faults, speculative)
+    for fault in active.values():
+        log.warning("TEST FAULT armed: %s (testing only: this engine misbehaves on purpose)", fault)
+    if "exit-at-start" in active:
+        code = int(active["exit-at-start"].value or DEFAULT_EXIT_CODE)
+        log.error("TEST FAULT exit-at-start: exiting with code %d before loading the model", code)
+        return code
+    if "slow-start" in active:
+        seconds = float(active["slow-start"].value or 0)
+        log.warning("TEST FAULT slow-start: sleeping %.1f s before loading the model", seconds)
+        sleep(seconds)
+    return None
+
+
+def install(app: FastAPI, engine: Any) -> None:
+    """Arm the request-time faults of `engine.config.test_faults` on a server that has not started yet.
+    `engine` is a `serve.engines.cpu.engine.Engine`; not imported here, since the engine's config imports this."""
+    active = armed(engine.config.test_faults, engine.speculative)
+    if "crash-after" in active or "hang-after" in active:
+        app.add_middleware(_RequestFaults, faults=active)
+    if "wrong-tokens" in active:
+        # The scheduler's worker calls `scheduler.decoder.step` for every step; nothing else steps requests.
+        wrong = _WrongFirstToken(engine.decoder, engine.runner.vocab_size)
+        engine.scheduler.decoder = wrong  # type: ignore[assignment]
+
+
+class _RequestFaults:
+    """ASGI middleware: counts generation requests and crashes or hangs as `request_action` says."""
+
+    def __init__(self, app: Any, faults: dict[str, Fault]) -> None:
+        self.app = app
+        self.faults = faults
+        self.count = 0
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        action = request_action(self.faults, scope.get("method", ""), scope.get("path", ""), self.count)
+        if scope.get("method") == "POST" and scope.get("path") in GENERATION_ROUTES:
+            self.count += 1
+        if action == "crash":
+            log.error("TEST FAULT crash-after: generation request %d arrived; exiting with code %d",
+                      self.count, CRASH_EXIT_CODE)
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT_CODE)  # no cleanup, no answer: what a segfaulting engine looks like from outside
+        if action == "hang":
+            log.warning("TEST FAULT hang-after: generation request %d accepted and never answered", self.count)
+            # Hold the request until the client goes away, so a dropped connection frees the task.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return
+        await self.app(scope, receive, send)
+
+
+class _WrongFirstToken:
+    """Decoder stand-in: after a request's prefill, its first output token becomes the next id in the vocabulary.
+    `tokens` (what the model decodes on) keeps the true token, so decoding goes on normally."""
+
+    def __init__(self, inner: Decoder, vocab_size: int) -> None:
+        self._inner = inner
+        self._vocab_size = vocab_size
+
+    def step(self, req: Request) -> StepStats:
+        stats = self._inner.step(req)
+        if not stats.verify and req.output_ids:
+            req.output_ids[0] = (req.output_ids[0] + 1) % self._vocab_size
+        return stats
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

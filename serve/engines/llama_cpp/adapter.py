@@ -1,0 +1,57 @@
+"""llama.cpp's `llama-server` as an engine kind: the shim's command line (with llama-server's after `--`), the
+replica's resources, and the node checks (binary built, GGUF files present)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, python_module_argv
+from serve.engines.llama_cpp import flags, models
+from serve.spec import LLAMA_CPP_ALGORITHMS, LlamaDraftSpec, validate_spec
+
+
+class LlamaCppEngine(Engine):
+    kind = "llama_cpp"
+    label = "llama.cpp's llama-server"
+    algorithms = frozenset({"none", *LLAMA_CPP_ALGORITHMS})
+
+    def server_argv(self, config: ReplicaConfig) -> list[str]:
+        """llama-server's own command line for `config` (without host/port): what production would run."""
+        draft = models.gguf_path(config.spec.draft_model) if isinstance(config.spec, LlamaDraftSpec) \
+            and config.spec.draft_model else None
+        return flags.server_argv(models.server_binary(), models.gguf_path(config.model), config.spec,
+                                 config.threads, config.max_running_requests, list(config.extra_flags), draft,
+                                 alias=config.model)
+
+    def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        shim = python_module_argv("serve.engines.llama_cpp") + [
+            "--host", host, "--port", str(port), "--spec", json.dumps(config.spec.model_dump(mode="json")),
+            "--ready-timeout", str(config.start_timeout_s)]
+        if flags.needs_dynamic_cache(config.spec):
+            shim.append("--dynamic-lookup-cache")
+        return shim + ["--"] + self.server_argv(config)
+
+    def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
+        # llama-server uses its node's cores; the replica actor only proxies (as for the CPU engine).
+        cpus = config.replica_cpus if config.replica_cpus is not None else 0.1
+        return {"num_cpus": cpus, "num_gpus": 0, "resources": dict(config.replica_resources)}
+
+    def concurrent_replicas(self, config: ReplicaConfig, cluster_resources: dict[str, float]) -> int:
+        """One per node that can host it: two llama-servers on one node would time-share its cores."""
+        fits = [cluster_resources.get(k, 0) // v for k, v in config.replica_resources.items() if v > 0]
+        return max(1, int(min(fits))) if fits else 1
+
+    def prepare(self, config: ReplicaConfig, argv: list[str]) -> dict[str, Any]:
+        """On the replica's node: the spec's rules, llama-server built, the GGUF files fetched/converted."""
+        problems = validate_spec(config.spec)
+        if config.spec.algorithm not in self.algorithms:
+            raise ConfigRejected(f"spec.algorithm={config.spec.algorithm!r}: {self.label} implements only "
+                                 f"{sorted(self.algorithms)}")
+        if problems:
+            raise ConfigRejected("; ".join(map(str, problems)))
+        binary = models.require_server()
+        found: dict[str, Any] = {"llama_server": str(binary), "model_gguf": str(models.ensure_gguf(config.model))}
+        if isinstance(config.spec, LlamaDraftSpec) and config.spec.draft_model:
+            found["draft_gguf"] = str(models.ensure_gguf(config.spec.draft_model))
+        return found

@@ -1,0 +1,351 @@
+"""The llama.cpp engine process: a small shim in front of `llama-server` that speaks the tuner's protocol.
+
+`python -m serve.engines.llama_cpp --host H --port P --spec JSON [--dynamic-lookup-cache] -- LLAMA-SERVER-ARGV...`
+
+The shim starts llama-server as its child on a private port (same process group, so the replica's and the watchdog's
+`killpg` end both), with llama-server's output in the shim's output (= the engine log), and serves:
+- `GET /health`: 200 once llama-server answers its own `/health`, 503 before;
+- `GET /server_info`: the spec as requested (llama.cpp has no SGLang ServerArgs; `speculative_algorithm` is our
+  algorithm name so the trial's effective-settings diff works), `max_running_requests` = llama-server's slot count
+  read back from `/props`, the exact llama-server command line (what to run in production), its build, `/metrics`'s
+  draft counters and `internal_states[0].avg_spec_accept_length` since the last flush;
+- `POST /flush_cache?timeout=S`: waits up to S for in-flight requests (400 if they remain, as SGLang answers), then
+  restarts llama-server: its KV and prompt caches (what `/slots/<id>?action=erase` clears), every drafter's n-gram
+  state, its counters and the dynamic lookup-cache file (a fresh one) all start empty;
+- `POST /generate`: SGLang's native route, translated to `/completion` by `protocol.py` (streaming included);
+- every other route (`/v1/*` OpenAI routes, `/slots`, `/metrics`, `/props`, `/tokenize`) is forwarded as it is.
+If llama-server exits on its own, the shim exits with its code, so the replica sees a dead engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve.engines.llama_cpp import protocol
+from serve.spec import NoSpec, parse_spec
+
+READY_POLL_S = 0.2
+_HOP = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _say(message: str) -> None:
+    print(f"[llama-cpp shim] {message}", file=sys.stderr, flush=True)
+
+
+class Child:
+    """One llama-server run. `start` picks a port and (if asked) a fresh dynamic lookup-cache file."""
+
+    def __init__(self, argv: list[str], dynamic_cache: bool, workdir: Path) -> None:
+        self.base_argv = argv
+        self.dynamic_cache = dynamic_cache
+        self.workdir = workdir
+        self.process: subprocess.Popen | None = None
+        self.argv: list[str] = []
+        self.url = ""
+        self.starts = 0
+
+    def start(self) -> None:
+        port = _free_port()
+        self.starts += 1
+        self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(port)]
+        if self.dynamic_cache:
+            cache = self.workdir / f"lookup-dynamic-{self.starts}.bin"
+            cache.unlink(missing_ok=True)
+            self.argv += ["--lookup-cache-dynamic", str(cache)]
+        self.url = f"http://127.0.0.1:{port}"
+        _say("starting: " + " ".join(self.argv))
+        self.process = subprocess.Popen(self.argv, stdout=sys.stdout, stderr=sys.stderr)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
+            while time.monotonic() < deadline:
+                if self.process is None or self.process.poll() is not None:
+                    code = None if self.process is None else self.process.returncode
+                    raise RuntimeError(f"llama-server exited with code {code} before it was ready")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get("/health")).status_code == 200:
+                        return
+                await asyncio.sleep(READY_POLL_S)
+        raise RuntimeError(f"llama-server not ready after {timeout_s:.0f} s")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=grace_s)
+
+
+class Shim:
+    """State of the shim: the child, requests in flight, counters since the last flush."""
+
+    def __init__(self, spec: Any, child: Child, ready_timeout_s: float) -> None:
+        self.spec = spec
+        self.speculative = not isinstance(spec, NoSpec)
+        self.child = child
+        self.ready_timeout_s = ready_timeout_s
+        self.ready = False
+        self.restarting = False
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.totals = protocol.Totals()
+        self.client: httpx.AsyncClient | None = None
+        self.props: dict[str, Any] = {}
+
+    async def start_child(self) -> None:
+        self.ready = False
+        self.child.start()
+        await self.child.wait_ready(self.ready_timeout_s)
+        if self.client is not None:
+            await self.client.aclose()
+        self.client = httpx.AsyncClient(base_url=self.child.url, timeout=httpx.Timeout(None, connect=10))
+        self.props = (await self.client.get("/props")).json()
+        self.totals = protocol.Totals()
+        self.ready = True
+
+    @contextlib.asynccontextmanager
+    async def tracked(self) -> AsyncIterator[None]:
+        self.inflight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
+
+    async def watch_child(self) -> None:
+        """Exit with llama-server's code if it dies on its own (not during a flush's restart)."""
+        while True:
+            await asyncio.sleep(0.5)
+            process = self.child.process
+            if not self.restarting and process is not None and process.poll() is not None:
+                _say(f"llama-server exited with code {process.returncode}; the shim exits too")
+                os._exit(process.returncode or 1)
+
+    async def metrics(self) -> dict[str, float]:
+        """llama-server's draft counters from `/metrics` (server-side, since its start = since the last flush)."""
+        assert self.client is not None
+        out: dict[str, float] = {}
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            for line in (await self.client.get("/metrics", timeout=10)).text.splitlines():
+                if line.startswith(("llamacpp:spec_decode_", "llamacpp:tokens_predicted_total")):
+                    name, _, value = line.partition(" ")
+                    out[name] = float(value)
+        return out
+
+    async def server_info(self) -> dict[str, Any]:
+        slots = self.props.get("total_slots")
+        info: dict[str, Any] = {
+            "engine": "llama_cpp",
+            "speculative_algorithm": None if not self.speculative else self.spec.algorithm,
+            "max_running_requests": slots,
+            "spec": self.spec.model_dump(mode="json"),
+            "llama_server_argv": self.child.argv,
+            "llama_server_build": self.props.get("build_info"),
+            "model_path": self.props.get("model_path"),
+            "n_ctx": (self.props.get("default_generation_settings") or {}).get("n_ctx"),
+            "llama_metrics": await self.metrics(),
+            "internal_states": [self.totals.internal_state()],
+        }
+        return info
+
+
+def build_app(shim: Shim) -> FastAPI:
+    app = FastAPI()
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        async def boot() -> None:
+            try:
+                await shim.start_child()
+            except Exception as exc:  # noqa: BLE001 - any start failure ends the engine with its reason in the log
+                _say(f"start failed: {exc}")
+                shim.child.stop()
+                os._exit(3)
+            _say(f"ready: llama-server at {shim.child.url}, slots={shim.props.get('total_slots')}")
+
+        asyncio.get_running_loop().create_task(boot())
+        asyncio.get_running_loop().create_task(shim.watch_child())
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        shim.child.stop()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if shim.restarting:
+            # a flush restarts llama-server on purpose (seconds): the engine is not unhealthy, and a failed Serve
+            # health check here would replace the replica mid-trial
+            return JSONResponse({"status": "flushing"})
+        if not shim.ready or shim.client is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        try:
+            answer = await shim.client.get("/health", timeout=10)
+        except httpx.HTTPError as exc:
+            return JSONResponse({"status": f"llama-server unreachable: {exc}"}, status_code=503)
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        if not shim.ready:
+            return JSONResponse({"error": "starting"}, status_code=503)
+        return JSONResponse(await shim.server_info())
+
+    @app.post("/flush_cache")
+    async def flush_cache(timeout: float = 0.0) -> Response:
+        if shim.inflight:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(shim.idle.wait(), timeout=max(timeout, 0.0) or 0.001)
+        if shim.inflight:
+            return JSONResponse({"error": f"{shim.inflight} request(s) in flight; flush refused (SGLang answers "
+                                          "the same; pass ?timeout= to wait for idle)"}, status_code=400)
+        shim.restarting = True
+        try:
+            shim.child.stop()
+            await shim.start_child()
+        finally:
+            shim.restarting = False
+        return JSONResponse({"flushed": True, "llama_server_starts": shim.child.starts})
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            body = await request.json()
+            llama_body = protocol.completion_body(body)
+        except (ValueError, protocol.BadRequest) as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        if not shim.ready or shim.client is None:
+            return JSONResponse({"error": {"message": "engine not ready"}}, status_code=503)
+        if llama_body["stream"]:
+            return await _stream(shim, llama_body)
+        started = time.monotonic()
+        async with shim.tracked():
+            answer = await shim.client.post("/completion", json=llama_body)
+        if answer.status_code != 200:
+            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        final = answer.json()
+        meta = protocol.meta_info(final, shim.speculative, time.monotonic() - started)
+        shim.totals.add(meta)
+        return JSONResponse({"text": final.get("content", ""), "output_ids": final.get("tokens") or [],
+                             "meta_info": meta})
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request) -> Response:
+        if not shim.ready or shim.client is None:
+            return JSONResponse({"error": {"message": "engine not ready"}}, status_code=503)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        upstream = shim.client.build_request(request.method, f"/{path}", params=request.query_params,
+                                             content=await request.body(), headers=headers)
+        async with shim.tracked():
+            response = await shim.client.send(upstream, stream=True)
+            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP}
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                content = await response.aread()
+                await response.aclose()
+                return Response(content, status_code=response.status_code, headers=out_headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            async with shim.tracked():
+                try:
+                    async for chunk in response.aiter_raw():
+                        yield chunk
+                finally:
+                    await response.aclose()
+
+        return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
+
+    return app
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+async def _stream(shim: Shim, llama_body: dict[str, Any]) -> Response:
+    """SGLang-style SSE: cumulative text and output_ids per event, counters on the last, then `[DONE]`."""
+    assert shim.client is not None
+    started = time.monotonic()
+    client = shim.client
+
+    async def events() -> AsyncIterator[bytes]:
+        text, ids = "", list[int]()
+        async with shim.tracked():
+            async with client.stream("POST", "/completion", json=llama_body) as answer:
+                if answer.status_code != 200:
+                    detail = (await answer.aread()).decode("utf-8", "replace")
+                    yield _sse({"error": {"message": f"llama-server answered {answer.status_code}: {detail[:500]}"}})
+                    yield _sse("[DONE]")
+                    return
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    event = json.loads(line[5:].strip())
+                    if "error" in event:
+                        yield _sse(event)
+                        break
+                    text += event.get("content") or ""
+                    ids += event.get("tokens") or []
+                    if event.get("stop"):
+                        meta = protocol.meta_info(event, shim.speculative, time.monotonic() - started)
+                        shim.totals.add(meta)
+                    else:
+                        meta = protocol.progress_meta(int(event.get("tokens_evaluated", 0)), len(ids))
+                    yield _sse({"text": text, "output_ids": list(ids), "meta_info": meta})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m serve.engines.llama_cpp [options] -- LLAMA-SERVER-ARGV...", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m serve.engines.llama_cpp", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--spec", default='{"algorithm": "none"}', help="the SpecConfig as JSON (what to report)")
+    parser.add_argument("--dynamic-lookup-cache", action="store_true", help="fresh --lookup-cache-dynamic per start")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv[:split])
+    server_argv = argv[split + 1:]
+    if not server_argv:
+        parser.error("give llama-server's argv after --")
+    spec = parse_spec(json.loads(args.spec))
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-llama-"))
+    shim = Shim(spec, Child(server_argv, args.dynamic_lookup_cache, workdir), args.ready_timeout)
+    # SIGTERM from the replica/watchdog: uvicorn shuts down, the shutdown hook stops llama-server.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import uvicorn
+
+    uvicorn.run(build_app(shim), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,68 @@
+"""`python -m serve.engines.watchdog -- ARGV...`: run ARGV and kill its whole process group when our parent dies.
+
+Every engine is started through this wrapper, in a new session (so the wrapper leads the process group). When Ray
+kills a replica without running its teardown (SIGKILL, a node agent restart), nothing else would stop the engine:
+an orphaned SGLang keeps its GPU memory and the next trial on that GPU fails. Re-parenting (getppid() changes) is the
+portable sign that the owner died. SIGTERM/SIGINT to the wrapper are passed to the group, so a normal teardown
+(`killpg`) behaves as before. Standard library only: it starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+POLL_S = 0.5
+GRACE_S = 10.0
+
+
+def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    """SIGTERM to the group (the engine and its children), SIGKILL after `grace_s`."""
+    group = os.getpgrp()
+    try:
+        os.killpg(group, signal.SIGTERM)  # reaches us too: our handler only records it
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        os.killpg(group, signal.SIGKILL)  # ends us as well, which is the point
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m serve.engines.watchdog -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    parent = os.getppid()
+    child = subprocess.Popen(argv)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=_stop_group, args=(child,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while child.poll() is None:
+        if os.getppid() != parent and not stopping.is_set():
+            print(f"[watchdog] owner process {parent} is gone: stopping the engine", file=sys.stderr, flush=True)
+            stopping.set()
+            _stop_group(child)
+        time.sleep(POLL_S)
+    return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""The baseline's outputs are the reference of every equivalence check. They are read from the baseline trial's MLflow
+run (its requests.parquet), never from a driver's folder, so a second driver in a new folder compares against the
+same outputs (issue #20); a baseline that lost a request is not COMPLETE (issue #15 item 12). Real MLflow on SQLite."""
+
+import pytest
+
+from pipeline.config import TrialConfig, load_study
+from pipeline.measure import RequestRecord, to_table
+from pipeline.record import Tracker
+from pipeline.trial import Outcome, TrialContext, _compare, baseline_outputs, lost_requests
+from serve.spec import NgramSpec
+
+
+def record(index: int, error: str | None = None, ids: tuple[int, ...] = (1, 2, 3)) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"r{index}", phase="measure", prompt_index=index, concurrency=1, start_s=0.0,
+        ttft_s=None if error else 0.1, e2e_s=0.5, prompt_tokens=5, completion_tokens=0 if error else len(ids),
+        finish_reason="error" if error else "length", error=error, output_ids=() if error else ids)
+
+
+@pytest.fixture()
+def tracker(tmp_path):
+    return Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "s", artifact_dir=tmp_path / "artifacts")
+
+
+def context(tracker, parent: str, folder) -> TrialContext:
+    return TrialContext(study=load_study(None), output_dir=str(folder), serve_url="http://127.0.0.1:1",
+                        tracker=tracker, parent_run_id=parent, warmup=(), measure=())
+
+
+def log_baseline(tracker, parent: str, records: list[RequestRecord], outcome: str = "COMPLETE") -> str:
+    return tracker.log_trial(parent, study_name="s", run_name="trial-0", kind="trial",
+                             config=TrialConfig().model_dump(mode="json"), outcome=outcome, reason="",
+                             metrics={}, requests=to_table(records), texts={})
+
+
+def test_a_baseline_with_one_failed_request_is_not_complete():
+    outcome, reason = lost_requests([record(0), record(1), record(2), record(3, error="HTTP 500: engine died")])
+    assert outcome is Outcome.UNHEALTHY
+    assert "1 of 4 measured requests failed (prompts [3]); first: HTTP 500: engine died" in reason
+
+
+def test_a_baseline_whose_failures_are_timeouts_is_a_timeout():
+    outcome, _ = lost_requests([record(0), record(1, error="timeout after 300 s")])
+    assert outcome is Outcome.TIMEOUT
+
+
+def test_a_driver_in_another_folder_compares_with_the_baseline_outputs_from_mlflow(tracker, tmp_path):
+    parent = tracker.start_study("s", "name: s\n", resume=False)
+    log_baseline(tracker, parent, [record(0), record(1, ids=(4, 5, 6))])
+    # A second driver: a fresh folder with nothing in it, the same tracking store and study run.
+    other = context(tracker, parent, tmp_path / "driver2")
+    assert [r.output_ids for r in baseline_outputs(other)] == [(1, 2, 3), (4, 5, 6)]
+    ngram = TrialConfig(spec=NgramSpec())
+    outcome, reason, report = _compare(other, ngram, [record(0), record(1, ids=(4, 5, 6))])
+    assert (outcome, reason) == (Outcome.COMPLETE, "") and report is not None and report.passed
+    outcome, _, report = _compare(other, ngram, [record(0), record(1, ids=(4, 5, 9))])
+    assert outcome is Outcome.NOT_EQUIVALENT and not report.passed
+
+
+def test_only_a_complete_baseline_is_a_reference(tracker, tmp_path):
+    parent = tracker.start_study("s", "name: s\n", resume=False)
+    log_baseline(tracker, parent, [record(0)], outcome="UNHEALTHY")
+    ctx = context(tracker, parent, tmp_path)
+    assert baseline_outputs(ctx) is None
+    assert _compare(ctx, TrialConfig(), [record(0)])[0] is Outcome.COMPLETE  # the baseline is its own reference

@@ -1,0 +1,77 @@
+"""The CPU engine's test-only fault switches: parsing (`--test-fault`), scope and the per-request decision. Pure."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from serve.engines.cpu.config import ConfigError, parse_config
+from serve.engines.cpu.faults import Fault, FaultSpecError, armed, before_start, parse_fault, request_action
+
+
+@pytest.mark.parametrize("text, fault", [
+    ("exit-at-start", Fault(kind="exit-at-start", value=3)),
+    ("exit-at-start=9@speculative", Fault(kind="exit-at-start", value=9, only_speculative=True)),
+    ("slow-start=2.5", Fault(kind="slow-start", value=2.5)),
+    ("crash-after=0", Fault(kind="crash-after", value=0)),
+    ("hang-after=4@speculative", Fault(kind="hang-after", value=4, only_speculative=True)),
+    ("wrong-tokens@speculative", Fault(kind="wrong-tokens", only_speculative=True)),
+])
+def test_specs_parse_and_print_back(text, fault):
+    assert parse_fault(text) == fault
+    assert parse_fault(str(fault)) == fault
+
+
+@pytest.mark.parametrize("text, message", [
+    ("explode", "unknown fault 'explode'"),
+    ("crash-after", "crash-after needs a request count >= 0, e.g. 'crash-after=1'"),
+    ("crash-after=-1", "needs a request count >= 0, got '-1'"),
+    ("hang-after=1.5", "needs a request count >= 0, got '1.5'"),
+    ("slow-start=0", "slow-start needs seconds > 0"),
+    ("exit-at-start=0", "an exit code 1..255"),
+    ("wrong-tokens=1", "wrong-tokens takes no value"),
+    ("crash-after=1@baseline", "unknown scope '@baseline'"),
+])
+def test_bad_specs_name_the_value_and_the_fix(text, message):
+    with pytest.raises(FaultSpecError, match="--test-fault") as err:
+        parse_fault(text)
+    assert message in str(err.value)
+
+
+def test_the_engine_parser_takes_the_flag_repeated_and_rejects_a_kind_twice():
+    config = parse_config(["--model-path", "m", "--test-fault", "crash-after=2@speculative",
+                           "--test-fault", "wrong-tokens"])
+    assert [str(f) for f in config.test_faults] == ["crash-after=2@speculative", "wrong-tokens"]
+    assert "test_faults" not in config.server_args()  # /server_info reports what SGLang would: no test switches
+    assert parse_config(["--model-path", "m"]).test_faults == ()
+    with pytest.raises(ConfigError, match="hang-after given more than once"):
+        parse_config(["--model-path", "m", "--test-fault", "hang-after=1", "--test-fault", "hang-after=2"])
+
+
+def test_speculative_scope_spares_the_baseline():
+    faults = (parse_fault("wrong-tokens@speculative"), parse_fault("slow-start=1"))
+    assert set(armed(faults, speculative=True)) == {"wrong-tokens", "slow-start"}
+    assert set(armed(faults, speculative=False)) == {"slow-start"}
+
+
+def test_requests_crash_or_hang_only_after_n_generation_requests():
+    faults = armed((parse_fault("crash-after=3"), parse_fault("hang-after=1")), speculative=False)
+    assert [request_action(faults, "POST", "/generate", n) for n in range(5)] == \
+        ["pass", "hang", "hang", "crash", "crash"]
+    for method, path in (("GET", "/health"), ("POST", "/flush_cache"), ("GET", "/server_info"), ("GET", "/generate")):
+        assert request_action(faults, method, path, 10) == "pass"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert request_action(faults, "POST", path, 3) == "crash"
+    assert request_action({}, "POST", "/generate", 100) == "pass"
+
+
+def test_start_faults_exit_or_sleep_and_say_so_in_the_log(caplog):
+    slept: list[float] = []
+    with caplog.at_level(logging.WARNING, logger="serve.engines.cpu"):
+        assert before_start((parse_fault("exit-at-start=7@speculative"),), True, slept.append) == 7
+        assert before_start((parse_fault("exit-at-start=7@speculative"),), False, slept.append) is None
+        assert before_start((parse_fault("slow-start=12"),), False, slept.append) is None
+    assert slept == [12.0]
+    assert "TEST FAULT exit-at-start: exiting with code 7" in caplog.text
+    assert "TEST FAULT armed: slow-start=12" in caplog.text

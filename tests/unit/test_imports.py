@@ -1,0 +1,115 @@
+"""House rules checked on the source (DESIGN §1, §3): no import circles among serve/ and pipeline/ modules (imports
+inside functions count: they only hide a circle), serve/ never imports pipeline/, pipeline/ never imports an engine's
+implementation, and outside the engine package the engine-kind strings appear only in config parsing."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KIND_STRINGS = {"cpu", "sglang"}
+# Config parsing: the study file's `engine.kind` (its Literal lives in serve/engines/base.py as EngineKind).
+KIND_STRINGS_ALLOWED = {"pipeline/config.py"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in ("serve", "pipeline"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every project module `name` imports, anywhere in the file (packages resolved to their modules)."""
+    targets = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            candidates = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in known and "." in candidate:
+                candidate = candidate.rpartition(".")[0]
+            if candidate in known and candidate != name and known[candidate].name != "__init__.py":
+                targets.add(candidate)
+    return targets
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_circle_hidden_in_a_function():
+    edges = {"a": {"b"}, "b": {"a"}, "c": set()}
+    assert cycles(edges) == [["a", "b"]]
+
+
+def test_no_import_circles():
+    assert cycles(graph()) == []
+
+
+def test_serve_never_imports_pipeline():
+    edges = graph()
+    assert sorted(f"{a} -> {b}" for a, bs in edges.items() if a.startswith("serve") for b in bs
+                  if b.startswith("pipeline")) == []
+
+
+def test_pipeline_reaches_engines_only_through_the_engine_abstraction():
+    edges = graph()
+    allowed = {"serve.engines", "serve.engines.base", "serve.engines.settings"}
+    leaks = sorted(f"{a} -> {b}" for a, bs in edges.items() if a.startswith("pipeline") for b in bs
+                   if b.startswith("serve.engines") and b not in allowed)
+    assert leaks == []
+
+
+def test_engine_kind_strings_appear_only_in_config_parsing_outside_the_engine_package():
+    found = []
+    for name, path in modules().items():
+        relative = str(path.relative_to(ROOT))
+        if name.startswith("serve.engines") or relative in KIND_STRINGS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in KIND_STRINGS:
+                found.append(f"{relative}:{node.lineno}: {node.value!r}")
+    assert found == []

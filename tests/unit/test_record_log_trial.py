@@ -1,0 +1,38 @@
+"""`log_trial` replaces a trial's record only once the new one exists (issue #15 item 13). Real MLflow on SQLite."""
+
+import pytest
+
+from pipeline.record import Tracker
+
+
+def log(tracker, parent, texts, reason=""):
+    return tracker.log_trial(parent, study_name="s", run_name="trial-1", kind="trial",
+                             config={"spec": {"algorithm": "none"}}, outcome="COMPLETE", reason=reason,
+                             metrics={"tput_tok_s": 1.0}, requests=None, texts=texts)
+
+
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mlflow")
+    return Tracker(f"sqlite:///{folder / 'mlflow.db'}", "s", artifact_dir=folder / "artifacts")
+
+
+def active_trial_runs(tracker, parent):
+    return [r for r in tracker.trial_runs(parent) if r.info.run_name == "trial-1"]
+
+
+def test_a_crash_while_logging_the_new_record_keeps_the_old_one(tracker):
+    parent = tracker.start_study("s", "name: s\n", resume=False)
+    first = log(tracker, parent, {"engine.log": "first"}, reason="first")
+    # An artifact path that cannot be written (absolute, under /proc) fails the upload half-way, as a crash would.
+    with pytest.raises(OSError):
+        log(tracker, parent, {"/proc/specdec-cannot-write/engine.log": "second"})
+    ids = [r.info.run_id for r in active_trial_runs(tracker, parent)]
+    assert first in ids  # the old record survived; the half-written one may sit beside it
+
+
+def test_a_completed_new_record_replaces_the_old_one(tracker):
+    parent = tracker.start_study("s2", "name: s2\n", resume=False)
+    log(tracker, parent, {"engine.log": "first"})
+    second = log(tracker, parent, {"engine.log": "second"})
+    assert [r.info.run_id for r in active_trial_runs(tracker, parent)] == [second]

@@ -1,0 +1,75 @@
+"""What a trial does around the engine that SGLang makes tricky: a refused `/flush_cache` (SGLang answers 400 while
+any request runs, and Serve's health check runs one), per-study app names on a shared cluster, and secrets in
+`engine.env`. The flush is tested against a real local HTTP server that refuses as SGLang does."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from pipeline.config import load_study, study_to_yaml
+from pipeline.trial import app_name, flush, replica_config, study_apps
+from pipeline.config import TrialConfig
+
+SGLANG_REFUSAL = "Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 1"
+
+
+@pytest.fixture
+def refusing_server():
+    """A server whose /flush_cache refuses `refusals[0]` times (400, SGLang's text), then succeeds."""
+    state = {"refusals": 0, "calls": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            state["calls"].append(self.path)
+            refused = state["refusals"] > 0
+            state["refusals"] -= 1
+            body = (SGLANG_REFUSAL if refused else "Cache flushed.").encode()
+            self.send_response(400 if refused else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", state
+    server.shutdown()
+
+
+def test_a_refused_flush_is_retried_with_a_wait_for_idle(refusing_server):
+    url, state = refusing_server
+    state["refusals"] = 2
+    with httpx.Client(base_url=url) as client:
+        assert flush(client, deadline_s=60) is None
+    assert len(state["calls"]) == 3 and all("timeout=" in c for c in state["calls"])
+
+
+def test_a_flush_that_never_succeeds_is_reported_with_the_engines_answer(refusing_server):
+    url, state = refusing_server
+    state["refusals"] = 10**6
+    with httpx.Client(base_url=url) as client:
+        refused = flush(client, deadline_s=0)
+    assert "refused" in refused and "400" in refused and "pending requests" in refused
+
+
+def test_app_names_are_per_study_and_cleanup_touches_only_its_own():
+    assert app_name("a", "x1") == "a~trial-x1"
+    names = ["a~trial-x1", "a-b~trial-x2", "other~trial-x3", "production", "trial-legacy"]
+    assert study_apps("a", names) == ["a~trial-x1"]
+    assert study_apps("a-b", names) == ["a-b~trial-x2"]
+
+
+def test_engine_env_values_never_leave_in_logged_or_written_forms(tmp_path):
+    study = load_study(None, {"engine.env": {"HF_TOKEN": "hf_s3cret_value"}})
+    assert "hf_s3cret_value" not in study_to_yaml(study)
+    assert "hf_s3cret_value" not in json.dumps(study.model_dump(mode="json"))
+    replica = replica_config(study, TrialConfig(), tmp_path)
+    assert "hf_s3cret_value" not in replica.model_dump_json()
+    assert replica.env == {"HF_TOKEN": "hf_s3cret_value"}  # the process still gets it
+    assert replica.to_replica()["env"] == {"HF_TOKEN": "hf_s3cret_value"}  # handed to the replica only
+    assert "HF_TOKEN" in study_to_yaml(study)  # the name is recorded

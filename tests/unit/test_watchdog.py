@@ -1,0 +1,74 @@
+"""The engine watchdog (serve/engines/watchdog.py) with real processes: when the engine's owner dies without running
+teardown (as when Ray SIGKILLs a replica), the engine and its children die too; a normal teardown still works."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from serve.engines.base import child_env
+
+# The owner starts the watchdog as the replica does (new session), prints the engine's pid, then waits forever.
+OWNER = """
+import subprocess, sys, time
+p = subprocess.Popen([sys.executable, "-m", "serve.engines.watchdog", "--", sys.executable, "-c",
+                      "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"],
+                     start_new_session=True)
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def wait_gone(pids, deadline_s=30.0):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def group_of(watchdog_pid, deadline_s=30.0):
+    """The watchdog, the engine and the engine's child, once all three exist."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        procs = [psutil.Process(watchdog_pid)] + psutil.Process(watchdog_pid).children(recursive=True)
+        if len(procs) >= 3:
+            return [p.pid for p in procs]
+        time.sleep(0.1)
+    raise AssertionError("the engine and its child did not start")
+
+
+def test_engine_group_dies_with_its_owner():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        watchdog = int(owner.stdout.readline())
+        pids = group_of(watchdog)
+        owner.kill()  # SIGKILL: no teardown runs, as when Ray kills a replica's worker
+        owner.wait()
+        assert wait_gone(pids) == []
+    finally:
+        owner.kill()
+
+
+def test_sigterm_to_the_group_stops_engine_and_watchdog():
+    watchdog = subprocess.Popen([sys.executable, "-m", "serve.engines.watchdog", "--", sys.executable, "-c",
+                                 "import time; time.sleep(600)"], start_new_session=True, env=child_env())
+    pids = [watchdog.pid]
+    deadline = time.monotonic() + 30
+    while len(pids) < 2 and time.monotonic() < deadline:
+        pids = [watchdog.pid] + [c.pid for c in psutil.Process(watchdog.pid).children()]
+        time.sleep(0.1)
+    os.killpg(watchdog.pid, signal.SIGTERM)
+    watchdog.wait(timeout=30)
+    assert wait_gone(pids) == []
+
+
+def test_the_engines_exit_code_is_passed_on():
+    done = subprocess.run([sys.executable, "-m", "serve.engines.watchdog", "--", sys.executable, "-c",
+                           "raise SystemExit(3)"], env=child_env(), timeout=60)
+    assert done.returncode == 3
