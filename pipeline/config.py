@@ -131,7 +131,8 @@ class BudgetSettings(FrozenModel):
 
 class ObjectiveSettings(FrozenModel):
     metrics: list[str] = Field(default_factory=lambda: ["tput_tok_s"], min_length=1)
-    modes: list[Literal["max", "min"]] = Field(default_factory=lambda: ["max"], min_length=1)
+    modes: list[Literal["max", "min"]] = Field(default_factory=lambda: list[Literal["max", "min"]](["max"]),
+                                               min_length=1)
 
     @model_validator(mode="after")
     def _same_length(self) -> ObjectiveSettings:

@@ -18,6 +18,8 @@ Rules:
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -97,7 +99,7 @@ def check_equivalence(
 
     share = identical / len(prompts) if prompts else 0.0
     passed = bool(prompts) and share >= threshold
-    report = dict(
+    report: dict[str, Any] = dict(
         passed=passed,
         threshold=float(threshold),
         identical_share=share,

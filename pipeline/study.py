@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
@@ -91,7 +91,10 @@ def connect_ray(study_name: str, address: str | None = None) -> str:
     # applied: ask the controller which port it serves on (a private helper of Ray 2.60, which we pin).
     from ray.serve.context import _get_global_client
 
-    options = _get_global_client().http_config
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("Serve did not start: no controller to ask for its HTTP port")
+    options = client.http_config
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::", None) else options.host
     for name in study_apps(study_name, serve.status().applications):
         serve.delete(name)
@@ -158,7 +161,8 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     check_resume(recorded, identity, out)  # before anything is started or written
     out.mkdir(parents=True, exist_ok=True)  # SQLite (the default storage) cannot create its file in a missing folder
     storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
-    directions = ["maximize" if m == "max" else "minimize" for m in study.objective.modes]
+    directions: list[Literal["maximize", "minimize"]] = [
+        "maximize" if m == "max" else "minimize" for m in study.objective.modes]
     ot_study = optuna.create_study(study_name=study.name, storage=storage, directions=directions, load_if_exists=True)
     # A new driver folder on a shared database has no identity.json: the Optuna study carries the same record.
     recorded = recorded or ot_study.user_attrs.get(IDENTITY_ATTR)
@@ -187,8 +191,9 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
     sampler = tpe_sampler(study.seed, study.budget.max_trials)
     single = len(study.objective.metrics) == 1
+    modes: list[str] = list(study.objective.modes)
     searcher = OptunaSearch(define_by_run(space), metric=study.objective.metrics[0] if single else
-                            study.objective.metrics, mode=study.objective.modes[0] if single else study.objective.modes,
+                            study.objective.metrics, mode=modes[0] if single else modes,
                             sampler=sampler, storage=storage, study_name=study.name, seed=study.seed)
     # The trial process only drives HTTP and logs: a quarter CPU (Ray's resource name), the replica holds the engine.
     trainable = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space),

@@ -16,19 +16,15 @@ from pipeline.space.define import BASELINE_ATTR, SpaceSampler, define_by_run, en
 from pipeline.space.grid import grid_points
 from pipeline.space.loader import check_space, load_space
 from pipeline.space.model import (
-    TRIAL_FIELDS, CategoricalParam, FixedParam, FloatParam, IntParam, Param, SearchSpace, baseline_point,
+    TRIAL_FIELDS, CategoricalParam, FixedParam, FloatParam, IntParam, Param, SearchSpace, applies, baseline_point,
     default_value,
 )
 from pipeline.space.resolve import Resolution, resolve
 from pipeline.space.sampler import startup_trials, tpe_sampler
 
-# Old private names, still imported by tests/unit/test_sglang_flags.py (not this package's file to change).
-_evaluate = evaluate_bound
-_default = default_value
-
 __all__ = [
     "BASELINE_ATTR", "Bound", "CategoricalParam", "FixedParam", "FloatParam", "IntParam", "Param", "Resolution",
-    "SearchSpace", "SpaceSampler", "TRIAL_FIELDS", "baseline_point", "check_space", "default_value",
+    "SearchSpace", "SpaceSampler", "TRIAL_FIELDS", "applies", "baseline_point", "check_space", "default_value",
     "define_by_run", "enqueue_baseline", "evaluate_bound", "grid_points", "load_space", "names_in", "resolve",
     "startup_trials", "suggest", "tpe_sampler",
 ]

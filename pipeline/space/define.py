@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.space.bounds import evaluate_bound
-from pipeline.space.model import CategoricalParam, FloatParam, IntParam, Param, SearchSpace, baseline_point
+from pipeline.space.model import (CategoricalParam, FloatParam, IntParam, Param, SearchSpace, applies,
+                                  baseline_point)
 
 BASELINE_ATTR = "baseline"  # user attribute that marks the enqueued baseline trial in the Optuna study
 
@@ -42,7 +43,8 @@ class SpaceSampler:
         algorithm = "none" if is_baseline else trial.suggest_categorical("algorithm", self.speculative)
         values: dict[str, Any] = {}
         for optuna_name, name, p in self.space.params_for(algorithm):
-            values[name] = suggest(trial, optuna_name, p, values)
+            if applies(p, values):
+                values[name] = suggest(trial, optuna_name, p, values)
         return {"algorithm": algorithm} if is_baseline else {}
 
 

@@ -6,7 +6,8 @@ from typing import Any
 
 from pipeline.errors import ConfigError
 from pipeline.space.bounds import evaluate_bound
-from pipeline.space.model import CategoricalParam, FixedParam, FloatParam, Param, SearchSpace, baseline_point
+from pipeline.space.model import (CategoricalParam, FixedParam, FloatParam, Param, SearchSpace, applies,
+                                  baseline_point)
 
 
 def _values(optuna_name: str, p: Param, values: dict[str, Any]) -> list[Any]:
@@ -19,7 +20,7 @@ def _values(optuna_name: str, p: Param, values: dict[str, Any]) -> list[Any]:
                           f"give it a step (and log: false) or make it categorical to enumerate the space")
     low = evaluate_bound(p.low, values, f"{optuna_name}.low")
     high = evaluate_bound(p.high, values, f"{optuna_name}.high")
-    step = p.step
+    step = p.step if p.step is not None else 1  # a float without a step was refused above
     count = int((high - low) // step) + 1 if high >= low else 1
     return [low + i * step for i in range(count)]
 
@@ -42,6 +43,9 @@ def grid_points(space: SearchSpace, limit: int = 100_000) -> list[dict[str, Any]
                 points.append(point)
                 return
             optuna_name, name, p = params[i]
+            if not applies(p, values):
+                expand(i + 1, values, point)
+                return
             for value in _values(optuna_name, p, values):
                 extra = {} if isinstance(p, FixedParam) else {optuna_name: value}
                 expand(i + 1, {**values, name: value}, {**point, **extra})

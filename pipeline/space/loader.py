@@ -31,8 +31,21 @@ def _value_problem(algorithm: str, name: str, value: Any) -> str | None:
     return None
 
 
+def _names(bound: str) -> set[str]:
+    try:
+        return set(names_in(bound))
+    except SyntaxError:
+        return set()
+
+
 def _check_param(algorithm: str, key: str, name: str, p: Param, earlier: list[str]) -> list[str]:
     problems = []
+    for other, allowed in p.when.items():
+        if other not in earlier:
+            problems.append(f"{key}.when: '{other}' is not a parameter defined before '{name}' "
+                            f"(earlier: {earlier or 'none'})")
+        elif not allowed:
+            problems.append(f"{key}.when.{other}: list at least one value")
     if isinstance(p, (IntParam, FloatParam)):
         for side in ("low", "high"):
             bound = getattr(p, side)
@@ -115,6 +128,7 @@ def check_space(space: SearchSpace) -> list[str]:
             problems.append(f"common.{name}: unknown common parameter (allowed: {', '.join(TRIAL_FIELDS)}); {hint}")
     for algorithm in space.algorithms:
         seen: list[str] = []
+        conditional: set[str] = set()
         checked: list[tuple[str, str, str, Param]] = []
         allowed = _allowed_fields(algorithm)
         before = len(problems)
@@ -127,6 +141,13 @@ def check_space(space: SearchSpace) -> list[str]:
                     problems.append(f"{key}: unknown parameter for {algorithm}; {hint}")
                 continue
             problems.extend(_check_param(algorithm, key, name, p, seen))
+            for side in ("low", "high"):
+                bound = getattr(p, side, None)
+                if isinstance(bound, str) and conditional & _names(bound):
+                    problems.append(f"{key}.{side}: {bound!r} names {sorted(conditional & _names(bound))}, which "
+                                    "exist only under a `when` condition; bound by unconditional parameters")
+            if p.when:
+                conditional.add(name)
             seen.append(name)
             checked.append((key, name, optuna_name, p))
         if len(problems) == before:  # probing needs well-formed bounds

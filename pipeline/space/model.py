@@ -10,6 +10,7 @@ A space file names the algorithms to choose from, parameters common to all of th
         num_draft_tokens: {type: int, low: 2, high: 12}
         min_bfs_breadth: {type: int, low: 1, high: max_bfs_breadth}   # bounds may name earlier parameters
         match_type: {type: categorical, choices: [BFS, PROB]}
+        min_bfs_breadth: {type: int, low: 1, high: 4, when: {match_type: [BFS]}}   # only where it matters
 
 A branch parameter overrides a common one of the same name for that algorithm. Optuna sees `algorithm`, common
 parameters by name and branch parameters as `<algorithm>.<name>`, so parameters of other branches never appear.
@@ -25,9 +26,16 @@ from pipeline.space.bounds import Bound, evaluate_bound
 from serve.spec import Algorithm, FrozenModel
 
 TRIAL_FIELDS = ("warmup_requests", "max_running_requests")  # TrialConfig fields a space may search
+Choice = Union[bool, int, float, str]
 
 
-class IntParam(FrozenModel):
+class _Conditional(FrozenModel):
+    # `when: {match_type: [BFS]}`: the parameter exists only where every named earlier parameter took one of the
+    # listed values (elsewhere the engine ignores the field, so sampling it would only add noise to the search).
+    when: dict[str, list[Choice]] = Field(default_factory=dict)
+
+
+class IntParam(_Conditional):
     type: Literal["int"]
     low: Bound
     high: Bound
@@ -36,7 +44,7 @@ class IntParam(FrozenModel):
     default: int | None = None
 
 
-class FloatParam(FrozenModel):
+class FloatParam(_Conditional):
     type: Literal["float"]
     low: Bound
     high: Bound
@@ -45,13 +53,13 @@ class FloatParam(FrozenModel):
     default: float | None = None
 
 
-class CategoricalParam(FrozenModel):
+class CategoricalParam(_Conditional):
     type: Literal["categorical"]
-    choices: list[Union[bool, int, float, str]] = Field(min_length=1)
+    choices: list[Choice] = Field(min_length=1)
     default: Union[bool, int, float, str, None] = None
 
 
-class FixedParam(FrozenModel):
+class FixedParam(_Conditional):
     type: Literal["fixed"]
     value: Union[bool, int, float, str, None]
 
@@ -76,6 +84,11 @@ class SearchSpace(FrozenModel):
         return out
 
 
+def applies(p: Param, values: dict[str, Any]) -> bool:
+    """Whether a parameter with a `when` condition exists at this point (`values`: earlier parameters' values)."""
+    return all(values.get(name) in allowed for name, allowed in p.when.items())
+
+
 def default_value(p: Param, values: dict[str, Any], where: str = "bound") -> Any:
     """A parameter's value when nothing was sampled: fixed value, declared default, first choice, or low bound."""
     if isinstance(p, FixedParam):
@@ -92,6 +105,8 @@ def baseline_point(space: SearchSpace) -> dict[str, Any]:
     point: dict[str, Any] = {}
     values: dict[str, Any] = {}
     for optuna_name, name, p in space.params_for("none"):
+        if not applies(p, values):
+            continue
         values[name] = default_value(p, values, optuna_name)
         if not isinstance(p, FixedParam):
             point[optuna_name] = values[name]

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipeline.config import StudyConfig, TrialConfig, validate_trial
-from pipeline.space.model import TRIAL_FIELDS, FixedParam, SearchSpace, default_value
+from pipeline.space.model import TRIAL_FIELDS, FixedParam, SearchSpace, applies, default_value
 from serve.spec import DRAFT_MODEL_ALGORITHMS, Violation
 
 
@@ -32,6 +32,8 @@ def resolve(space: SearchSpace, params: dict[str, Any], study: StudyConfig) -> R
         return Resolution(params, None, [Violation("algorithm", f"one of {space.algorithms}", f"{algorithm!r}")])
     values: dict[str, Any] = {}
     for optuna_name, name, p in space.params_for(algorithm):
+        if not applies(p, values):
+            continue  # the field keeps its default: the engine ignores it at this point
         if isinstance(p, FixedParam):
             values[name] = p.value
         elif optuna_name in params:

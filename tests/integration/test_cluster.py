@@ -66,10 +66,12 @@ def test_trial_and_replica_run_on_different_nodes_and_the_study_decides(tmp_path
     space = tmp_path / "space.yaml"
     space.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: int, low: 3, high: 3}\n")
     study_file = tmp_path / "study.yaml"
+    # replica_cpus 0: the engine node offers no CPUs to Ray (so no trial process lands there); the CPU engine uses
+    # the host's cores whatever Ray accounts.
     study_file.write_text(
         f"name: cluster\nsearch_space: {space}\nray: {{address: '{address}'}}\nbudget: {{max_trials: 2}}\n"
         "workload: {warmup_prompts: 2, measure_prompts: 2, max_new_tokens: 12}\n"
-        f"engine: {{start_timeout_s: 300, replica_resources: {{{ENGINE_RESOURCE}: 1}}}}\n"
+        f"engine: {{start_timeout_s: 300, replica_cpus: 0, replica_resources: {{{ENGINE_RESOURCE}: 1}}}}\n"
         "promotion: {finalists: 1}\n")
     done = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study", str(study_file), "--output",
                            str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)

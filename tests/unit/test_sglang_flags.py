@@ -19,7 +19,8 @@ import optuna
 import pytest
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
-from pipeline.space import CategoricalParam, FixedParam, IntParam, _default, _evaluate, define_by_run, load_space, resolve
+from pipeline.space import (CategoricalParam, FixedParam, IntParam, default_value, define_by_run, evaluate_bound,
+                            load_space, resolve)
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.settings import SETTINGS, UnsupportedSetting, render_spec
 from serve.engines.sglang import (SglangEngine, installed_version, launcher, run_preflight, server_arg_fields,
@@ -52,9 +53,9 @@ def domain(p, values):
     if isinstance(p, CategoricalParam):
         return list(p.choices)
     if isinstance(p, IntParam):
-        low, high = int(_evaluate(p.low, values)), int(_evaluate(p.high, values))
+        low, high = int(evaluate_bound(p.low, values)), int(evaluate_bound(p.high, values))
         return list(range(low, high + 1, p.step))
-    return [_evaluate(p.low, values), _evaluate(p.high, values)]
+    return [evaluate_bound(p.low, values), evaluate_bound(p.high, values)]
 
 
 def points_of(space):
@@ -64,13 +65,13 @@ def points_of(space):
         for i, (optuna_name, name, p) in enumerate(params):
             values, base = {}, {"algorithm": algorithm}
             for j, (o2, n2, p2) in enumerate(params[:i]):
-                values[n2] = _default(p2, values)
+                values[n2] = default_value(p2, values)
                 base[o2] = values[n2]
             for value in domain(p, values):
                 point, vals = dict(base), dict(values)
                 point[optuna_name], vals[name] = value, value
                 for o2, n2, p2 in params[i + 1:]:
-                    vals[n2] = _default(p2, vals)
+                    vals[n2] = default_value(p2, vals)
                     low = domain(p2, vals)
                     vals[n2] = vals[n2] if vals[n2] in low else low[0]
                     point[o2] = vals[n2]

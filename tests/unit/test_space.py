@@ -107,7 +107,10 @@ def test_dependent_bounds_keep_points_valid():
         assert resolution.valid, resolution.violations
     space, _, trials = sampled(SEARCH_SPACES_DIR / "ngram.yaml", count=60)
     for _, params in trials[1:]:
-        assert params["ngram.min_bfs_breadth"] <= params["ngram.max_bfs_breadth"]
+        if params["ngram.match_type"] == "BFS":  # PROB points have no min_bfs_breadth (a `when` condition)
+            assert params["ngram.min_bfs_breadth"] <= params["ngram.max_bfs_breadth"]
+        else:
+            assert "ngram.min_bfs_breadth" not in params
 
 
 def test_resolve_builds_trial_configs_with_fixed_values_and_study_settings():
@@ -232,3 +235,31 @@ def test_bound_evaluation_errors_are_config_errors_not_tracebacks():
     with pytest.raises(ConfigError, match="is not allowed"):
         evaluate_bound("__import__('os')", {}, "x")
     assert evaluate_bound("min(a, 3) + 1", {"a": 7}) == 4
+
+
+def test_a_conditional_parameter_exists_only_where_its_condition_holds(tmp_path):
+    # PROB ignores min_bfs_breadth (SGLang's trie.cpp): sampling it there would only add noise to the search.
+    from pipeline.space import grid_points
+
+    path = tmp_path / "s.yaml"
+    path.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                    "    max_bfs_breadth: {type: int, low: 2, high: 2}\n"
+                    "    match_type: {type: categorical, choices: [BFS, PROB]}\n"
+                    "    min_bfs_breadth: {type: int, low: 1, high: max_bfs_breadth, when: {match_type: [BFS]}}\n")
+    space = load_space(path)
+    points = grid_points(space)
+    prob = [p for p in points if p.get("ngram.match_type") == "PROB"]
+    bfs = [p for p in points if p.get("ngram.match_type") == "BFS"]
+    assert len(prob) == 1 and "ngram.min_bfs_breadth" not in prob[0]
+    assert sorted(p["ngram.min_bfs_breadth"] for p in bfs) == [1, 2]
+    study = load_study(None, {})
+    assert resolve(space, prob[0], study).config.spec.min_bfs_breadth == 1  # the field keeps its default
+
+
+def test_a_condition_must_name_an_earlier_parameter(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n"
+                    "    min_bfs_breadth: {type: int, low: 1, high: 2, when: {match_type: [BFS]}}\n"
+                    "    match_type: {type: categorical, choices: [BFS, PROB]}\n")
+    with pytest.raises(ConfigError, match="'match_type' is not a parameter defined before 'min_bfs_breadth'"):
+        load_space(path)

@@ -146,6 +146,9 @@ class Decoder:
         return StepStats(verify=False, emitted=1, proposed=0)
 
     def _verify(self, req: Request) -> StepStats:
+        chooser = req.chooser
+        if chooser is None:
+            raise RuntimeError(f"request {req.rid}: verify step before its prefill")
         tree = self.speculator.propose(req) if self.speculator is not None else _EMPTY
         runner = self.runner
         base = runner.cache_len(req.cache)
@@ -154,7 +157,7 @@ class Decoder:
         depths = [0, *tree.depths()]
         hidden = runner.forward(req.cache, tokens, [base + d for d in depths], tree_visibility(base, parents))
         logits_at = _LazyLogits(runner, hidden, first=1 + tree.num_real)
-        accepted, emitted = walk_tree(tokens, parents, logits_at, req.chooser)
+        accepted, emitted = walk_tree(tokens, parents, logits_at, chooser)
         runner.keep(req.cache, base, [0, *accepted])
         kept = self._append(req, emitted)
         req.spec_verify_ct += 1

@@ -223,6 +223,8 @@ class NgramCache:
             if node.children:
                 raise RuntimeError("ngram trie invariant broken: the least recently used node still has children")
             parent = node.parent
+            if parent is None:
+                raise RuntimeError("ngram trie invariant broken: the root was chosen for eviction")
             del parent.children[node.token]
             ranked = parent.ranked
             if ranked is not None:
@@ -402,8 +404,8 @@ def _offer_children(heap: list, parent: int, node: _Node, prob: float, top_k: in
     """Trie::buildFrequency's addToHeap: push the node's top_k children by frequency with prob * freq / sum_freq."""
     offers = node.offers
     if offers is None:
-        children = node.children
-        top = [children[key & _TOKEN_MASK] for key in node.ranked[:top_k]]
+        children, ranked = node.children, node.ranked or []
+        top = [children[key & _TOKEN_MASK] for key in ranked[:top_k]]
         sum_freq = float(sum(child.freq for child in top)) or 1.0
         # C++ computes freq / sum_freq * prob left to right, so caching freq / sum_freq keeps every bit.
         offers = node.offers = [(child.freq / sum_freq, child) for child in top]
