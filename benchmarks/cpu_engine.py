@@ -4,11 +4,18 @@ vs HF `generate()` on the same model. Not a test: numbers depend on the machine 
 
     python benchmarks/cpu_engine.py --quick          # a few minutes on 2 cores
     python benchmarks/cpu_engine.py                  # full grid (num_draft_tokens 2..16, BFS and PROB)
+    python benchmarks/cpu_engine.py --corpus --quick # NGRAM cold vs warm-up requests vs external corpus
 
 Every run decodes exactly --new-tokens tokens per prompt (EOS ignored) so that rates compare. A "pass" decodes the
 whole prompt set once; tok/s = tokens of the pass / its wall time. cold = a fresh trie per pass; warm = the same
 workload ran once before on that trie (the trie then holds those outputs: what a warm-up buys on a workload that
 repeats). Medians over --runs passes.
+
+--corpus: "does n-gram need data first?" on a workload whose prompts do not repeat (the bundled `reasoning` one,
+split as a study splits it: the measured prompts are never among the warm-up ones), at equal num_draft_tokens:
+cold (fresh trie), warm-up requests (the warm-up split decoded first on the same trie), corpus (the warm-up split
+written as an external corpus, as the search space's `warmup` choice does, drafting within --sam-budget), and
+corpus + answers (the warm-up prompts with their answers, what a traffic capture gives).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from pipeline.workloads import read_prompts, split_prompts  # noqa: E402
 from serve.engines.cpu.convert import load_model  # noqa: E402
+from serve.engines.cpu.corpus import ExternalCorpora  # noqa: E402
 from serve.engines.cpu.decode import Decoder, Request, StopRules  # noqa: E402
 from serve.engines.cpu.models import resolve_model  # noqa: E402
 from serve.engines.cpu.ngram import NgramCache  # noqa: E402
@@ -80,9 +89,60 @@ def _pass(decoder: Decoder, prompts: list[list[int]], new_tokens: int) -> dict:
     return {"tok_s": tokens / elapsed, "accept": tokens / verify if verify else None}
 
 
-def _ngram(runner, tokenizer, cfg: dict, depth: int = 18) -> Decoder:
+def _ngram(runner, tokenizer, cfg: dict, depth: int = 18, corpus: list[str] | None = None,
+           sam_budget: int = 0) -> Decoder:
     cache = NgramCache(max_trie_depth=depth, capacity=1_000_000, min_bfs_breadth=1, **cfg)
-    return Decoder(runner, tokenizer, NgramSpeculator(cache, cfg["num_draft_tokens"], depth))
+    corpora = None
+    if corpus:
+        corpora = ExternalCorpora(10_000_000)
+        corpora.add_documents("bench", corpus, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    return Decoder(runner, tokenizer, NgramSpeculator(cache, cfg["num_draft_tokens"], depth, corpora=corpora,
+                                                      external_sam_budget=sam_budget if corpora else 0))
+
+
+def _outputs(decoder: Decoder, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    outs = []
+    for ids in prompts:
+        req = Request(rid="o", prompt_ids=ids, sampling=Sampling(temperature=0.0), seed=0,
+                      rules=StopRules(max_new_tokens=new_tokens, ignore_eos=True))
+        while not req.finished:
+            decoder.step(req)
+        decoder.release(req)
+        outs.append(list(req.output_ids))
+    return outs
+
+
+def corpus_comparison(runner, tokenizer, args, new_tokens: int) -> None:
+    """The --corpus table (module docstring)."""
+    prompts, _ = read_prompts("reasoning")
+    n = 2 if args.quick else 6
+    warm_split, measure_split, _ = split_prompts(prompts, seed=0, n_warmup=n, n_measure=n)
+    warm_ids = [list(tokenizer.encode(p.text)) for p in warm_split]
+    measure_ids = [list(tokenizer.encode(p.text)) for p in measure_split]
+    cfg = {"match_type": "BFS", "num_draft_tokens": args.draft_tokens, "max_bfs_breadth": 4}
+    answers = [tokenizer.decode(o) for o in _outputs(Decoder(runner, tokenizer, None), warm_ids, new_tokens)]
+    corpus = [p.text for p in warm_split]
+    with_answers = [p.text + a for p, a in zip(warm_split, answers)]
+    cells: dict[str, list[dict]] = {k: [] for k in ("cold", "warm-up requests", "corpus (warm-up split)",
+                                                    "corpus (warm-up split + answers)")}
+    for _ in range(args.runs):  # interleaved: drift of a shared machine hits every cell alike
+        cells["cold"].append(_pass(_ngram(runner, tokenizer, cfg), measure_ids, new_tokens))
+        warmed = _ngram(runner, tokenizer, cfg)
+        _pass(warmed, warm_ids, new_tokens)
+        cells["warm-up requests"].append(_pass(warmed, measure_ids, new_tokens))
+        cells["corpus (warm-up split)"].append(_pass(
+            _ngram(runner, tokenizer, cfg, corpus=corpus, sam_budget=args.sam_budget), measure_ids, new_tokens))
+        cells["corpus (warm-up split + answers)"].append(_pass(
+            _ngram(runner, tokenizer, cfg, corpus=with_answers, sam_budget=args.sam_budget), measure_ids,
+            new_tokens))
+        print("  done: one pass of every cell", file=sys.stderr, flush=True)
+    print(f"## NGRAM cold vs warm-up vs external corpus (workload `reasoning`, {n} warm-up + {n} different "
+          f"measured prompts x {new_tokens} tokens; BFS, num_draft_tokens={args.draft_tokens}, breadth 4, "
+          f"SAM budget {args.sam_budget}; median of {args.runs} passes)\n")
+    print("| NGRAM | tok/s | accept length |")
+    print("|---|---|---|")
+    for label, res in cells.items():
+        print(f"| {label} | {_fmt(_median(r['tok_s'] for r in res), 1)} | {_fmt(_median(r['accept'] for r in res))} |")
 
 
 def _hf_pass(model, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -116,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per prompt (quick 32, full 64)")
     p.add_argument("--standalone-draft", default=None, help="also run STANDALONE with this draft model (full mode "
                    "defaults to the model itself, which measures the mechanics, not a useful speed-up)")
+    p.add_argument("--corpus", action="store_true", help="only the NGRAM cold / warm-up / corpus comparison")
+    p.add_argument("--draft-tokens", type=int, default=8, help="--corpus: num_draft_tokens of every cell")
+    p.add_argument("--sam-budget", type=int, default=3, help="--corpus: draft nodes the corpus may use")
     args = p.parse_args(argv)
     if args.runs < 3:
         p.error("--runs must be >= 3 (medians)")
@@ -143,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.environ.get('OMP_WAIT_POLICY')}, python {platform.python_version()}")
     print(f"- model: {args.model} ({args.dtype}), resolve {resolve_s:.1f} s, load from safetensors {load_s:.1f} s, "
           f"engine forward: {runner.backend}")
-    print(f"- {n_prompts} prompt(s) per set x {new_tokens} new tokens, greedy, EOS ignored; median of {args.runs} "
+    what = "the reasoning workload's split" if args.corpus else f"{n_prompts} prompt(s) per set"
+    print(f"- {what} x {new_tokens} new tokens, greedy, EOS ignored; median of {args.runs} "
           "passes; other processes may share the CPU (see load average below)\n")
     sys.stdout.flush()
+    if args.corpus:
+        corpus_comparison(runner, tokenizer, args, new_tokens)
+        load = os.getloadavg()
+        print(f"\nload average at the end (1/5/15 min): {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
+        return 0
 
     curve = measure_verify_cost(runner, budget_s=4.0 if args.quick else 15.0, min_rounds=args.runs)
     print(f"## Verify cost (one forward of N chain tokens after {curve['context_tokens']} tokens; "

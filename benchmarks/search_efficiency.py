@@ -11,12 +11,16 @@ measurements, and is deterministic for a seed.
     python benchmarks/search_efficiency.py record --quick   # ~30 min on 2 cores: 31 points + 6 repeats
     python benchmarks/search_efficiency.py record           # twice the measured prompts and tokens (~1 h)
     python benchmarks/search_efficiency.py replay --quick   # 20 seeds, ~1 min
+
+`replay` prints a second table: trials and engine-seconds to within 2% of the best, early stopping
+(`pipeline.stopping`) off and on, and the rule's stop rates on the grid (false stops: points within 2% of the best).
     python benchmarks/search_efficiency.py replay           # 100 seeds
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -30,12 +34,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.search_replay import METHODS, Surface, key, promote, run_method, trials_to_reach  # noqa: E402
+from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote,  # noqa: E402
+                                      run_method, stop_rates, trials_to_reach, warmup_requests)
+from pipeline.stopping import StoppingPolicy, VerifyCost  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 # --quick measures with the default study's workload (templated, 4 prompts x 24 tokens); the full record doubles the
 # measured prompts and tokens, so each point's number is steadier.
 FULL_WORKLOAD = {"workload.warmup_prompts": 8, "workload.measure_prompts": 8, "workload.max_new_tokens": 48}
+# The CPU engine's verify-cost curve for the early-stopping replay: docs/benchmarks.md "Verify cost", the "old x N=1"
+# row (2 threads, this machine), the forward the grid was recorded with; it is also the cheaper (more lenient) of
+# the two measured curves, so the analytic bound errs towards continuing.
+GRID_VERIFY_COST = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1.19, 1.45, 1.38, 1.75, 1.78, 1.78,
+                                                                   1.88, 2.05, 2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
 
 
 def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
@@ -106,18 +117,21 @@ def load_surface(path: Path) -> tuple[Surface, dict[str, str]]:
     by_point: dict = {}
     for row in table.to_pylist():
         by_point.setdefault(key(json.loads(row["params"])), []).append(row)
-    mean, complete, drafts, log_devs = {}, {}, {}, []
+    mean, complete, drafts, accepts, log_devs = {}, {}, {}, {}, []
     for point, rows in by_point.items():
         ok = [r["tput_tok_s"] for r in rows if r["outcome"] == "COMPLETE" and r["tput_tok_s"]]
         complete[point] = len(ok) == len(rows)  # one failed equivalence check disqualifies the point
         mean[point] = statistics.fmean(ok) if ok else 0.0
         drafts[point] = rows[0]["draft_tokens"]
+        accept = [r["accept_len"] for r in rows if r["outcome"] == "COMPLETE" and r.get("accept_len")]
+        if accept:
+            accepts[point] = statistics.fmean(accept)
         if len(ok) >= 2:
             logs = [math.log(x) for x in ok]
             centre = statistics.fmean(logs)
             log_devs.append((sum((x - centre) ** 2 for x in logs), len(logs) - 1))
     sigma = math.sqrt(sum(s for s, _ in log_devs) / sum(d for _, d in log_devs)) if log_devs else 0.0
-    return Surface(space, mean, complete, drafts, sigma), meta
+    return Surface(space, mean, complete, drafts, sigma, accepts), meta
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -175,6 +189,67 @@ def replay(path: Path, seeds: int, budget: int | None, startup: int | None) -> N
               f"{statistics.median(speedups):.2f}x |", flush=True)
 
 
+def replay_early_stopping(path: Path, seeds: int, budget: int | None, startup: int | None, request_sigma: float,
+                          start_s: float, verify_cost: bool, repeats: int, requests: int | None = None,
+                          alpha: float | None = None) -> None:
+    """Trials and engine-seconds to within 2% of the grid's best, per method, early stopping off and on, and the
+    rule's stop rates on the recorded grid (the model of the per-request measurement: search_replay's docstring)."""
+    from pipeline.config import load_study
+
+    policy = load_study(None, {}).promotion
+    surface, meta = load_surface(path)
+    workload = json.loads(meta.get("workload", "{}"))
+    n = len(surface.mean)
+    budget = budget or math.ceil(0.25 * n)
+    on = EarlyStop(enabled=True, requests=requests or int(workload.get("measure_prompts", 4)),
+                   tokens=int(workload.get("max_new_tokens", 24)), request_sigma=request_sigma, start_s=start_s,
+                   verify_cost=GRID_VERIFY_COST if verify_cost else None,
+                   policy=StoppingPolicy(alpha=alpha) if alpha else StoppingPolicy())
+    off = dataclasses.replace(on, enabled=False)
+    base_mean = surface.mean[surface.baseline]
+    grid_total = sum(start_s + (warmup_requests(p) + on.requests) * on.tokens / (v or base_mean)
+                     for p, v in surface.mean.items())
+    print(f"\n- early stopping: `pipeline.stopping` (alpha {on.policy.alpha}, >= {on.policy.min_requests} requests, "
+          f"per-request spread floor {on.policy.request_spread_floor}), checked after each of the first "
+          f"{on.requests - 1} of {on.requests} measured requests x {on.tokens} tokens; per-request spread "
+          f"{request_sigma} (assumed: the grid has no per-request traces); verify cost "
+          f"{'the CPU engine curve (GRID_VERIFY_COST)' if verify_cost else 'off (cost 1, as for SGLang)'}; "
+          f"baseline step time = 1 / the run's baseline throughput\n- engine-seconds per trial: {start_s} s start "
+          f"+ warm-up and measured requests at the point's modelled speed; every point once without stopping "
+          f"(the grid): {grid_total:.0f} engine-s\n")
+    print("| method | early stopping | trials to within 2%: median | p90 | never | engine-s to within 2%: median | "
+          "p90 | median as share of the grid's engine-s | trials stopped | promoted slower than baseline | "
+          "deployed speed-up, median |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda x: "never" if x == math.inf else f"{x:.0f}"  # noqa: E731
+    for method in METHODS:
+        for label, early in (("off", off), ("on", on)):
+            trials, seconds, never, stopped, ran, slow, speedups = [], [], 0, 0, 0, 0, []
+            for seed in range(seeds):
+                run = run_method(surface, method, seed, n, max_trials=budget, startup=startup, early=early)
+                needed = trials_to_reach(surface, run)
+                never += needed is None
+                trials.append(math.inf if needed is None else needed)
+                cost = engine_seconds(run, needed)
+                seconds.append(math.inf if cost is None else cost)
+                stopped += sum(1 for k in run.stopped if k)
+                ran += len(run.trials)
+                chosen = promote(surface, run, budget, seed, finalists=policy.finalists, runs=policy.runs,
+                                 policy=policy)
+                slow += surface.mean[chosen.noise_aware] < base_mean
+                speedups.append(surface.mean[chosen.noise_aware] / base_mean)
+            med_s = statistics.median(seconds)
+            print(f"| {method} | {label} | {fmt(statistics.median(trials))} | {fmt(_pct(trials, 0.9))} | "
+                  f"{never}/{seeds} | {fmt(med_s)} | {fmt(_pct(seconds, 0.9))} | "
+                  f"{'-' if med_s == math.inf else f'{med_s / grid_total:.0%}'} | {stopped / ran:.0%} | "
+                  f"{slow}/{seeds} | {statistics.median(speedups):.2f}x |", flush=True)
+    rates = stop_rates(surface, on, repeats, seed=0)
+    share = lambda c: f"{c[0]}/{c[1]} ({c[0] / c[1]:.2%})" if c[1] else "-"  # noqa: E731
+    print(f"\nStop rates, every completed point measured {repeats} times with fresh noise against a fresh baseline "
+          f"run: points within 2% of the best stopped {share(rates.near_best)}; points faster than the baseline "
+          f"{share(rates.faster)}; points slower than the baseline {share(rates.slower)}, saving "
+          f"{rates.requests_saved:.0%} of their measured requests.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -194,6 +269,17 @@ def main() -> None:
                      "trials before promotion (default: 25%% of the grid)")
     rep.add_argument("--startup-trials", type=int, help="random trials before TPE models (default: the pipeline's "
                      "rule, pipeline.space.startup_trials; Optuna's own default is 10)")
+    rep.add_argument("--request-sigma", type=float, default=0.15, help="early-stopping table: sd of per-request log "
+                     "throughput within a run (the grid has none; default 0.15)")
+    rep.add_argument("--engine-start-s", type=float, default=12.1, help="early-stopping table: engine start per "
+                     "trial in seconds (default 12.1, the overhead table's median)")
+    rep.add_argument("--no-verify-cost", action="store_true", help="early-stopping table: no verify-cost curve "
+                     "(cost 1, as for SGLang), so the analytic bound is looser")
+    rep.add_argument("--measure-requests", type=int, help="early-stopping table: measured requests per trial "
+                     "(default: the recorded workload's measure_prompts); more requests give the rule more looks")
+    rep.add_argument("--alpha", type=float, help="early-stopping table: the rule's one-sided miss probability per "
+                     "bound and look (default: pipeline.stopping.StoppingPolicy's)")
+    rep.add_argument("--stop-repeats", type=int, default=200, help="fresh trials per point for the stop rates")
     args = parser.parse_args()
     if args.step == "record":
         if args.repeats < 2:
@@ -207,7 +293,20 @@ def main() -> None:
                          f"record --quick)")
         if args.startup_trials is not None and args.startup_trials < 1:
             parser.error(f"--startup-trials {args.startup_trials}: give a number >= 1")
-        replay(data, args.seeds or (20 if args.quick else 100), args.budget, args.startup_trials)
+        for name in ("request_sigma", "engine_start_s"):
+            if getattr(args, name) < 0:
+                parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number >= 0")
+        if args.measure_requests is not None and args.measure_requests < 2:
+            parser.error(f"--measure-requests {args.measure_requests}: give a number >= 2")
+        if args.alpha is not None and not 0 < args.alpha < 0.5:
+            parser.error(f"--alpha {args.alpha}: give a probability in (0, 0.5)")
+        if args.stop_repeats < 1:
+            parser.error(f"--stop-repeats {args.stop_repeats}: give a number >= 1")
+        seeds = args.seeds or (20 if args.quick else 100)
+        replay(data, seeds, args.budget, args.startup_trials)
+        replay_early_stopping(data, seeds, args.budget, args.startup_trials, args.request_sigma,
+                              args.engine_start_s, not args.no_verify_cost, args.stop_repeats,
+                              args.measure_requests, args.alpha)
 
 
 if __name__ == "__main__":

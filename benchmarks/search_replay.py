@@ -11,6 +11,16 @@ Methods, each starting with the baseline as trial 0, as the pipeline does:
 - `grid`: every point once, in the file's order;
 - `tier`: one knob at a time (SGLang auto_benchmark's tier 1, run to convergence): from the space's defaults, sweep
   each knob with the others at the incumbent, move to the best observed, repeat passes until nothing is new.
+
+Early stopping (`EarlyStop`, the rule in `pipeline.stopping`): the recorded grid holds per-point means, the noise and
+accept lengths, not per-request traces. So a replayed trial's requests are modelled: the trial's run-level value v
+is drawn as above, then each of `requests` requests gets throughput v * exp(request_sigma * e), e ~ N(0, 1), and
+the point's recorded accept length (the same for every request: the grid has no per-request figure). The rule is
+checked after every request but the last, against the run's own baseline trial (trial 0, one run, the surface's
+sigma). A stopped trial reports its partial throughput (to Optuna as PRUNED with that intermediate value) and costs
+only the requests it ran. Engine-seconds per trial = `start_s` + warm-up requests * tokens / v + the measured
+requests' modelled latencies. The per-request draws come from their own seeded stream, so a run without early
+stopping observes exactly the values it did before this model existed.
 """
 
 from __future__ import annotations
@@ -18,13 +28,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pipeline.config import PromotionPolicy
 from pipeline.decision import Finalist, decide
+from pipeline.measure import RequestRecord
+from pipeline.stopping import BaselineFigures, StoppingPolicy, VerifyCost, check
 from pipeline.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points, tpe_sampler
 
 METHODS = ("optuna", "random", "grid", "tier")
@@ -44,6 +56,7 @@ class Surface:
     complete: dict[Point, bool]
     draft_tokens: dict[Point, int]
     sigma: float
+    accept_len: dict[Point, float] = field(default_factory=dict)  # recorded mean accept length (spec points)
 
     @property
     def baseline(self) -> Point:
@@ -61,7 +74,60 @@ class Surface:
         return self.mean[point] * math.exp(self.sigma * rng.standard_normal())
 
 
-Observe = Callable[[dict[str, Any]], float]
+@dataclass(frozen=True)
+class EarlyStop:
+    """The per-request model and the engine-seconds model of a replayed trial (see the module docstring);
+    `enabled=False` keeps the cost model and turns the rule off."""
+
+    enabled: bool = True
+    requests: int = 4  # measured requests per trial: the default study's workload.measure_prompts
+    tokens: int = 24  # completion tokens per request: the default study's workload.max_new_tokens
+    request_sigma: float = 0.15  # sd of per-request log throughput within a run: not in the grid, assumed
+    start_s: float = 12.1  # engine start per trial (docs/benchmarks.md, overhead table, median)
+    verify_cost: VerifyCost | None = None
+    policy: StoppingPolicy = StoppingPolicy()
+
+
+@dataclass(frozen=True)
+class Seen:
+    value: float
+    stopped_at: int  # measured requests after which the rule stopped the trial; 0 = ran to the end
+    cost_s: float  # engine-seconds
+
+
+def warmup_requests(point: Point) -> int:
+    return int(sum(v for k, v in point if k.endswith("warmup_requests")))
+
+
+def simulate_trial(surface: Surface, point: Point, value: float, baseline: float | None, early: EarlyStop,
+                   rng: np.random.Generator) -> Seen:
+    """One replayed trial's requests around its run-level `value`, the rule after each (when `baseline`, the run's
+    baseline observation, is known and the point is not the baseline) and its engine-seconds."""
+    draws = rng.standard_normal(early.requests)  # drawn whether or not the rule runs: same stream either way
+    speed = value if value > 0 else (baseline or surface.mean[surface.baseline])  # a failed point still ran
+    warm_s = warmup_requests(point) * early.tokens / speed
+    e2e = [early.tokens / (speed * math.exp(early.request_sigma * d)) for d in draws]
+    full = Seen(value, 0, early.start_s + warm_s + sum(e2e))
+    drafts = surface.draft_tokens.get(point, 0)
+    if not early.enabled or baseline is None or point == surface.baseline or value <= 0:
+        return full
+    accept = surface.accept_len.get(point)
+    figures = BaselineFigures(tput_tok_s=baseline, sigma=surface.sigma, runs=1, step_s=1 / baseline)
+    records: list[RequestRecord] = []
+    for i, seconds in enumerate(e2e[:-1]):  # after the last request the trial is complete: nothing to save
+        records.append(RequestRecord(
+            request_id=str(i), phase="measure", prompt_index=i, concurrency=1, start_s=sum(e2e[:i]), ttft_s=None,
+            e2e_s=seconds, prompt_tokens=1, completion_tokens=early.tokens,
+            spec_verify_ct=max(1, round(early.tokens / accept)) if drafts and accept else None,
+            finish_reason="length"))
+        result = check(figures, records, total_requests=early.requests, draft_tokens=drafts,
+                       max_new_tokens=early.tokens, verify_cost=early.verify_cost, policy=early.policy)
+        if result.stop:
+            return Seen(result.partial_tok_s or 0.0, i + 1, early.start_s + warm_s + sum(e2e[:i + 1]))
+    return full
+
+
+Observe = Callable[[dict[str, Any]], Seen]
 
 
 def _optuna(surface: Surface, seed: int, budget: int, observe: Observe, sampler_kind: str, max_trials: int,
@@ -79,7 +145,12 @@ def _optuna(surface: Surface, seed: int, budget: int, observe: Observe, sampler_
         for _ in range(budget):
             trial = study.ask()
             constants = sample(trial)
-            study.tell(trial, observe({**trial.params, **constants}))
+            seen = observe({**trial.params, **constants})
+            if seen.stopped_at:  # as the pipeline does: the partial figure as an intermediate value, then PRUNED
+                trial.report(seen.value, seen.stopped_at)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                study.tell(trial, seen.value)
 
 
 def _grid(surface: Surface, budget: int, observe: Observe) -> None:
@@ -112,28 +183,41 @@ def _tier(surface: Surface, budget: int, observe: Observe, seen: dict[Point, flo
 
 @dataclass(frozen=True)
 class Run:
-    """One method on one seed: every trial in order as (point, observed value)."""
+    """One method on one seed: every trial in order as (point, observed value), and when replayed with an
+    `EarlyStop` model, per trial the requests after which it was stopped (0 = not stopped) and its engine-seconds."""
 
     method: str
     seed: int
     trials: tuple[tuple[Point, float], ...]
+    stopped: tuple[int, ...] = ()
+    costs: tuple[float, ...] = ()
 
 
 def run_method(surface: Surface, method: str, seed: int, budget: int, max_trials: int = 8,
-               startup: int | None = None) -> Run:
+               startup: int | None = None, early: EarlyStop | None = None) -> Run:
     """Run `method` for at most `budget` trials (the tier search may stop earlier) with noise seeded by `seed`.
     `max_trials` is the study budget the pipeline's sampler is configured for (its random start-up length);
-    `startup` overrides that length for `optuna`."""
+    `startup` overrides that length for `optuna`. `early` models requests, costs and (if enabled) early stopping."""
     rng = np.random.default_rng([seed, METHODS.index(method)])
+    request_rng = np.random.default_rng([seed, METHODS.index(method), 1])
     trials: list[tuple[Point, float]] = []
+    stopped: list[int] = []
+    costs: list[float] = []
     seen: dict[Point, float] = {}
+    baseline: list[float] = []
 
-    def observe(params: dict[str, Any]) -> float:
+    def observe(params: dict[str, Any]) -> Seen:
         point = key(params)
         value = surface.observe(point, rng)
-        trials.append((point, value))
-        seen[point] = max(value, seen.get(point, value))
-        return value
+        result = (simulate_trial(surface, point, value, baseline[0] if baseline else None, early, request_rng)
+                  if early else Seen(value, 0, 0.0))
+        if point == surface.baseline and not baseline:
+            baseline.append(value)
+        trials.append((point, result.value))
+        stopped.append(result.stopped_at)
+        costs.append(result.cost_s)
+        seen[point] = max(result.value, seen.get(point, result.value))
+        return result
 
     if method in ("optuna", "random"):
         _optuna(surface, seed, budget, observe, method, max_trials, startup)
@@ -143,7 +227,7 @@ def run_method(surface: Surface, method: str, seed: int, budget: int, max_trials
         _tier(surface, budget, observe, seen)
     else:
         raise ValueError(f"method {method!r}: choose one of {METHODS}")
-    return Run(method, seed, tuple(trials))
+    return Run(method, seed, tuple(trials), tuple(stopped) if early else (), tuple(costs) if early else ())
 
 
 def trials_to_reach(surface: Surface, run: Run, within: float = 0.02) -> int | None:
@@ -152,11 +236,54 @@ def trials_to_reach(surface: Surface, run: Run, within: float = 0.02) -> int | N
     target = (1 - within) * surface.best
     best_seen, incumbent = -1.0, None
     for n, (point, value) in enumerate(run.trials, start=1):
+        if run.stopped and run.stopped[n - 1]:
+            continue  # a stopped trial is PRUNED: never an incumbent
         if value > best_seen:
             best_seen, incumbent = value, point
         if incumbent is not None and surface.complete[incumbent] and surface.mean[incumbent] >= target:
             return n
     return None
+
+
+def engine_seconds(run: Run, trials: int | None) -> float | None:
+    """Engine-seconds of the first `trials` trials of a run replayed with an `EarlyStop` model (None passes)."""
+    if not run.costs:
+        raise ValueError(f"run {run.method}/{run.seed} has no costs: replay it with run_method(..., early=EarlyStop())")
+    return None if trials is None else sum(run.costs[:trials])
+
+
+@dataclass(frozen=True)
+class StopRates:
+    """How often the rule stops a point, by class, over `repeats` fresh trials per point."""
+
+    near_best: tuple[int, int]  # (stopped, trials) for points within 2% of the grid's best
+    faster: tuple[int, int]  # points faster than the baseline
+    slower: tuple[int, int]  # points slower than the baseline (stopping them is the point)
+    requests_saved: float  # share of measured requests not run, over the slower points
+
+
+def stop_rates(surface: Surface, early: EarlyStop, repeats: int, seed: int) -> StopRates:
+    """Every completed non-baseline point measured `repeats` times with fresh noise against a fresh baseline
+    observation each time: the false-stop rate on the recorded grid, independent of any search method."""
+    rng = np.random.default_rng([seed, 7])
+    base_mean = surface.mean[surface.baseline]
+    counts = {"near": [0, 0], "faster": [0, 0], "slower": [0, 0]}
+    saved = ran = 0
+    for point in sorted(p for p in surface.mean if surface.complete[p] and p != surface.baseline):
+        mean = surface.mean[point]
+        for _ in range(repeats):
+            baseline = surface.observe(surface.baseline, rng)
+            seen = simulate_trial(surface, point, surface.observe(point, rng), baseline, early, rng)
+            for name, member in (("near", mean >= 0.98 * surface.best), ("faster", mean >= base_mean),
+                                 ("slower", mean < base_mean)):
+                if member:
+                    counts[name][0] += bool(seen.stopped_at)
+                    counts[name][1] += 1
+            if mean < base_mean:
+                saved += early.requests - seen.stopped_at if seen.stopped_at else 0
+                ran += early.requests
+    return StopRates(tuple(counts["near"]), tuple(counts["faster"]), tuple(counts["slower"]),  # type: ignore[arg-type]
+                     saved / ran if ran else 0.0)
 
 
 @dataclass(frozen=True)
@@ -173,7 +300,8 @@ def promote(surface: Surface, run: Run, budget: int, seed: int, finalists: int =
     trials = run.trials[:budget]
     base = surface.baseline
     ranked: list[Point] = []
-    for point, _ in sorted(trials, key=lambda t: -t[1]):
+    flags = run.stopped[:budget] or (0,) * len(trials)
+    for point, _ in sorted((t for t, k in zip(trials, flags) if not k), key=lambda t: -t[1]):  # PRUNED: no finalist
         if point != base and surface.complete[point] and point not in ranked:
             ranked.append(point)
     naive = max(trials, key=lambda t: t[1])[0]

@@ -2,6 +2,9 @@
 
 Rows: the baseline first (marked), then the other trials by throughput, best first; outcome, key metrics, the ratio
 to the baseline's throughput and the trial's settings. The same rows are printed at the end of every study.
+With SLA limits (`objective.constraints`) each row gets its verdicts at the search level and infeasible trials are
+marked; when the study's parent run holds a per-level decision (`pipeline.levels.LEVELS_ARTIFACT`), its level table
+(winner, speed-up, latencies and verdicts per concurrency level, and the serving policy) follows the rows.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import Any, Sequence
 
 from pipeline.errors import PipelineError, UserError
 
-METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high")
+METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high",
+           "ttft_p90_ms", "ttft_p99_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p90_ms", "e2e_p99_ms")
 
 
 def rows_from_runs(runs: Sequence[Any], kind: str = "trial") -> list[dict[str, Any]]:
@@ -48,6 +52,19 @@ def order_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ordered
 
 
+def mark_constraints(rows: list[dict[str, Any]], constraints: Sequence[Any], level: int) -> list[dict[str, Any]]:
+    """Add each row's SLA verdicts at the search `level` (`sla`: verdict texts) and `feasible` (False when a COMPLETE
+    trial breaks a limit; None when no limit holds at that level). Pure; returns the same rows."""
+    from pipeline.sla import limits_at, row_verdicts
+
+    checkable = limits_at(constraints, level)
+    for row in rows:
+        verdicts = row_verdicts(row, checkable, level) if checkable and row["outcome"] == "COMPLETE" else []
+        row["sla"] = [("ok: " if v.ok else "BROKEN: ") + v.text for v in verdicts]
+        row["feasible"] = all(v.ok for v in verdicts) if verdicts else None
+    return rows
+
+
 def _settings(row: dict[str, Any]) -> str:
     return " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in row["params"].items()
                     if k.startswith("spec.") or k == "trial.warmup_requests")
@@ -61,11 +78,35 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         accept = f"{r['accept_len']:.2f}" if r["accept_len"] else "-"
         ttft = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] else "-"
         mark = "  <- baseline" if r["baseline"] else ""
+        if r.get("feasible") is False:
+            mark += "  INFEASIBLE (SLA)"
         lines.append(f"{r['name']:<24} {r['algorithm']:<10} {r['outcome']:<14} {r['tput_tok_s'] or 0:>7.2f} "
                      f"{ratio:>7} {accept:>6} {ttft:>8}  {_settings(r)}{mark}")
         if r["outcome"] != "COMPLETE" and r["reason"]:
             lines.append(f"{'':<24} -> {r['reason'][:160]}")
+        for text in r.get("sla") or []:
+            if text.startswith("BROKEN"):
+                lines.append(f"{'':<24} -> {text}")
     return "\n".join(lines)
+
+
+def read_levels(client: Any, runs: Sequence[Any]) -> Any:
+    """The per-level decision logged on the study's parent run, or None when the study has none (single level,
+    or a study from before per-level promotion)."""
+    import tempfile
+
+    from pipeline.levels import LEVELS_ARTIFACT, LevelsDecision
+
+    parents = [r for r in runs if r.data.tags.get("specdec.kind") == "study"]
+    for parent in sorted(parents, key=lambda r: r.info.start_time or 0, reverse=True):
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = client.download_artifacts(parent.info.run_id, LEVELS_ARTIFACT, tmp)
+            except Exception:  # noqa: BLE001  # MLflow raises several types for "no such artifact"
+                continue
+            with open(path) as handle:
+                return LevelsDecision.model_validate_json(handle.read())
+    return None
 
 
 def format_rows(rows: list[dict[str, Any]], fmt: str) -> str:
@@ -73,11 +114,12 @@ def format_rows(rows: list[dict[str, Any]], fmt: str) -> str:
         return json.dumps(rows, indent=2)
     if fmt == "csv":
         out = io.StringIO()
-        fields = ["name", "baseline", "algorithm", "outcome", *METRICS, "vs_baseline", "settings", "reason", "run_id"]
+        fields = ["name", "baseline", "algorithm", "outcome", *METRICS, "vs_baseline", "feasible", "sla", "settings",
+                  "reason", "run_id"]
         writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "settings": _settings(row)})
+            writer.writerow({**row, "settings": _settings(row), "sla": "; ".join(row.get("sla") or [])})
         return out.getvalue()
     return format_table(rows)
 
@@ -90,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the output folder)")
     parser.add_argument("--format", choices=["table", "csv", "json"], default="table")
     parser.add_argument("--finalists", action="store_true", help="show the finalists' re-measurements instead")
+    parser.add_argument("--levels", action="store_true", help="show only the per-concurrency decision (table or json)")
     args = parser.parse_args(argv)
     from pipeline.config import load_study
     from pipeline.record import Tracker, default_tracking_uri
@@ -107,7 +150,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_rows(rows_from_runs(runs, "finalist" if args.finalists else "trial"), args.format))
+    from pipeline.levels import format_level_table
+
+    levels = read_levels(tracker.client(), runs)
+    if args.levels:
+        if levels is None:
+            print("error: this study has no per-concurrency decision (study/levels.json on its parent run)",
+                  file=sys.stderr)
+            return 1
+        print(levels.model_dump_json(indent=2) if args.format == "json" else format_level_table(levels))
+        return 0
+    rows = rows_from_runs(runs, "finalist" if args.finalists else "trial")
+    if not args.finalists:
+        mark_constraints(rows, study.objective.constraints, study.search_concurrency)
+    print(format_rows(rows, args.format))
+    if levels is not None and args.format == "table":
+        print("\nPer-concurrency decision:\n" + format_level_table(levels))
     return 0
 
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from pipeline.errors import ConfigError, format_validation_error
+from pipeline.measure import Summary
 from pipeline.redact import mask_study_dict
 from serve.engines.settings import ENGINE_OWNED_FLAGS
 from serve.engines import algorithms_of, engine_for
@@ -129,10 +130,51 @@ class BudgetSettings(FrozenModel):
     time_budget_s: float | None = Field(None, gt=0, description="stop starting new trials after this")
 
 
+# Latency figures an SLA limit may name, and every numeric figure an objective may name: taken from what
+# `pipeline.measure.Summary` reports, so a misspelt name is an error at load, not a silent None per trial.
+SLA_METRICS: tuple[str, ...] = tuple(
+    name for name in Summary.model_fields if name.endswith("_ms") and name.split("_")[0] in ("ttft", "itl", "e2e"))
+OBJECTIVE_METRICS: tuple[str, ...] = tuple(
+    name for name, field in Summary.model_fields.items()
+    if name not in ("seed", "n_boot", "concurrency") and field.annotation in (int, float, float | None))
+
+
+class SlaConstraint(FrozenModel):
+    """One service-level limit: `metric` (a latency percentile in ms) must be <= `max_ms` at `concurrency`
+    (None = at every level in the study's `concurrency` list). Checked on the median over re-measured runs."""
+
+    model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)
+
+    metric: str = Field(description=f"one of {', '.join(SLA_METRICS)}")
+    max_ms: float = Field(gt=0, description="the limit, milliseconds")
+    concurrency: int | None = Field(None, ge=1, description="level the limit holds at; None = every level")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, value: str) -> str:
+        if value not in SLA_METRICS:
+            raise ValueError(f"unknown SLA metric {value!r}. Fix: use one of {list(SLA_METRICS)} (latency "
+                             "percentiles in milliseconds, as pipeline.measure.Summary reports them)")
+        return value
+
+
 class ObjectiveSettings(FrozenModel):
     metrics: list[str] = Field(default_factory=lambda: ["tput_tok_s"], min_length=1)
     modes: list[Literal["max", "min"]] = Field(default_factory=lambda: list[Literal["max", "min"]](["max"]),
                                                min_length=1)
+    constraints: list[SlaConstraint] = Field(default_factory=list, description="SLA limits; a finalist that breaks "
+                                             "one is refused, trials that break one are infeasible for the search")
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, value: list[str]) -> list[str]:
+        bad = [m for m in value if m not in OBJECTIVE_METRICS]
+        if bad:
+            raise ValueError(f"unknown objective metric(s) {bad}. Fix: use names pipeline.measure.Summary reports: "
+                             f"{list(OBJECTIVE_METRICS)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"each objective metric may appear once, got {value}")
+        return value
 
     @model_validator(mode="after")
     def _same_length(self) -> ObjectiveSettings:
@@ -198,7 +240,7 @@ class StudyConfig(FrozenModel):
     search_space: str = Field("default.yaml", description="a file in search_spaces/ or a path")
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1, description="first = target level")
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1, description="first = search level; finalists and baseline are re-measured at every level")
     promotion: PromotionPolicy = Field(default_factory=PromotionPolicy)
     tracking: TrackingSettings = Field(default_factory=TrackingSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
@@ -208,9 +250,28 @@ class StudyConfig(FrozenModel):
     @field_validator("concurrency")
     @classmethod
     def _positive(cls, value: list[int]) -> list[int]:
-        if any(level < 1 for level in value):
-            raise ValueError(f"every concurrency level must be >= 1, got {value}")
+        if any(isinstance(level, bool) or level < 1 for level in value):
+            raise ValueError(f"every concurrency level must be an integer >= 1, got {value}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"concurrency levels must be distinct, got {value}. Fix: list each level once; the "
+                             "first is the search level")
         return value
+
+    @model_validator(mode="after")
+    def _constraint_levels(self) -> StudyConfig:
+        for i, limit in enumerate(self.objective.constraints):
+            if limit.concurrency is not None and limit.concurrency not in self.concurrency:
+                raise ValueError(
+                    f"objective.constraints.{i}.concurrency={limit.concurrency} is not a measured level; "
+                    f"concurrency={self.concurrency}. Fix: add {limit.concurrency} to concurrency, or name one of "
+                    "the listed levels")
+        return self
+
+    @property
+    def search_concurrency(self) -> int:
+        """The one level trials are measured at during the search: the first listed (finalists and the baseline
+        are re-measured at every level)."""
+        return self.concurrency[0]
 
     def output_path(self) -> Path:
         return Path(self.output_dir) if self.output_dir else Path.cwd() / "runs" / self.name

@@ -18,6 +18,7 @@ from pipeline.config import TrialConfig
 from pipeline.measure import to_table
 from pipeline.atomic import write_text_atomic
 from pipeline.decision import Decision, Finalist, decide
+from pipeline.record import runs_link
 from pipeline.redact import mask_url
 from pipeline.registry import register_config
 from pipeline.report import write_report
@@ -88,6 +89,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     study = ctx.study
     rows = trial_rows(ctx)
     print("\n" + format_table(rows), flush=True)
+    ctx.tracker.log_vs_baseline({r["run_id"]: r["vs_baseline"] for r in rows if r.get("vs_baseline")})
     base_row = next((r for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
     if base_row is None:
         print("\nno baseline measurement completed: nothing can be promoted (see the baseline trial's reason)")
@@ -138,7 +140,7 @@ def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, An
     folder = Path(ctx.output_dir) / "report"
     try:
         files = write_report(folder, title=f"specdec-tuner study '{ctx.study.name}'", rows=rows, decision=decision,
-                             ot_study=ot_study, metrics=ctx.study.objective.metrics, modes=ctx.study.objective.modes)
+                             ot_study=ot_study, metrics=ctx.study.objective.metrics, modes=list[str](ctx.study.objective.modes))
         for path in files:
             ctx.tracker.log_study_artifact(ctx.parent_run_id, path, "report")
         print(f"report: {folder / 'report.html'}")
@@ -203,5 +205,7 @@ def _print_footer(ctx: TrialContext, model_name: str, version: str | None, moved
         print(f"production alias of {model_name} unchanged")
     print(f"promoted config: {Path(ctx.output_dir) / 'promoted.yaml'}")
     uri = mask_url(ctx.tracker.tracking_uri) or ""
-    print(f"compare the trials: mlflow ui --backend-store-uri {uri}"
-          + ("   (then open http://127.0.0.1:5000)" if uri.startswith("sqlite") else ""))
+    ui = "http://127.0.0.1:5000" if uri.startswith("sqlite") else (uri if uri.startswith("http") else "<mlflow ui>")
+    print(f"compare the trials: mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite")
+          else f"compare the trials in the MLflow UI of {uri}")
+    print(f"  runs table: {runs_link(ui, ctx.tracker.experiment_id())}")

@@ -5,6 +5,13 @@ Concurrency means the same on both engines: exactly `concurrency` requests are i
 `RequestRecord` per request: TTFT and inter-chunk gaps from the SSE stream, counters from the final `meta_info`.
 A failed or timed-out request is a record with `error` set, never an exception.
 
+Chat prompts (`Prompt.messages`) go to `/generate` as `input_ids` rendered by `chat_input_ids`: the model's chat
+template applied to the messages with the generation prompt, then tokenized without special tokens, which is what
+the engine's `/v1/chat/completions` (and SGLang's) does before decoding. So the engine sees the token ids production
+traffic gives it, while `/generate` still returns the per-request spec counters the measurement needs (the OpenAI
+route's `usage` has none). tests/integration/test_chat_workload.py holds the two routes to equal prompt tokens and
+equal greedy output.
+
 The SSE stream is read as raw bytes by `SseDecoder` and folded by `StreamState`, both pure, so chunk boundaries (a
 line or a multi-byte character split between two network reads) cannot change what a request recorded.
 """
@@ -24,9 +31,46 @@ from pipeline.measure import RequestRecord
 
 @dataclass(frozen=True)
 class LoadRequest:
+    """One request. `input_ids`, when set, is sent instead of `text` (a chat prompt rendered by `chat_input_ids`);
+    `text` stays a readable view for logs and digests."""
+
     index: int
     text: str
     max_new_tokens: int
+    input_ids: tuple[int, ...] | None = None
+
+
+def chat_input_ids(messages: Sequence[tuple[str, str]], tokenizer: Any) -> tuple[int, ...]:
+    """The prompt token ids the chat route makes of `messages` (module docstring)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("workload: chat prompts need a model with a chat template; this tokenizer has none "
+                         "(use a plain `prompt` workload, or a chat model)")
+    rendered = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+                                             add_generation_prompt=True)
+    return tuple(int(t) for t in tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def target_tokenizer(target: str) -> Any:
+    """The tokenizer of the study's target model, as its engine loads it (`serve.engines.tokenizer_for`)."""
+    from serve.engines import tokenizer_for
+
+    return tokenizer_for(target)
+
+
+def requests_of(prompts: Sequence[Any], target: str | None = None, tokenizer: Any = None) -> tuple[LoadRequest, ...]:
+    """LoadRequests for workload prompts; chat prompts are rendered with the target's tokenizer (loaded once, only
+    when the workload has chat prompts)."""
+    items = []
+    for p in prompts:
+        ids = None
+        if getattr(p, "messages", None):
+            if tokenizer is None:
+                if target is None:
+                    raise ValueError("workload: chat prompts need the target model to render its chat template")
+                tokenizer = target_tokenizer(target)
+            ids = chat_input_ids(p.messages, tokenizer)
+        items.append(LoadRequest(p.index, p.text, p.max_new_tokens, ids))
+    return tuple(items)
 
 
 def _output_ids(chunks_ids: list[list[int]], completion_tokens: int) -> list[int]:
@@ -141,7 +185,8 @@ class StreamState:
 
 async def _one(client: httpx.AsyncClient, item: LoadRequest, *, phase: str, concurrency: int, window_start: float,
                temperature: float, timeout_s: float, request_id: str) -> RequestRecord:
-    payload = {"text": item.text, "stream": True,
+    prompt = {"input_ids": list(item.input_ids)} if item.input_ids is not None else {"text": item.text}
+    payload = {**prompt, "stream": True,
                "sampling_params": {"max_new_tokens": item.max_new_tokens, "temperature": temperature}}
     start = time.monotonic()
     state = StreamState()

@@ -1,5 +1,6 @@
-"""`python -m pipeline.promote`: show the promoted config of a finished study, roll production back to `previous`,
-or point it at a registered version, and optionally wait until the production endpoint serves it.
+"""`python -m pipeline.promote`: show what production would serve (`--show`: the serving config and the engine command
+line), roll production back to `previous`, or point it at a registered version, and optionally wait until the
+production endpoint serves it.
 
 The promotion decision itself is pure and lives in `pipeline/decision.py`; the MLflow registry action in
 `pipeline/registry.py`. This module is only the command line and the HTTP polling of the endpoint.
@@ -23,6 +24,8 @@ def _parser() -> Any:
     parser.add_argument("--output", help="output folder of the study (default: ./runs/<name>)")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the output folder)")
     action = parser.add_mutually_exclusive_group()
+    action.add_argument("--show", action="store_true", help="print what production would serve: the registered "
+                        "serving config, its version and the engine command line (also printed after the others)")
     action.add_argument("--rollback", action="store_true", help="swap aliases production and previous")
     action.add_argument("--set-version", metavar="N", help="point production at registered version N")
     parser.add_argument("--deploy", metavar="URL", help="after moving the alias, wait until the production endpoint "
@@ -53,15 +56,25 @@ def wait_for_endpoint(url: str, version: str, api_key: str | None, timeout_s: fl
                        f"`python -m serve.production` running with --follow-alias-s > 0?")
 
 
+def show(tracker: Any, name: str) -> str:
+    """What production would serve: `models:/<name>@production`, validated as production validates it, and the
+    engine command line it runs (the same text as the study's deploy/engine_command.sh)."""
+    from pipeline.registry import PRODUCTION, load_serving_config, production_version
+    from serve.serving import engine_command
+
+    serving = load_serving_config(tracker.tracking_uri, f"models:/{name}@{PRODUCTION}")
+    return (f"{name} version {production_version(tracker, name)} (alias {PRODUCTION}):\n"
+            f"{serving.model_dump_json(indent=2)}\n\nengine command line:\n  {engine_command(serving)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    import json
     import sys
 
     from pipeline.config import load_study
     from pipeline.errors import PipelineError, UserError
     from pipeline.record import Tracker, default_tracking_uri
     from pipeline.redact import mask_in_text
-    from pipeline.registry import PRODUCTION, load_serving_config, production_version, rollback, set_production
+    from pipeline.registry import PRODUCTION, production_version, rollback, set_production
 
     args = _parser().parse_args(argv)
     uri: str | None = None
@@ -78,8 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.set_version:
             set_production(tracker, name, args.set_version)
             print(f"{name}: production -> version {args.set_version}")
-        config = load_serving_config(uri, f"models:/{name}@{PRODUCTION}")
-        print(json.dumps(config, indent=2))
+        print(show(tracker, name))
         if args.deploy:
             import os
 

@@ -19,6 +19,27 @@ import pyarrow.parquet as pq
 
 STUDY_TAG = "specdec.study"
 KIND_TAG = "specdec.kind"  # "study" | "trial" | "finalist"
+# MLflow 3.17's UI opens an experiment on its GenAI "Overview" unless it is tagged as model development (the value is
+# the UI bundle's CUSTOM_MODEL_DEVELOPMENT); then it opens on the runs table.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+# The UI's "share view" mechanism: a link with `?viewStateShareKey=<key>` loads the view stored in the experiment tag
+# `mlflow.sharedViewState.<key>` (plain JSON is accepted): search filter, sort and visible columns, no clicking.
+VIEW_KEY = "specdec-trials"
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+COMPARE_METRICS = ("tput_tok_s", "vs_baseline", "accept_len", "ttft_p50_ms")
+
+
+def trials_view(metrics: tuple[str, ...] = COMPARE_METRICS) -> dict[str, Any]:
+    """The runs table as a user comparing trials needs it: trial runs only (unnested from the study run, so none
+    is folded away), fastest first, with the comparison columns, the outcome and the algorithm in view."""
+    return {"searchFilter": f"tags.`{KIND_TAG}` = 'trial'", "orderByKey": f"metrics.`{metrics[0]}`",
+            "orderByAsc": False,
+            "selectedColumns": [f"metrics.`{m}`" for m in metrics] + ["tags.`outcome`", "params.`spec.algorithm`"]}
+
+
+def runs_link(ui_url: str, experiment_id: str) -> str:
+    """The direct link to the experiment's runs table with the trials view applied."""
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
 
 
 def default_tracking_uri(output_dir: Path) -> str:
@@ -56,7 +77,16 @@ class Tracker:
                 # With a SQLite store, artifacts would land in ./mlruns of whatever cwd; keep them with the study.
                 location = Path(self.artifact_dir).as_uri() if self.artifact_dir else None
                 self._experiment_id = client.create_experiment(self.experiment, artifact_location=location)
+            # Also on an existing experiment: a study resumed from an older store gets the runs-table landing too.
+            client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            client.set_experiment_tag(self._experiment_id, VIEW_TAG_PREFIX + VIEW_KEY, json.dumps(trials_view()))
         return self._experiment_id
+
+    def log_vs_baseline(self, ratios: dict[str, float]) -> None:
+        """`vs_baseline` (throughput / the baseline's) on each trial run, so the runs table can show the ratio."""
+        client = self.client()
+        for run_id, ratio in ratios.items():
+            client.log_metric(run_id, "vs_baseline", ratio)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_experiment_id": None}
@@ -83,8 +113,8 @@ class Tracker:
         client = self.client()
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
-        for key, value in metrics.items():
-            client.log_metric(run_id, key, value)
+        for name, number in metrics.items():
+            client.log_metric(run_id, name, number)
         for path, text in texts.items():
             client.log_text(run_id, text, path)
         client.set_terminated(run_id, status=status)

@@ -64,8 +64,10 @@ def register_config(tracker: Tracker, run_id: str, name: str, serving: ServingCo
     for key, value in prov.medians.items():
         client.log_metric(run_id, f"serving_{key}", value, model_id=model.model_id, dataset_name=prov.workload,
                           dataset_digest=prov.workload_digest)
-    version = client.create_model_version(name, source=model.artifact_location, run_id=run_id, tags=tags,
-                                          model_id=model.model_id)
+    # Source = the model's artifact folder, not `models:/<model id>`: the store resolves that form through the
+    # process-global tracking URI, not this client's. SQL stores drop `model_id`, so it is a tag as well.
+    version = client.create_model_version(name, source=model.artifact_location, run_id=run_id,
+                                          tags={**tags, "model_id": model.model_id}, model_id=model.model_id)
     set_production(tracker, name, str(version.version))
     return str(version.version)
 

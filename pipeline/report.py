@@ -1,9 +1,10 @@
 """The study report: PNG plots (shown by MLflow's artifact viewer) and one self-contained HTML page.
 
 Plots: throughput per trial vs the baseline (with bootstrap CIs), throughput and accept length vs num_draft_tokens
-per algorithm, warm-up length vs accept length for NGRAM, Optuna's optimization history and parameter importance,
-and the Pareto front when the study has several objectives. Every plot has an empty state (a study with one trial,
-or with every trial failed, still gets a complete report).
+per algorithm, warm-up length vs accept length for NGRAM, NGRAM with an external corpus vs without, Optuna's optimization history and parameter importance,
+and the Pareto front when the study has several objectives (the promoted trial starred, trials that broke an SLA
+limit drawn as crosses and kept off the front). Every plot has an empty state (a study with one trial, or with every
+trial failed, still gets a complete report). With a per-level decision the page shows its level table.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def plot_throughput(ax: Any, rows: list[dict[str, Any]]) -> None:
     low = [max(0.0, v - (r.get("tput_ci_low") or v)) for v, r in zip(values, done)]
     high = [max(0.0, (r.get("tput_ci_high") or v) - v) for v, r in zip(values, done)]
     colors = [ALGO_COLORS.get(r["algorithm"], "#999999") for r in done]
-    ax.bar(range(len(done)), values, yerr=[low, high], color=colors, capsize=3)
+    bars = ax.bar(range(len(done)), values, yerr=[low, high], color=colors, capsize=3)
+    for bar, row in zip(bars, done):
+        if row.get("feasible") is False:  # broke an SLA limit: fast, but not an answer
+            bar.set_hatch("xx")
+            bar.set_edgecolor("#d62728")
     base = next((r["tput_tok_s"] for r in done if r["algorithm"] == "none"), None)
     if base:
         ax.axhline(base, color="black", linestyle="--", linewidth=1, label=f"baseline {base:.1f} tok/s")
@@ -107,6 +112,35 @@ def plot_warmup_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_title("NGRAM: warm-up length vs accept length")
 
 
+def corpus_label(value: Any) -> str:
+    """A trial's corpus as the report names it: `none`, or the file's name (a warm-up corpus is `warmup-<hash>`)."""
+    if value in (None, "", "None"):
+        return "none"
+    return Path(str(value)).stem
+
+
+def plot_corpus_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """NGRAM with and without an external corpus: mean accept length (bars) and mean tok/s (labels) per corpus."""
+    done = [r for r in _complete(rows) if r["algorithm"] == "ngram" and r.get("accept_len") is not None]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in done:
+        groups.setdefault(corpus_label(r["params"].get("spec.external_corpus")), []).append(r)
+    if not groups:
+        _empty(ax, "no completed NGRAM trial")
+        return
+    names = sorted(groups, key=lambda n: (n != "none", n))
+    accept = [sum(r["accept_len"] for r in groups[n]) / len(groups[n]) for n in names]
+    tput = [sum(r["tput_tok_s"] for r in groups[n]) / len(groups[n]) for n in names]
+    bars = ax.bar(range(len(names)), accept, color=["#999999" if n == "none" else ALGO_COLORS["ngram"]
+                                                    for n in names])
+    for bar, t, n in zip(bars, tput, names):
+        ax.annotate(f"{t:.1f} tok/s\n{len(groups[n])} trial(s)", (bar.get_x() + bar.get_width() / 2,
+                    bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("mean accept length")
+    ax.set_title("NGRAM: external corpus vs none")
+
+
 def _optuna_plot(fig: Any, ax: Any, study: Any, kind: str) -> Any:
     """Optuna's own matplotlib plots draw into a new figure; fall back to an empty state when they cannot."""
     import optuna
@@ -138,7 +172,12 @@ def _optuna_plot(fig: Any, ax: Any, study: Any, kind: str) -> Any:
         return fig
 
 
-def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: list[str]) -> None:
+def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: list[str],
+                promoted: str | None = None) -> None:
+    """Trials in the plane of the first two objectives; the front (pipeline.pareto, feasible trials only) joined;
+    infeasible trials (row `feasible` False) as red crosses; the promoted trial (row `name`) as a star."""
+    from pipeline.pareto import pareto_front
+
     done = [r for r in _complete(rows) if all(r.get(m) is not None for m in metrics[:2])]
     if len(metrics) < 2:
         _empty(ax, "single objective: no Pareto front")
@@ -146,12 +185,20 @@ def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: 
     if not done:
         _empty(ax, "no completed trial with both objectives")
         return
-    (mx, my), (sx, sy) = metrics[:2], [1 if m == "max" else -1 for m in modes[:2]]
-    front = [r for r in done if not any(o[mx] * sx >= r[mx] * sx and o[my] * sy >= r[my] * sy and
-                                        (o[mx] != r[mx] or o[my] != r[my]) for o in done)]
-    ax.scatter([r[mx] for r in done], [r[my] for r in done], color="#bbbbbb", label="trials")
-    front.sort(key=lambda r: r[mx])
-    ax.plot([r[mx] for r in front], [r[my] for r in front], "o-", color="#d62728", label="Pareto front")
+    mx, my = metrics[:2]
+    feasible = [r for r in done if r.get("feasible") is not False]
+    infeasible = [r for r in done if r.get("feasible") is False]
+    front = pareto_front(feasible, metrics[:2], modes[:2])
+    ax.scatter([r[mx] for r in feasible], [r[my] for r in feasible], color="#bbbbbb", label="trials")
+    if infeasible:
+        ax.scatter([r[mx] for r in infeasible], [r[my] for r in infeasible], marker="x", color="#d62728",
+                   label="breaks an SLA limit")
+    front = sorted(front, key=lambda r: r[mx])
+    ax.plot([r[mx] for r in front], [r[my] for r in front], "o-", color="#1f77b4", label="Pareto front")
+    star = [r for r in done if promoted is not None and r["name"] == promoted]
+    if star:
+        ax.scatter([star[0][mx]], [star[0][my]], marker="*", s=260, color="#ff7f0e", edgecolor="black", zorder=5,
+                   label=f"promoted: {promoted}")
     ax.set_xlabel(mx)
     ax.set_ylabel(my)
     ax.legend(fontsize=8)
@@ -159,8 +206,10 @@ def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: 
 
 
 def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decision: str, ot_study: Any = None,
-                 metrics: list[str] | None = None, modes: list[str] | None = None) -> list[Path]:
-    """Write report.html and the PNGs into out_dir; returns every file written (HTML last)."""
+                 metrics: list[str] | None = None, modes: list[str] | None = None, promoted: str | None = None,
+                 levels: Any = None) -> list[Path]:
+    """Write report.html and the PNGs into out_dir; returns every file written (HTML last). `promoted` = the
+    promoted trial's row name (starred on the Pareto plot); `levels` = a `pipeline.levels.LevelsDecision`."""
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -170,9 +219,10 @@ def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decis
         ("tput_vs_draft_tokens", lambda f, a: plot_tput_vs_draft(a, rows)),
         ("accept_vs_draft_tokens", lambda f, a: plot_accept_vs_draft(a, rows)),
         ("warmup_vs_accept", lambda f, a: plot_warmup_vs_accept(a, rows)),
+        ("corpus_vs_accept", lambda f, a: plot_corpus_vs_accept(a, rows)),
         ("optimization_history", lambda f, a: _optuna_plot(f, a, ot_study, "history")),
         ("param_importance", lambda f, a: _optuna_plot(f, a, ot_study, "importance")),
-        ("pareto_front", lambda f, a: plot_pareto(a, rows, metrics, modes)),
+        ("pareto_front", lambda f, a: plot_pareto(a, rows, metrics, modes, promoted)),
     ]
     written = []
     for name, draw in plots:
@@ -188,11 +238,16 @@ def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decis
         f'<figure><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
         f"<figcaption>{p.stem.replace('_', ' ')}</figcaption></figure>" for p in written)
     table = format_table(rows) if rows else "(no trials recorded)"
+    level_html = ""
+    if levels is not None:
+        from pipeline.levels import format_level_table
+
+        level_html = f"<h2>Per-concurrency decision</h2><pre>{html.escape(format_level_table(levels))}</pre>"
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}pre{background:#f6f6f6;padding:1em;"
             "overflow-x:auto;font-size:12px}figure{display:inline-block;margin:0.5em}img{max-width:520px}</style>"
             f"</head><body><h1>{html.escape(title)}</h1><h2>Decision</h2><p>{html.escape(decision)}</p>"
-            f"<h2>Trials</h2><pre>{html.escape(table)}</pre><h2>Plots</h2>{images}</body></html>")
+            f"{level_html}<h2>Trials</h2><pre>{html.escape(table)}</pre><h2>Plots</h2>{images}</body></html>")
     report = out_dir / "report.html"
     report.write_text(page)
     return written + [report]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
 from pipeline.errors import PipelineError
-from pipeline.load import LoadRequest
+from pipeline.load import LoadRequest, requests_of
 from pipeline.record import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
 from pipeline.resume import (
@@ -85,7 +85,9 @@ def connect_ray(study_name: str, address: str | None = None) -> str:
     from serve.replica import free_port
 
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        # No address = a new local Ray ("local"): never join whatever cluster `ray start` last left in /tmp/ray
+        # (ray.init(None) would, even a dead one, or a long-lived one with other studies' apps).
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     # When Serve already runs (a long-lived cluster, a second study in one process) the options above are not
     # applied: ask the controller which port it serves on (a private helper of Ray 2.60, which we pin).
@@ -107,7 +109,7 @@ def workload_requests(study: StudyConfig) -> tuple[tuple[LoadRequest, ...], tupl
                              n_measure=study.workload.measure_prompts, max_new_tokens=study.workload.max_new_tokens)
 
     def items(prompts: Any) -> tuple[LoadRequest, ...]:
-        return tuple(LoadRequest(p.index, p.text, p.max_new_tokens) for p in prompts)
+        return requests_of(prompts, study.model.target)  # chat prompts: rendered with the target's template
 
     return items(workload.warmup), items(workload.measure)
 

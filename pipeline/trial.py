@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from pipeline.config import StudyConfig, TrialConfig
+from pipeline.corpus import corpus_for_trial, corpus_record
 from pipeline.equivalence import EquivalenceReport, check_equivalence
 from pipeline.load import LoadRequest, run_phase
 from pipeline.measure import RequestRecord, Summary, summarize, to_records, to_table
@@ -64,6 +65,7 @@ class Measurement:
     engine_log: str = ""
     failure: tuple[Outcome, str] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    corpus: dict[str, float] = field(default_factory=dict)  # corpus documents/bytes/tokens/load seconds
 
 
 @dataclass
@@ -187,10 +189,19 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
     LAUNCH_FAILED."""
     study, name = ctx.study, app_name(ctx.study.name, label)
-    config = replica_config(study, trial, log_dir)
     url = f"{ctx.serve_url}/{name}"
     out = Measurement()
     started = time.monotonic()
+    try:  # the `warmup` corpus choice becomes a file written from the warm-up split (a user file is checked)
+        trial, corpus = corpus_for_trial(trial, ctx.warmup, log_dir)
+    except ValueError as exc:
+        out.failure = (Outcome.INVALID, str(exc))
+        return out
+    config = replica_config(study, trial, log_dir)
+    problem = _cluster_cannot_host(config)
+    if problem:
+        out.failure = (Outcome.LAUNCH_FAILED, problem)
+        return out
     try:
         try:
             deploy(name, config, study.engine.start_timeout_s + 60)
@@ -219,6 +230,7 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             if isinstance(preflight, dict) and preflight.get("ok"):
                 out.diffs.update(effective_diff(config.spec, config.max_running_requests, preflight["resolved"]))
             out.diffs.update(effective_diff(config.spec, config.max_running_requests, out.server_info))
+            out.corpus = corpus_record(out.server_info, corpus)  # its load time is paid at every engine start
             refused = flush(client)
             if refused:
                 out.failure = (Outcome.TIMEOUT, refused)
@@ -247,6 +259,17 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         out.engine_log = _engine_log(url, log_dir)
         teardown(name)
         out.timings["total_s"] = time.monotonic() - started
+
+
+def _cluster_cannot_host(config: ReplicaConfig) -> str | None:
+    """Checked from the cluster's totals before deploying, not on a node: a replica no node can host would wait for
+    resources until the deploy timeout."""
+    import ray
+
+    from serve.replica import actor_options, unplaceable
+
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    return unplaceable(actor_options(config), nodes)
 
 
 def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
@@ -303,6 +326,7 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
         texts["equivalence.json"] = equivalence.model_dump_json(indent=2)
     metrics = dict(summary.to_metrics()) if summary else {}
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
+    metrics.update(m.corpus)
     if equivalence is not None:
         metrics["equiv_identical_share"] = equivalence.identical_share
     # SGLang's own cumulative figure: only after its 40-batch window, reset by a flush; optional, and labelled so.

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from serve.capture import Capture
 from serve.production_settings import ProductionSettings, auth_problem, auth_required, load_api_keys
 
 app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_url=None, openapi_url=None)
@@ -86,6 +87,7 @@ class OpenAIIngress:
             raise RuntimeError(problem)
         self.enforce = bool(self.keys) or auth_required(self.settings, self.bind_host)
         self.metrics = _Metrics()
+        self.capture = Capture(self.settings.capture, self.settings.max_tokens_limit)  # off unless configured
 
     def auth_summary(self) -> str:
         """For the driver's banner: what this replica enforces, from the keys it loaded and the real bind address."""
@@ -200,6 +202,7 @@ class OpenAIIngress:
         except asyncio.TimeoutError:
             response = error_response(504, f"the request took longer than request_timeout_s="
                                            f"{self.settings.request_timeout_s:g}; it was cancelled", "timeout_error")
+        response = await self.capture.observe(route, request, response)  # opt-in traffic capture (serve.capture)
         self.metrics.requests.labels(route, str(response.status_code)).inc()
         self.metrics.latency.labels(route).observe(time.monotonic() - started)
         return response

@@ -62,11 +62,15 @@ def load_serving_config(tracking_uri: str | None, uri: str) -> ServingConfig:
 def _validated(data: Any, where: str) -> ServingConfig:
     from pydantic import ValidationError
 
+    if isinstance(data, dict):
+        # promoted.yaml is a serving config plus where it was registered: accepted as --config-file too.
+        data = {k: v for k, v in data.items() if k not in ("registered_model", "version")}
     try:
         return ServingConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"{where} is not a serving config: {exc}. Fix: use the serving_config.json a study wrote "
-                         "(deploy/ of its output folder) or a registered version") from None
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{where} is not a serving config ({problems}). Fix: use the serving_config.json a study "
+                         "wrote (deploy/ of its output folder) or a registered version") from None
 
 
 def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
@@ -75,7 +79,7 @@ def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
     config = load_serving_config(settings.tracking_uri, uri)
     origin: dict[str, Any] = {"source": uri, "registered_model": settings.registered_model, "alias": None,
                               "version": settings.version}
-    if uri.startswith("models:/") and not settings.version:
+    if uri.startswith("models:/") and not settings.version and settings.registered_model:
         from mlflow.tracking import MlflowClient
 
         found = MlflowClient(tracking_uri=settings.tracking_uri,
@@ -99,12 +103,13 @@ def build_app(settings: ProductionSettings) -> Any:
 
     serving = resolve_serving(settings)
     engine_cfg = replica_config(serving, settings.threads)
-    engine = EngineBackend.options(
+    # @serve.deployment made these classes Deployments (mypy sees the classes).
+    engine = EngineBackend.options(  # type: ignore[attr-defined]
         num_replicas=settings.num_replicas, max_surge_percent=100, max_constructor_retry_count=3,
         **_backpressure(settings),
         ray_actor_options=actor_options(engine_cfg)).bind(engine_cfg.to_replica())
     # max_constructor_retry_count=1: a refused start (no keys off-localhost, placeholder keys) fails in seconds
-    return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,
+    return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,  # type: ignore[attr-defined]
                                  **_backpressure(settings)).bind(engine, settings.model_dump(mode="json"), serving)
 
 
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    ray.init(address=address, include_dashboard=False)
+    ray.init(address=address or "local", include_dashboard=False)  # help: "instead of starting a local one"
     serve.start(http_options={"host": settings.host, "port": settings.port})
     try:
         served = deploy(settings)

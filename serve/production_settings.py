@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from serve.capture import CaptureSettings
 from serve.spec import FrozenModel
 
 __all__ = ["ProductionSettings", "PRODUCTION", "LOCAL_HOSTS", "MIN_KEY_CHARS", "load_api_keys", "auth_required",
@@ -53,6 +54,9 @@ class ProductionSettings(FrozenModel):
     request_timeout_s: float = Field(300.0, gt=0, description="a request still running after this is cut: 504, "
                                                               "or an error event on a stream")
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
+    capture: CaptureSettings | None = Field(None, description="traffic capture to Parquet (opt-in; a directory or "
+                                                            "JSON settings; see serve/capture.py and the PII "
+                                                            "warning in docs/security.md)")
     follow_alias_s: float = Field(10.0, ge=0, description="python -m serve.production: poll the registry alias this "
                                                           "often and roll to a new version (0 = off)")
 

@@ -44,6 +44,24 @@ def actor_options(config: ReplicaConfig) -> dict[str, Any]:
     return engine_for(config.engine).actor_options(config)
 
 
+def unplaceable(options: dict[str, Any], nodes: list[dict[str, float]]) -> str | None:
+    """Why no node of the cluster could ever host a replica with these `ray_actor_options` (None: one can).
+
+    Ray would keep such a replica pending until the trial's deploy timeout (minutes for big models): an SGLang
+    replica on a cluster without GPUs is the usual case. `nodes` are the alive nodes' total resources. Pure."""
+    needs = {"CPU": float(options.get("num_cpus") or 0), "GPU": float(options.get("num_gpus") or 0),
+             **{k: float(v) for k, v in (options.get("resources") or {}).items()}}
+    needs = {k: v for k, v in needs.items() if v > 0}
+    if any(all(node.get(k, 0) >= v for k, v in needs.items()) for node in nodes):
+        return None
+    offered = "; ".join(", ".join(f"{k}={v:g}" for k, v in sorted(n.items()) if k in needs or k in ("CPU", "GPU"))
+                        or "nothing" for n in nodes) or "no nodes"
+    wanted = ", ".join(f"{k}={v:g}" for k, v in sorted(needs.items()))
+    return (f"no Ray node can host this replica: it needs {wanted} on one node, and the nodes offer: {offered}. "
+            f"For SGLang run the study on a cluster with GPU nodes (infra/README.md) or set engine.kind: cpu; check "
+            f"engine.tp_size, engine.replica_cpus and engine.replica_resources")
+
+
 def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
     try:
         data = Path(path).read_bytes()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -68,14 +69,15 @@ def serving_config(replica: ReplicaConfig, provenance: Provenance) -> ServingCon
 
 
 def engine_argv(serving: ServingConfig, host: str = ENGINE_HOST, port: int = ENGINE_PORT) -> list[str]:
-    """The engine's full command line as a user runs it: this interpreter's path becomes `python`."""
+    """The engine's full command line as a user runs it: this interpreter becomes `python`, a console script beside
+    it (SGLang's `sglang`) its bare name, since the user's environment has its own paths."""
     from serve.engines import engine_for
 
     argv = engine_for(serving.replica.engine).argv(serving.replica, host, port)
     if argv and argv[0] == sys.executable:
         argv = ["python", *argv[1:]]
-    if serving.replica.engine == "sglang" and argv and argv[0].endswith("/sglang"):
-        argv = ["sglang", *argv[1:]]
+    elif argv and Path(argv[0]).parent == Path(sys.executable).parent:
+        argv = [Path(argv[0]).name, *argv[1:]]
     return argv
 
 

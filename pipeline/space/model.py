@@ -26,7 +26,7 @@ from pipeline.space.bounds import Bound, evaluate_bound
 from serve.spec import Algorithm, FrozenModel
 
 TRIAL_FIELDS = ("warmup_requests", "max_running_requests")  # TrialConfig fields a space may search
-Choice = Union[bool, int, float, str]
+Choice = Union[bool, int, float, str, None]  # None: "off" (e.g. no external corpus)
 
 
 class _Conditional(FrozenModel):

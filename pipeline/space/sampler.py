@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.config import SlaConstraint
 
 
 def startup_trials(max_trials: int) -> int:
@@ -12,14 +16,42 @@ def startup_trials(max_trials: int) -> int:
     return min(10, max(3, max_trials // 4))
 
 
-def tpe_sampler(seed: int, max_trials: int, n_startup_trials: int | None = None) -> Any:
+def tpe_sampler(seed: int, max_trials: int, n_startup_trials: int | None = None, *,
+                constraints: Sequence[SlaConstraint] = (), search_level: int = 1) -> Any:
     """Multivariate TPE with conditional groups (branches), seeded. `n_startup_trials` overrides
-    `startup_trials(max_trials)` (the search-efficiency replay compares the two)."""
+    `startup_trials(max_trials)` (the search-efficiency replay compares the two). SLA limits that hold at
+    `search_level` become Optuna's `constraints_func` (pipeline/sla.py: the trial must set the user attributes
+    `pipeline.sla.constraint_user_attrs` names); without such limits the sampler is unconstrained."""
     import warnings
 
     import optuna
 
+    from pipeline.sla import constraints_func
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # Optuna 5 deprecates constraints_func (removal planned for 7) for Trial.set_constraint, which a trial
+        # inside Ray Tune cannot call on the driver's study; the sampler argument still works the same.
+        warnings.filterwarnings("ignore", message=".*constraints_func.*", category=FutureWarning)
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
-                                          n_startup_trials=n_startup_trials or startup_trials(max_trials))
+                                          n_startup_trials=n_startup_trials or startup_trials(max_trials),
+                                          constraints_func=constraints_func(constraints, search_level))
+
+
+def constrained_search_class() -> Any:
+    """Ray Tune's `OptunaSearch` that copies a trial's SLA figures (result keys starting `sla.`, as
+    `pipeline.sla.constraint_user_attrs` names them) into the Optuna trial's user attributes before telling Optuna,
+    so the sampler's `constraints_func` sees them: the trial runs in a Ray worker and cannot touch the driver's study."""
+    from ray.tune.search.optuna import OptunaSearch
+
+    class ConstrainedOptunaSearch(OptunaSearch):  # type: ignore[misc]
+        def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
+                              error: bool = False) -> None:
+            ot_trial = self._ot_trials.get(trial_id)
+            if result and ot_trial is not None:
+                for key, value in result.items():
+                    if key.startswith("sla.") and isinstance(value, (int, float)):
+                        ot_trial.set_user_attr(key, float(value))
+            super().on_trial_complete(trial_id, result, error)
+
+    return ConstrainedOptunaSearch

@@ -1,9 +1,16 @@
 """Workloads: the prompts a trial replays, split into a warm-up part and a measurement part.
 
 A workload is a bundled name (`code-edit`, `free-text`, `templated`) or a user file of prompts:
-- JSONL: one JSON object per line; Parquet: one row per prompt. Fields: `prompt` (non-empty string, required),
-  `id` (string or integer, optional, unique), `max_new_tokens` (integer >= 1, optional). Any other field is an
-  error (a misspelt `max_new_token` would otherwise be silently ignored). Blank JSONL lines are skipped.
+- JSONL: one JSON object per line; Parquet: one row per prompt. Fields: `prompt` (non-empty string) or `messages`
+  (OpenAI chat messages, the last one the user's: see `chat`), exactly one of them; `id` (string or integer,
+  optional, unique), `max_new_tokens` (integer >= 1, optional), `output` (string, optional: a recorded answer, used
+  only to build a corpus). Any other field is an error (a misspelt `max_new_token` would otherwise be silently
+  ignored). Blank JSONL lines are skipped.
+- JSON (`.json`): ShareGPT-style conversations (`chat.read_sharegpt`). A traffic capture (`serve/capture.py`) is a
+  Parquet file of this schema, so `--workload captured.parquet` replays production traffic.
+
+Chat prompts are sent so the engine applies the model's chat template exactly as production does
+(`pipeline/load.py`); `Prompt.text` of a chat prompt is only a readable view.
 
 Splits (`split_prompts`, pure): the prompt list is shuffled once with `random.Random(seed)`; the measurement split
 is the first `n_measure` prompts of that order and the warm-up split the next `n_warmup`. So the measurement split
@@ -24,10 +31,11 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.workloads._bundled import BUILDERS
+from pipeline.workloads.chat import Messages, check_messages, read_sharegpt, readable
 
 BUNDLED_WORKLOADS: tuple[str, ...] = tuple(BUILDERS)
-FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".parquet")
-ROW_FIELDS: tuple[str, ...] = ("prompt", "id", "max_new_tokens")
+FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".parquet", ".json")
+ROW_FIELDS: tuple[str, ...] = ("prompt", "messages", "id", "max_new_tokens", "output")
 DEFAULT_MAX_NEW_TOKENS = 24  # = WorkloadSettings.max_new_tokens (a unit test holds them equal); callers pass theirs
 
 
@@ -43,6 +51,8 @@ class Prompt:
     id: str
     text: str
     max_new_tokens: int
+    messages: Messages | None = None  # a chat prompt: sent through the chat template (see pipeline/load.py)
+    output: str | None = None  # a recorded answer (captures, ShareGPT): corpus material, never sent
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,8 @@ def load_workload(
     prompts, notes = read_prompts(name_or_path, max_new_tokens=max_new_tokens)
     warmup, measure, split_notes = split_prompts(prompts, seed=seed, n_warmup=n_warmup, n_measure=n_measure)
     digest = hashlib.sha1(
-        json.dumps([[p.id, p.text, p.max_new_tokens] for p in prompts], ensure_ascii=False).encode("utf-8")
+        json.dumps([[p.id, p.text, p.max_new_tokens] + ([p.messages] if p.messages else []) for p in prompts],
+                   ensure_ascii=False).encode("utf-8")
     ).hexdigest()
     return Workload(
         name=str(name_or_path), seed=seed, n_available=len(prompts), warmup=warmup, measure=measure,
@@ -98,6 +109,8 @@ def read_prompts(
         raise WorkloadError(f"workload file {str(path)!r} does not exist (a path relative to {Path.cwd()} or absolute)")
     if path.suffix == ".jsonl":
         rows = _jsonl_rows(path)
+    elif path.suffix == ".json":
+        rows = read_sharegpt(path, WorkloadError)
     else:
         rows = _parquet_rows(path)
     prompts: list[Prompt] = []
@@ -184,10 +197,13 @@ def _parquet_rows(path: Path) -> list[tuple[str, str, object]]:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
         raise WorkloadError(f"{path}: not a readable Parquet file ({exc})") from exc
-    if "prompt" not in table.column_names:
-        raise WorkloadError(
-            f"{path}: column 'prompt' is required (a non-empty string); columns are {table.column_names}")
-    return [(f"{path}: row {i}", f"{path.stem}:{i}", row) for i, row in enumerate(table.to_pylist(), start=1)]
+    if "prompt" not in table.column_names and "messages" not in table.column_names:
+        raise WorkloadError(f"{path}: column 'prompt' is required (a non-empty string), or 'messages' for chat "
+                            f"prompts; columns are {table.column_names}")
+    # A column present in the file is present in every row; a row's null means "not set" (e.g. a capture holding
+    # both plain and chat requests).
+    return [(f"{path}: row {i}", f"{path.stem}:{i}", {k: v for k, v in row.items() if v is not None})
+            for i, row in enumerate(table.to_pylist(), start=1)]
 
 
 def _prompt_from_row(row: object, where: str, index: int, default_id: str, default_max_new_tokens: int) -> Prompt:
@@ -197,9 +213,20 @@ def _prompt_from_row(row: object, where: str, index: int, default_id: str, defau
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {unknown}; allowed fields are {list(ROW_FIELDS)} "
                             "(remove the others)")
-    text = row.get("prompt")
-    if not isinstance(text, str) or not text.strip():
-        raise WorkloadError(f"{where}: field 'prompt' must be a non-empty string, got prompt={text!r}")
+    messages: Messages | None = None
+    if "prompt" in row and "messages" in row:
+        raise WorkloadError(f"{where}: give either 'prompt' (plain text) or 'messages' (chat), not both")
+    if "messages" in row:
+        messages = check_messages(row["messages"], where, WorkloadError)
+        text = readable(messages)
+    else:
+        given = row.get("prompt")
+        if not isinstance(given, str) or not given.strip():
+            raise WorkloadError(f"{where}: field 'prompt' must be a non-empty string, got prompt={given!r}")
+        text = given
+    output = row.get("output")
+    if output is not None and not isinstance(output, str):
+        raise WorkloadError(f"{where}: field 'output' must be a string, got {type(output).__name__}")
     pid = row.get("id")
     if pid is None:
         pid = default_id
@@ -215,4 +242,4 @@ def _prompt_from_row(row: object, where: str, index: int, default_id: str, defau
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise WorkloadError(
                 f"{where}: field 'max_new_tokens' must be an integer >= 1, got max_new_tokens={limit!r}")
-    return Prompt(index=index, id=str(pid), text=text, max_new_tokens=limit)
+    return Prompt(index=index, id=str(pid), text=text, max_new_tokens=limit, messages=messages, output=output)

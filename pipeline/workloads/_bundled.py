@@ -133,4 +133,15 @@ def build_templated() -> tuple[list[tuple[str, str]], list[str]]:
     return prompts, []
 
 
-BUILDERS = {"code-edit": build_code_edit, "free-text": build_free_text, "templated": build_templated}
+def build_reasoning() -> tuple[list[tuple[str, str]], list[str]]:
+    """Long, self-repeating answers (step-by-step working, one line per step): what reasoning models produce, where
+    the answer's own n-grams recur and a corpus of earlier answers holds its structure. See reasoning.json."""
+    spec = _data("reasoning.json")
+    numbers = spec["numbers"]
+    prompts = [(f"reasoning:{t}:{n}", template.format(n=n))
+               for t, template in enumerate(spec["templates"]) for n in numbers]
+    return prompts, []
+
+
+BUILDERS = {"code-edit": build_code_edit, "free-text": build_free_text, "templated": build_templated,
+            "reasoning": build_reasoning}

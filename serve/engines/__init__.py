@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from serve.engines.base import Engine
 
 
@@ -26,3 +28,20 @@ def engine_for(kind: str) -> Engine:
 def algorithms_of(kind: str) -> frozenset[str]:
     """The speculative algorithms an engine kind implements (static knowledge: validation, not preflight)."""
     return engine_for(kind).algorithms
+
+
+def tokenizer_for(model: str) -> Any:
+    """The tokenizer an engine loads for `model` (clients render chat templates with it: `pipeline.load`): a CPU-engine
+    id, .gguf or HF dir through the CPU engine's own resolution (the same files), else an HF hub id via transformers
+    (what SGLang and llama.cpp's HF-sourced models use)."""
+    from pathlib import Path
+
+    from serve.engines.cpu.models import KNOWN_MODELS, resolve_model
+
+    if model in KNOWN_MODELS or model.endswith(".gguf") or Path(model).expanduser().is_dir():
+        from serve.engines.cpu.convert import load_tokenizer
+
+        return load_tokenizer(resolve_model(model))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)

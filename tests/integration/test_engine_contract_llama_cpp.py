@@ -116,3 +116,20 @@ def live_members(group: int) -> list[str]:
         if int(fields[2]) == group and fields[0] != "Z":
             out.append(stat.parent.name)
     return out
+
+
+def test_ngram_cache_starts_with_a_fresh_dynamic_lookup_file_and_drafts(tmp_path):
+    """llama-server aborts when the dynamic lookup file is missing: the shim gives it an empty one per start."""
+    require_llama_server()
+    from serve.spec import LlamaNgramCacheSpec
+
+    process = EngineProcess(ReplicaConfig(engine="llama_cpp", model="smollm2-135m", spec=LlamaNgramCacheSpec(),
+                                          threads=1, start_timeout_s=300, log_dir=str(tmp_path)))
+    try:
+        process.wait_ready()
+        argv = httpx.get(f"{process.url}/server_info", timeout=60).json()["llama_server_argv"]
+        assert argv[argv.index("--spec-type") + 1] == "ngram-cache" and "--lookup-cache-dynamic" in argv
+        meta = generate(process.url, max_new_tokens=16).json()["meta_info"]
+        assert meta["completion_tokens"] == 16 and "spec_verify_ct" in meta
+    finally:
+        process.stop()

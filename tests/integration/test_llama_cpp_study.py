@@ -32,7 +32,9 @@ def test_llama_cpp_study_end_to_end(tmp_path):
     space.write_text(SPACE)
     study = load_study(None, {**TINY_STUDY, "name": "it-llama", "output_dir": str(tmp_path),
                               "search_space": str(space), "budget.max_trials": 3, "engine.kind": "llama_cpp",
-                              "engine.threads": 1, "workload.source": "code-edit"})
+                              "engine.threads": 1, "workload.source": "code-edit",
+                              # a Ray of this process, never a `ray start` cluster another test left on the machine
+                              "ray.address": "local"})
     assert run_study(study, load_space(space)) == 0
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", study.name)
     client = tracker.client()
@@ -55,5 +57,5 @@ def test_llama_cpp_study_end_to_end(tmp_path):
             assert run.data.metrics["accept_len"] >= 1.0
     assert algorithms == {"none", "llama_ngram_simple", "llama_ngram_mod"}
     config = load_serving_config(f"sqlite:///{tmp_path / 'mlflow.db'}", f"models:/specdec-{study.name}@production")
-    assert config["engine"] == "llama_cpp"  # production starts the same engine kind (serve/production.py)
-    assert config["trial"]["spec"]["algorithm"] in algorithms
+    assert config.replica.engine == "llama_cpp"  # production starts the same engine kind (serve/production.py)
+    assert config.replica.spec.algorithm in algorithms

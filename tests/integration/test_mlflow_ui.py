@@ -1,8 +1,10 @@
 """The MLflow UI, in a real (headless Debian) Chromium, shows a finished study the way a user needs it.
 
-`mlflow ui` serves a snapshot of the study's SQLite store; Playwright opens the experiment's runs table, unfolds the
-study run, adds metric columns, checks that every trial run is listed with its stored `tput_tok_s`, then selects two
-trials, follows the app's own "Compare" button and checks the compare view shows both runs and their `tput_tok_s`.
+`mlflow ui` serves a snapshot of the study's SQLite store; Playwright opens the experiment as a new user does (it must
+land on the runs table, not the GenAI overview), then the link the study printed, and checks, without picking columns
+or unfolding anything, that every trial run is listed with the comparison columns (throughput, vs baseline, accept
+length, TTFT, outcome) and its stored `tput_tok_s`; then selects two trials, follows the app's own "Compare" button and
+checks the compare view shows both runs and their `tput_tok_s`.
 Screenshots go to `$SPECDEC_TEST_ARTIFACTS/test_mlflow_ui/` (default `<repo>/test-artifacts/test_mlflow_ui/`).
 """
 
@@ -29,13 +31,11 @@ from tests.integration.ui_helpers import (
     artifact_dir,
     compare_metric_row,
     compare_run_names,
-    expand_run,
     metric_col_id,
     mlflow_ui,
-    open_runs_table,
+    open_trials_view,
     read_study_runs,
     select_rows,
-    show_metric_columns,
     shown_precision,
     snapshot_sqlite,
     table_cell,
@@ -49,7 +49,7 @@ sync_api = pytest.importorskip("playwright.sync_api",
 pytestmark = pytest.mark.integration
 
 METRIC = "tput_tok_s"
-SHOWN_METRICS = [METRIC, "accept_len", "ttft_p50_ms"]
+SHOWN_METRICS = [METRIC, "vs_baseline", "accept_len", "ttft_p50_ms"]
 ARTIFACT_SUBDIR = "test_mlflow_ui"
 ROW_PX = 32  # ag-grid row height in the runs table: the viewport is made tall enough that no row is virtualized away
 
@@ -106,15 +106,20 @@ def test_study_runs_table_and_compare_view(page, study_ui) -> None:
     expect = sync_api.expect
     shots = artifact_dir(ARTIFACT_SUBDIR)
 
-    # The runs table: every trial run listed by name, with the metric columns and its stored throughput.
-    open_runs_table(page, server.url, runs)
-    show_metric_columns(page, SHOWN_METRICS)
-    expand_run(page, runs.parent_id, runs.trials[0].run_id)
+    # A new user opens the experiment: MLflow 3.17 lands a model-development experiment on its runs table (the study
+    # run's row), not on the GenAI overview.
+    page.goto(f"{server.url}/#/experiments/{runs.experiment_id}")
+    expect(page.locator(f'[row-id="{runs.parent_id}"]').first).to_be_visible(timeout=PAGE_TIMEOUT_MS)
+    page.screenshot(path=shots / "experiment-landing.png", full_page=True)
+
+    # The printed link: every trial run listed by name, with the comparison columns and its stored throughput, as
+    # the page first shows it.
+    open_trials_view(page, server.url, runs)
     for key in SHOWN_METRICS:
         header = page.locator(f'.ag-header-cell[col-id="{metric_col_id(key)}"]')
         expect(header).to_contain_text(key, timeout=STEP_TIMEOUT_MS)
         expect(header).to_be_in_viewport(timeout=STEP_TIMEOUT_MS)
-    expect(page.locator(f'a[href$="/runs/{runs.parent_id}"]')).to_have_text(runs.parent_name)
+    expect(page.locator('.ag-header-cell[col-id="tags.`outcome`"]')).to_be_in_viewport(timeout=STEP_TIMEOUT_MS)
     for trial in runs.trials:
         link = page.locator(f'a[href$="/runs/{trial.run_id}"]')
         expect(link).to_have_text(trial.name, timeout=STEP_TIMEOUT_MS)

@@ -21,16 +21,25 @@ from pipeline.record import Tracker
 from pipeline.registry import register_config, set_production
 from pipeline.study import connect_ray
 from serve.engines.base import ReplicaConfig
-from serve.production import ProductionSettings, deploy
+from serve.production import ProductionSettings, deploy, load_serving_config
 from serve.replica import EngineProcess
+from serve.serving import Provenance, ServingConfig
 
 pytestmark = pytest.mark.integration
 KEY = "test-key-0123456789abcdef"  # >= MIN_KEY_CHARS: short keys are refused at start
 MODEL = "smollm2-135m"
-BASELINE = {"spec": {"algorithm": "none"}, "warmup_requests": 0, "max_running_requests": None, "concurrency": 1}
-NGRAM = {"spec": {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1,
-                  "match_type": "BFS", "max_trie_depth": 8, "capacity": 100000},
-         "warmup_requests": 0, "max_running_requests": None, "concurrency": 1}
+BASELINE = {"algorithm": "none"}
+NGRAM = {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1, "match_type": "BFS",
+         "max_trie_depth": 8, "capacity": 100000}
+
+
+def serving(spec: dict, decision: str) -> ServingConfig:
+    """What finalize registers: the replica a trial ran (start_timeout_s and max_running_requests not the defaults,
+    so a production that rebuilt the replica by hand would show) plus provenance."""
+    replica = ReplicaConfig(model=MODEL, spec=spec, max_running_requests=4, start_timeout_s=420.0)
+    return ServingConfig(replica=replica, provenance=Provenance(
+        study="prod", decision=decision, source="baseline" if decision == "keep_baseline" else "final-0",
+        workload="templated", workload_digest="0123456789abcdef", medians={"tput_tok_s": 1.0}))
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +49,7 @@ def endpoint(tmp_path_factory):
     tracker = Tracker(uri, "prod-test", artifact_dir=tmp / "artifacts")
     run = tracker.client().create_run(tracker.experiment_id(), run_name="study-prod")
     for trial, decision in ((BASELINE, "keep_baseline"), (NGRAM, "promote")):
-        register_config(tracker, run.info.run_id, "specdec-prod",
-                        {"engine": "cpu", "model": MODEL, "dtype": "float32", "trial": trial, "decision": decision},
-                        move_production=True)
+        register_config(tracker, run.info.run_id, "specdec-prod", serving(trial, decision), move_production=True)
     set_production(tracker, "specdec-prod", "1")
     keys = tmp / "keys.txt"
     keys.write_text(KEY + "\n")
@@ -140,7 +147,13 @@ def test_promotion_and_rollback_drop_no_request(endpoint):
     sent, failed = _roll_under_load(base_url, settings)
     assert failed == 0 and sent > 3
     config = httpx.get(f"{base_url}/v1/config", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
-    assert config["version"] == "2" and config["speculative"]["algorithm"] == "ngram"
+    assert config["version"] == "2" and config["replica"]["spec"]["algorithm"] == "ngram"
+    # /v1/config is the promoted serving config field for field (plus where it came from)
+    promoted = load_serving_config(settings.tracking_uri, "models:/specdec-prod/2")
+    assert {k: config[k] for k in ("replica", "provenance")} == promoted.model_dump(mode="json")
+    assert promoted == serving(NGRAM, "promote")
+    assert config["origin"] == {"source": "models:/specdec-prod@production", "registered_model": "specdec-prod",
+                                "alias": "production", "version": "2"}
     set_production(tracker, "specdec-prod", "1")  # roll back
     sent, failed = _roll_under_load(base_url, settings)
     assert failed == 0 and sent > 3

@@ -72,8 +72,8 @@ def test_promoted_config_is_in_the_registry_and_no_trial_app_is_left(happy):
 
     study, out, _ = happy
     config = load_serving_config(f"sqlite:///{out / 'mlflow.db'}", f"models:/specdec-{study.name}@production")
-    assert config["model"] == "smollm2-135m" and config["trial"]["spec"]["algorithm"] in ("none", "ngram")
-    assert (out / "promoted.yaml").exists()
+    assert config.replica.model == "smollm2-135m" and config.replica.spec.algorithm in ("none", "ngram")
+    assert (out / "promoted.yaml").exists() and (out / "deploy" / "engine_command.sh").exists()
     assert not [name for name in serve.status().applications if name.startswith("trial-")]
 
 
@@ -138,43 +138,17 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
 
 
-def test_sglang_engine_runs_up_to_preflight_and_fails_clearly_without_a_gpu(tmp_path):
-    # SGLang's own parser resolves the config (a local config.json is all it needs); the launch then stops with
-    # the reason instead of leaving a replica pending for a GPU that does not exist.
-    from serve.engines.sglang import installed_version
-
-    if installed_version() is None:
-        pytest.skip("sglang is not installed (CI installs it --no-deps)")
+def test_an_sglang_study_on_a_cluster_without_gpus_fails_fast_and_says_why(tmp_path):
+    # The replica asks Ray for a GPU; no node has one, so it could never be placed. The trial says so at once instead
+    # of waiting out the deploy timeout. (Preflight and node checks in the replica: tests/integration/test_cluster.py.)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     study = load_study(None, {"name": "it-sglang", "output_dir": str(tmp_path / "out"), "engine.kind": "sglang",
                               "model.target": str(model), "search_space": "ngram.yaml", "budget.max_trials": 1})
     assert run_study(study, load_space(study.search_space_path())) == 1  # no baseline could be measured
-    tracker, runs = child_runs(study, tmp_path / "out")
-    (run,) = runs
-    assert run.data.tags["outcome"] == "LAUNCH_FAILED"
-    # Both checks ran in the replica (defect 3: not in the trial process): SGLang's parser accepted the flags there,
-    # then the node check refused to start an engine without a GPU.
-    assert "no NVIDIA driver" in run.data.tags["reason"] and "engine.kind: cpu" in run.data.tags["reason"]
-    assert "preflight ok" in run.data.tags["reason"]
-
-
-def test_sglang_flags_the_installed_sglang_refuses_make_an_invalid_trial(tmp_path):
-    # SGLang's parser runs in the replica and refuses the argv: INVALID with SGLang's own words, not LAUNCH_FAILED.
-    from serve.engines.sglang import installed_version
-
-    if installed_version() is None:
-        pytest.skip("sglang is not installed (CI installs it --no-deps)")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    study = load_study(None, {"name": "it-sglang-bad", "output_dir": str(tmp_path / "out"), "engine.kind": "sglang",
-                              "model.target": str(model), "search_space": "ngram.yaml", "budget.max_trials": 1,
-                              "engine.extra_flags": ["--no-such-flag-in-sglang", "1"]})
-    assert run_study(study, load_space(study.search_space_path())) == 1
     _, runs = child_runs(study, tmp_path / "out")
     (run,) = runs
-    assert run.data.tags["outcome"] == "INVALID", run.data.tags["reason"]
-    assert "SGLang rejected the flags at parse" in run.data.tags["reason"]
-    assert "unrecognized arguments" in run.data.tags["reason"]
+    assert run.data.tags["outcome"] == "LAUNCH_FAILED"
+    reason = run.data.tags["reason"]
+    assert "no Ray node can host this replica" in reason and "GPU=1" in reason and "engine.kind: cpu" in reason

@@ -124,6 +124,19 @@ def open_runs_table(page: Any, base_url: str, study: StudyRuns) -> None:
         close_assistant.wait_for(state="detached", timeout=STEP_TIMEOUT_MS)
 
 
+def open_trials_view(page: Any, base_url: str, study: StudyRuns) -> None:
+    """The link a study prints at its end (`pipeline.record.runs_link`), as a user opens it: no column picking, no
+    unfolding; the first trial row rendered, assistant side panel closed."""
+    from pipeline.record import runs_link
+
+    page.goto(runs_link(base_url, study.experiment_id))
+    page.locator(f'[row-id="{study.trials[0].run_id}"]').first.wait_for(timeout=PAGE_TIMEOUT_MS)
+    close_assistant = page.locator('[data-component-id="mlflow.assistant.chat_panel.close"]')
+    if close_assistant.count():
+        close_assistant.click()
+        close_assistant.wait_for(state="detached", timeout=STEP_TIMEOUT_MS)
+
+
 def show_metric_columns(page: Any, metrics: list[str]) -> None:
     """Tick `metrics` in the "Columns" picker (searching for each by name); they are hidden by default."""
     page.get_by_test_id("column-selection-dropdown").filter(has_text="Columns").click()

@@ -10,13 +10,17 @@ import pytest
 from pipeline.errors import PipelineError
 from pipeline.record import Tracker
 from pipeline.registry import PREVIOUS, PRODUCTION, load_serving_config, register_config, rollback, set_production
+from serve.engines.base import ReplicaConfig
+from serve.serving import Provenance, ServingConfig
 
 NAME = "specdec-unit"
 
 
-def serving(label: str, algorithm: str = "ngram") -> dict:
-    return {"study": "unit", "engine": "cpu", "model": "smollm2-135m", "dtype": "float32", "decision": label,
-            "trial": {"spec": {"algorithm": algorithm}, "warmup_requests": 0, "concurrency": 1}, "source": label}
+def serving(label: str, algorithm: str = "ngram") -> ServingConfig:
+    return ServingConfig(replica=ReplicaConfig(model="smollm2-135m", spec={"algorithm": algorithm}, tp_size=2,
+                                               extra_flags=["--mem-fraction-static", "0.85"], env_from=["HF_TOKEN"]),
+                         provenance=Provenance(study="unit", decision=label, source=label, workload="templated",
+                                               workload_digest="0123456789abcdef", medians={"tput_tok_s": 12.5}))
 
 
 @pytest.fixture()
@@ -33,7 +37,7 @@ def aliases(tracker: Tracker) -> dict[str, str]:
     return {k: str(v) for k, v in tracker.client().get_registered_model(NAME).aliases.items()}
 
 
-def read(tracker: Tracker, ref: str) -> dict:
+def read(tracker: Tracker, ref: str) -> ServingConfig:
     return load_serving_config(tracker.tracking_uri, f"models:/{NAME}{ref}")
 
 
@@ -54,10 +58,23 @@ def test_promotions_move_production_and_keep_the_one_before_as_previous(tracker,
     for label in ("a", "b", "c"):
         register_config(tracker, run_id, NAME, serving(label), move_production=True)
     assert aliases(tracker) == {PRODUCTION: "3", PREVIOUS: "2"}
-    assert [read(tracker, ref)["source"] for ref in ("/1", "/2", "/3", f"@{PRODUCTION}", f"@{PREVIOUS}")] == \
+    assert [read(tracker, ref).provenance.source for ref in ("/1", "/2", "/3", f"@{PRODUCTION}", f"@{PREVIOUS}")] == \
         ["a", "b", "c", "c", "b"]
     version = tracker.client().get_model_version(NAME, "3")
-    assert version.run_id == run_id and version.tags == {"decision": "c", "algorithm": "ngram"}
+    assert version.run_id == run_id and version.tags["model_id"].startswith("m-")
+    assert {k: version.tags[k] for k in ("decision", "algorithm")} == {"decision": "c", "algorithm": "ngram"}
+
+
+def test_the_registered_model_shows_the_spec_and_the_workload_it_was_measured_on(tracker, run_id):
+    version = register_config(tracker, run_id, NAME, serving("a"), move_production=True)
+    client = tracker.client()
+    model = client.get_logged_model(client.get_model_version(NAME, version).tags["model_id"])
+    assert model.params["spec.algorithm"] == "ngram" and model.params["tp_size"] == "2"
+    assert "--mem-fraction-static" in model.params["extra_flags"] and model.params["env_from"] == "[HF_TOKEN]"
+    assert model.tags["workload_digest"] == "0123456789abcdef"
+    assert [(m.key, m.dataset_digest) for m in model.metrics] == [("serving_tput_tok_s", "0123456789abcdef")]
+    inputs = client.get_run(run_id).inputs.dataset_inputs
+    assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("templated", "0123456789abcdef")]
 
 
 def test_pointing_production_at_its_own_version_keeps_previous(tracker, run_id):
@@ -72,9 +89,9 @@ def test_rollback_swaps_production_and_previous(tracker, run_id):
     register_config(tracker, run_id, NAME, serving("b"), move_production=True)
     assert rollback(tracker, NAME) == ("1", "2")
     assert aliases(tracker) == {PRODUCTION: "1", PREVIOUS: "2"}
-    assert read(tracker, f"@{PRODUCTION}")["source"] == "a"
+    assert read(tracker, f"@{PRODUCTION}").provenance.source == "a"
     assert rollback(tracker, NAME) == ("2", "1")  # rolling back a rollback restores the promotion
-    assert read(tracker, f"@{PRODUCTION}")["source"] == "b"
+    assert read(tracker, f"@{PRODUCTION}").provenance.source == "b"
 
 
 def test_rollback_without_previous_fails_naming_the_alias_and_changes_nothing(tracker, run_id):
@@ -90,12 +107,15 @@ def test_a_new_version_never_overwrites_the_config_of_an_existing_one(tracker, r
         register_config(tracker, run_id, NAME, serving(label), move_production=True)
     tracker.client().delete_model_version(NAME, "1")
     version = register_config(tracker, run_id, NAME, serving("c"), move_production=True)
-    assert read(tracker, "/2")["source"] == "b"
-    assert read(tracker, f"/{version}")["source"] == "c"
+    assert read(tracker, "/2").provenance.source == "b"
+    assert read(tracker, f"/{version}").provenance.source == "c"
 
 
-def test_a_config_file_is_read_back_as_is(tmp_path):
-    path = tmp_path / "promoted.yaml"
-    path.write_text("engine: cpu\ntrial:\n  spec:\n    algorithm: ngram\n    num_draft_tokens: 4\n")
-    assert load_serving_config(None, str(path)) == {"engine": "cpu",
-                                                    "trial": {"spec": {"algorithm": "ngram", "num_draft_tokens": 4}}}
+def test_a_config_file_is_validated_when_loaded(tmp_path):
+    good = tmp_path / "serving_config.json"
+    good.write_text(serving("a").model_dump_json())
+    assert load_serving_config(None, str(good)) == serving("a")
+    bad = tmp_path / "promoted.yaml"
+    bad.write_text("engine: cpu\ntrial:\n  spec:\n    algorithm: ngram\n")
+    with pytest.raises(ValueError, match="is not a serving config.*replica"):
+        load_serving_config(None, str(bad))

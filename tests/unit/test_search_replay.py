@@ -3,7 +3,8 @@ each method and metric does what the benchmark's table claims."""
 
 import pytest
 
-from benchmarks.search_replay import METHODS, Surface, key, promote, run_method, trials_to_reach
+from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote, run_method,
+                                      stop_rates, trials_to_reach)
 from pipeline.config import SEARCH_SPACES_DIR
 from pipeline.space import grid_points, load_space
 
@@ -65,3 +66,59 @@ def test_promotion_deploys_a_clear_winner_and_never_a_failed_point():
     s = surface(lambda p: 30.0 if p == best else 12.0, sigma=0.0, failed=[best])
     run = run_method(s, "grid", 0, 8)
     assert promote(s, run, 8, 0).noise_aware not in (s.baseline, key(best))  # 12 tok/s points beat 10 by > 3%
+
+
+# Early stopping and engine-seconds (the per-request model of search_replay's docstring).
+SLOW_OR_BEST = {"algorithm": "ngram", "ngram.num_draft_tokens": 6, "ngram.max_bfs_breadth": 1,
+                "ngram.warmup_requests": 8}
+
+
+def two_level(p):  # one clear winner, everything else at half the baseline's speed
+    return 20.0 if p == SLOW_OR_BEST else 5.0
+
+
+def long_trials(enabled=True):
+    return EarlyStop(enabled=enabled, requests=16, tokens=24, request_sigma=0.15, start_s=10.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_early_stopping_replays_identically_per_seed_and_leaves_the_values_of_a_run_without_it(method):
+    s = surface(two_level)
+    first, again = (run_method(s, method, 4, 20, early=long_trials()) for _ in range(2))
+    assert first == again
+    assert len(first.stopped) == len(first.costs) == len(first.trials)
+    plain, costed = run_method(s, method, 4, 20), run_method(s, method, 4, 20, early=long_trials(enabled=False))
+    assert costed.trials == plain.trials and not any(costed.stopped) and plain.costs == ()
+
+
+def test_clearly_slow_points_are_stopped_the_winner_is_not_and_engine_seconds_drop():
+    s = surface(two_level)
+    on, off = run_method(s, "grid", 0, len(POINTS), early=long_trials()), \
+        run_method(s, "grid", 0, len(POINTS), early=long_trials(enabled=False))
+    flags = dict(zip((p for p, _ in on.trials), on.stopped))
+    assert flags[key(SLOW_OR_BEST)] == 0 and flags[s.baseline] == 0
+    assert sum(1 for k in on.stopped if k) >= len(POINTS) // 2  # most of the 5 tok/s points
+    assert all(0 < k < 16 for k in on.stopped if k)
+    reached_on, reached_off = trials_to_reach(s, on), trials_to_reach(s, off)
+    assert reached_on == reached_off == POINTS.index(SLOW_OR_BEST) + 1
+    assert engine_seconds(on, reached_on) < engine_seconds(off, reached_off)
+    assert engine_seconds(off, None) is None
+    with pytest.raises(ValueError, match="no costs"):
+        engine_seconds(run_method(s, "grid", 0, 3), 3)
+    assert promote(s, on, len(POINTS), 0).noise_aware == key(SLOW_OR_BEST)
+
+
+def test_optuna_sees_stopped_trials_as_pruned_and_still_finds_the_winner():
+    s = surface(two_level)
+    run = run_method(s, "optuna", 1, len(POINTS), max_trials=len(POINTS), early=long_trials())
+    assert any(run.stopped)
+    assert trials_to_reach(s, run) is not None
+
+
+def test_stop_rates_are_deterministic_and_never_stop_the_near_best_points():
+    s = surface(peaked, sigma=0.03)
+    first = stop_rates(s, long_trials(), repeats=10, seed=3)
+    assert first == stop_rates(s, long_trials(), repeats=10, seed=3)
+    assert first.near_best[1] > 0 and first.near_best[0] == 0 and first.faster[0] == 0
+    slow = stop_rates(surface(two_level), long_trials(), repeats=10, seed=3)
+    assert slow.slower[0] > slow.slower[1] // 2 and 0 < slow.requests_saved < 1

@@ -73,3 +73,17 @@ def test_engine_env_values_never_leave_in_logged_or_written_forms(tmp_path):
     assert replica.env == {"HF_TOKEN": "hf_s3cret_value"}  # the process still gets it
     assert replica.to_replica()["env"] == {"HF_TOKEN": "hf_s3cret_value"}  # handed to the replica only
     assert "HF_TOKEN" in study_to_yaml(study)  # the name is recorded
+
+
+def test_a_replica_no_node_can_host_fails_fast_with_what_is_missing():
+    from serve.replica import unplaceable
+
+    cpu_only = [{"CPU": 2.0, "memory": 1e9}]
+    problem = unplaceable({"num_cpus": 2.0, "num_gpus": 1, "resources": {}}, cpu_only)
+    assert "GPU=1" in problem and "CPU=2" in problem and "engine.kind: cpu" in problem
+    assert unplaceable({"num_cpus": 0.1, "num_gpus": 0, "resources": {}}, cpu_only) is None
+    # All requirements on ONE node: a GPU on one node and the custom resource on another is not enough.
+    split = [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "specdec_engine": 1.0}]
+    assert unplaceable({"num_cpus": 1, "num_gpus": 1, "resources": {"specdec_engine": 1}}, split)
+    assert unplaceable({"num_cpus": 1, "num_gpus": 1, "resources": {"specdec_engine": 1}},
+                       split + [{"CPU": 4.0, "GPU": 2.0, "specdec_engine": 1.0}]) is None

@@ -44,8 +44,8 @@ def test_bundled_names_resolve_to_enough_small_prompts(name):
     assert max(len(p.text) for p in prompts) <= MAX_PROMPT_CHARS
 
 
-def test_bundled_names_cover_the_three_workloads():
-    assert set(BUNDLED_WORKLOADS) == {"code-edit", "free-text", "templated"}
+def test_bundled_names_cover_the_four_workloads():
+    assert set(BUNDLED_WORKLOADS) == {"code-edit", "free-text", "templated", "reasoning"}
 
 
 def test_code_edit_prompt_holds_the_stdlib_source_and_a_rename():

@@ -33,8 +33,8 @@ def gguf_to_hf_dir(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model ("quantized with gguf and is not serializable"), although its
     # weights are plain dequantized tensors by now: drop the quantizer state so that it saves them as they are.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    setattr(model, "hf_quantizer", None)  # HF attributes the type stubs do not declare
+    setattr(model, "is_quantized", False)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)

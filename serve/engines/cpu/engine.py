@@ -12,6 +12,7 @@ import torch
 
 from serve.engines.cpu.config import EngineConfig
 from serve.engines.cpu.convert import load_tokenizer
+from serve.engines.cpu.corpus import Encode, ExternalCorpora
 from serve.engines.cpu.decode import Decoder, Speculator
 from serve.engines.cpu.models import resolve_model
 from serve.engines.cpu.ngram import NgramCache
@@ -22,7 +23,7 @@ from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
 from serve.spec import NgramSpec, StandaloneSpec
 
-__all__ = ["Engine", "build_engine", "make_speculator", "eos_ids_of", "ENGINE_VERSION"]
+__all__ = ["Engine", "build_engine", "make_speculator", "encoder_of", "eos_ids_of", "ENGINE_VERSION"]
 
 ENGINE_VERSION = "specdec-cpu-engine 0.1 (SGLang 0.5.23 protocol)"
 log = logging.getLogger("serve.engines.cpu")
@@ -66,6 +67,8 @@ class Engine:
         speculator = self.decoder.speculator
         if isinstance(speculator, NgramSpeculator):
             state["ngram_trie_nodes"] = speculator.cache.num_nodes
+            if speculator.corpora is not None:
+                state["external_corpora"] = speculator.corpora.list()
         info.update({
             "version": ENGINE_VERSION, "engine": "cpu", "model_dir": self.model_dir, "draft_model_dir": self.draft_dir,
             "torch_threads": torch.get_num_threads(), "forward": self.runner.backend, "verify_cost": self.verify_cost,
@@ -87,16 +90,33 @@ def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def make_speculator(config: EngineConfig, draft_runner: ModelRunner | None) -> Speculator | None:
+def encoder_of(tokenizer: Any) -> Encode:
+    """Text -> token ids as SGLang tokenizes corpus documents: without special tokens (no BOS between documents)."""
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_speculator(config: EngineConfig, draft_runner: ModelRunner | None,
+                    tokenizer: Any = None) -> Speculator | None:
+    """The draft source for `config.spec`. NGRAM always gets an `ExternalCorpora` (SGLang accepts runtime corpora
+    without a start-up one); the start-up corpus file is loaded here, with its path as the corpus id as in SGLang,
+    so a bad file stops the engine before it serves (ValueError with SGLang's message)."""
     spec = config.spec
     if isinstance(spec, NgramSpec):
         cache = NgramCache(max_trie_depth=spec.max_trie_depth, capacity=spec.capacity,
                            min_bfs_breadth=spec.min_bfs_breadth, max_bfs_breadth=spec.max_bfs_breadth,
                            match_type=spec.match_type, num_draft_tokens=spec.num_draft_tokens)
-        return NgramSpeculator(cache, spec.num_draft_tokens, spec.max_trie_depth)
+        corpora = ExternalCorpora(spec.external_corpus_max_tokens)
+        if spec.external_corpus is not None:
+            if tokenizer is None:
+                raise EngineError("ngram: an external corpus needs the tokenizer to load it")
+            corpora.add_file(str(spec.external_corpus), spec.external_corpus, encoder_of(tokenizer))
+        return NgramSpeculator(cache, spec.num_draft_tokens, spec.max_trie_depth, corpora=corpora,
+                               external_sam_budget=spec.external_sam_budget)
     if isinstance(spec, StandaloneSpec):
         if draft_runner is None:
             raise EngineError("standalone: the draft model is not loaded")
+        if spec.num_steps is None or spec.topk is None or spec.num_draft_tokens is None:
+            raise EngineError("standalone: num_steps, topk and num_draft_tokens are resolved by the parser")
         return StandaloneSpeculator(draft_runner, spec.num_steps, spec.topk, spec.num_draft_tokens)
     return None
 
@@ -120,8 +140,10 @@ def build_engine(config: EngineConfig) -> Engine:
     draft_dir = None
     if isinstance(config.spec, StandaloneSpec):
         t0 = time.monotonic()
+        if not config.spec.draft_model:
+            raise EngineError("--speculative-draft-model-path: STANDALONE needs a draft model")
         draft_dir = resolve_model(config.spec.draft_model)
-        _check_same_vocab(tokenizer, load_tokenizer(draft_dir), config)
+        _check_same_vocab(tokenizer, load_tokenizer(draft_dir), config.spec.draft_model, config)
         draft_runner = ModelRunner.from_dir(draft_dir, config.dtype)
         timings["load_draft_weight"] = time.monotonic() - t0
     model_max = int(getattr(runner.config, "max_position_embeddings", 0) or 0) or 4096
@@ -135,7 +157,12 @@ def build_engine(config: EngineConfig) -> Engine:
         verify_cost = cached_verify_cost(runner, model_dir, config.dtype, config.verify_probe_seconds,
                                          STARTUP_PROBE_SIZES, refresh=config.verify_probe_refresh)
         timings["verify_cost_probe"] = time.monotonic() - t0
-    decoder = Decoder(runner, tokenizer, make_speculator(config, draft_runner))
+    t0 = time.monotonic()
+    speculator = make_speculator(config, draft_runner, tokenizer)
+    if isinstance(config.spec, NgramSpec) and config.spec.external_corpus is not None:
+        # a cost paid at every restart: the trial records it
+        timings["load_external_corpus"] = time.monotonic() - t0
+    decoder = Decoder(runner, tokenizer, speculator)
     scheduler = Scheduler(decoder, config.max_running_requests, config.max_queued_requests,
                           config.max_total_tokens or 4 * context_length)
     factory = RequestFactory(tokenizer, eos_ids_of(runner.model, tokenizer), context_length, runner.vocab_size,
@@ -147,9 +174,9 @@ def build_engine(config: EngineConfig) -> Engine:
                   startup_time={k: round(v, 3) for k, v in timings.items()})
 
 
-def _check_same_vocab(target: Any, draft: Any, config: EngineConfig) -> None:
+def _check_same_vocab(target: Any, draft: Any, draft_model: str, config: EngineConfig) -> None:
     if target.get_vocab() != draft.get_vocab():
         raise EngineError(
-            f"--speculative-draft-model-path: {config.spec.draft_model!r} does not share the tokenizer of "
+            f"--speculative-draft-model-path: {draft_model!r} does not share the tokenizer of "
             f"--model-path {config.model_path!r} (vocabularies differ); STANDALONE needs the same vocabulary "
             "(e.g. qwen2.5-coder-0.5b drafting for qwen2.5-coder-1.5b)")

@@ -12,6 +12,8 @@ Native routes, with SGLang 0.5.23's behaviour (read from the wheel: `srt/entrypo
   400 "Flush cache failed." at once when busy. `timeout` > 0: waits for idle, then flushes; 400 "Timed out waiting
   for idle state." when the time runs out; while one such flush waits, another gets 400 "Another flush_cache is
   already in progress.". Success: 200 with SGLang's text.
+- `POST /add_external_corpus`, `POST /remove_external_corpus`, `GET /list_external_corpora`: see `corpus_routes`;
+  `/server_info`'s `internal_states[0].external_corpora` maps loaded corpus ids to their token counts.
 Errors: a bad request gets HTTP 400 `{"error": {"message": ...}}` naming the field; a full waiting queue 429 with
 `Retry-After` (SGLang: 503 "The request queue is full."). A client that disconnects cancels its request, streamed or
 not. No `/docs` or `/openapi.json`.
@@ -33,6 +35,7 @@ from fastapi import FastAPI, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from serve.engines.cpu.config import EngineConfig
+from serve.engines.cpu.corpus_routes import register_corpus_routes
 from serve.engines.cpu.decode import Request, StopRules
 from serve.engines.cpu.engine import Engine
 from serve.engines.cpu.faults import before_start, install as install_faults
@@ -183,6 +186,7 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse(payload(last))
 
     register_openai_routes(app, engine)
+    register_corpus_routes(app, engine)  # /add_external_corpus, /remove_external_corpus, /list_external_corpora
     install_faults(app, engine)  # test-only --test-fault switches; nothing without the flag
     return app
 

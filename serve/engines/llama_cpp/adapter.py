@@ -4,6 +4,7 @@ replica's resources, and the node checks (binary built, GGUF files present)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, python_module_argv
@@ -50,6 +51,10 @@ class LlamaCppEngine(Engine):
                                  f"{sorted(self.algorithms)}")
         if problems:
             raise ConfigRejected("; ".join(map(str, problems)))
+        static = getattr(config.spec, "static_cache", None)
+        if static and not Path(static).expanduser().is_file():
+            # llama-server aborts at start on a missing lookup file
+            raise ConfigRejected(f"spec.static_cache={static!r}: no such file; give an existing lookup cache or unset it")
         binary = models.require_server()
         found: dict[str, Any] = {"llama_server": str(binary), "model_gguf": str(models.ensure_gguf(config.model))}
         if isinstance(config.spec, LlamaDraftSpec) and config.spec.draft_model:

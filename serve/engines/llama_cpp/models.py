@@ -37,7 +37,7 @@ def require_server() -> Path:
     path = server_binary()
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise LlamaCppMissing(
-            f"llama-server {VERSION} is not built at {path}; build it once (about 7+ min on 2 cores, needs cmake and "
+            f"llama-server {VERSION} is not built at {path}; build it once (minutes to tens of minutes on 2 cores; needs cmake and "
             f"g++) with: {INSTALL_COMMAND}")
     return path
 

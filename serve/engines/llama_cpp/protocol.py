@@ -38,7 +38,9 @@ def completion_body(body: dict[str, Any]) -> dict[str, Any]:
     temperature = float(params.get("temperature", 1.0))
     out: dict[str, Any] = {
         "prompt": prompt, "n_predict": max_new, "temperature": temperature, "stream": bool(body.get("stream")),
-        "return_tokens": True, "cache_prompt": True,
+        # No prompt-cache reuse: a prompt computed partly from another request's cached prefix is batched
+        # differently and may round differently, which breaks greedy equality with the baseline (seen in studies).
+        "return_tokens": True, "cache_prompt": False,
         # SGLang's sampling defaults, not llama.cpp's (top_k 40, top_p 0.95, min_p 0.05): same distribution
         "top_k": max(0, int(params.get("top_k", -1))), "top_p": float(params.get("top_p", 1.0)),
         "min_p": float(params.get("min_p", 0.0)),

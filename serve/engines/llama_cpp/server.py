@@ -72,7 +72,9 @@ class Child:
         self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(port)]
         if self.dynamic_cache:
             cache = self.workdir / f"lookup-dynamic-{self.starts}.bin"
-            cache.unlink(missing_ok=True)
+            # llama-server aborts on a missing cache file ("Couldn't read dynamic lookup cache"); an empty one is an
+            # empty cache
+            cache.write_bytes(b"")
             self.argv += ["--lookup-cache-dynamic", str(cache)]
         self.url = f"http://127.0.0.1:{port}"
         _say("starting: " + " ".join(self.argv))

@@ -1,0 +1,105 @@
+"""The Serve config a study writes for its winner (deploy/serve_config.yaml) deploys with `serve deploy` on a cluster
+started with `ray start --head` (the dashboard's agent takes the config), and the endpoint answers the real `openai`
+client with the config it was given (issue #20). The CPU engine with the smallest model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from serve.engines.base import ReplicaConfig
+from serve.replica import free_port
+from serve.serving import SERVE_CONFIG_FILE, SERVING_FILE, Provenance, deploy_files, serving_config
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MODEL = "smollm2-135m"
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A head node with the dashboard (its agent serves `serve deploy`), owned by this fixture: `--block` keeps it in
+    the foreground and SIGTERM stops its own processes (`ray stop` would stop every Ray on the machine)."""
+    port, dashboard = free_port(), free_port()
+    # Ray 2.60's `ray start` enables token auth; the `serve deploy` client needs the same mode to send the token.
+    env = {**os.environ, "RAY_AUTH_MODE": "token",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+                                 "--include-dashboard=true", f"--dashboard-port={dashboard}",
+                                 "--disable-usage-stats", "--block"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 240
+        while not _accepts(dashboard):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "dashboard not reachable after 240 s:\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this fixture started, and nothing else
+            proc.wait(timeout=30)
+
+
+def test_the_exported_serve_config_deploys_and_answers_openai(head, tmp_path):
+    dashboard, env = head
+    serving = serving_config(
+        ReplicaConfig(model=MODEL, spec={"algorithm": "ngram", "num_draft_tokens": 4}, max_running_requests=4,
+                      start_timeout_s=300.0, log_dir=str(tmp_path / "trial")),
+        Provenance(study="deploy", decision="promote", source="final-0", workload="templated",
+                   workload_digest="0123456789abcdef"))
+    folder = tmp_path / "deploy"
+    folder.mkdir()
+    http_port = free_port()
+    files = deploy_files(serving, {"config_file": str(folder / SERVING_FILE)}, "1")
+    config = yaml.safe_load(files[SERVE_CONFIG_FILE])
+    config["http_options"]["port"] = http_port  # the file's 8000 may be taken on a shared test machine
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    (folder / SERVE_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+
+    done = subprocess.run([str(BIN / "serve"), "deploy", str(folder / SERVE_CONFIG_FILE), "--address", dashboard],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    base_url = f"http://127.0.0.1:{http_port}"
+    deadline, status = time.monotonic() + 600, None
+    while time.monotonic() < deadline:  # the engine starts inside the cluster: poll /v1/config with a deadline
+        try:
+            status = httpx.get(f"{base_url}/v1/config", timeout=10)
+            if status.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    assert status is not None and status.status_code == 200, getattr(status, "text", "no answer")
+    shown = status.json()
+    assert {k: shown[k] for k in ("replica", "provenance")} == serving.model_dump(mode="json")
+
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused-on-localhost", max_retries=0, timeout=120)
+    answer = api.completions.create(model=MODEL, prompt="def add(a, b):\n    return", max_tokens=8, temperature=0)
+    assert answer.choices[0].text
+    subprocess.run([str(BIN / "serve"), "shutdown", "--address", dashboard, "--yes"], env=env, cwd=REPO,
+                   capture_output=True, timeout=120)
