@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ def http_server(what: str, cmd: list[str], *, port: int, cwd: Path, env: dict[st
     import httpx
 
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        # Under the engines' watchdog, as a replica starts them: a killed test run leaves no engine behind.
+        proc = subprocess.Popen([sys.executable, "-m", "serve.engines.watchdog", "--", *cmd], cwd=cwd, env=env,
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     server = ServerProcess(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
     try:
         deadline = time.monotonic() + timeout_s

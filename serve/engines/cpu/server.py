@@ -24,10 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -45,7 +42,7 @@ from serve.engines.cpu.scheduler import QueueFull, TooLarge
 from serve.engines.cpu.streaming import RETRY_AFTER_S, RequestStream, Snapshot, collect, error_response, read_json, sse
 from serve.engines.cpu.verify import Sampling
 
-__all__ = ["create_app", "serve", "exit_with_parent", "HEALTH_CHECK_TIMEOUT_S", "FLUSH_OK", "FLUSH_FAILED",
+__all__ = ["create_app", "serve", "HEALTH_CHECK_TIMEOUT_S", "FLUSH_OK", "FLUSH_FAILED",
            "FLUSH_TIMED_OUT", "FLUSH_IN_PROGRESS"]
 
 log = logging.getLogger("serve.engines.cpu")
@@ -191,23 +188,6 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """Stop (SIGTERM to ourselves) once the process that started us is gone.
-
-    The replica starts the engine in its own session so teardown can kill its whole group; but when the replica's
-    Ray worker is SIGKILLed nothing runs teardown, and the orphaned engine would keep its port, memory and cores.
-    Re-parenting (getppid() changes) is the portable sign that the parent died."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        log.warning("parent process %d is gone: shutting down", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
 def serve(config: EngineConfig) -> int:
     """Load the engine for a parsed config and serve HTTP until interrupted; 1 if the engine cannot start."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -220,7 +200,6 @@ def serve(config: EngineConfig) -> int:
     from serve.engines.cpu.models import ModelFetchError
 
     started = time.monotonic()
-    exit_with_parent()
     code = before_start(config.test_faults, config.spec.algorithm != "none")  # test-only --test-fault
     if code is not None:
         return code
