@@ -19,7 +19,8 @@ from typing import Any, Sequence
 from pipeline.errors import PipelineError, UserError
 
 METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high",
-           "ttft_p90_ms", "ttft_p99_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p90_ms", "e2e_p99_ms")
+           "ttft_p90_ms", "ttft_p99_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p90_ms", "e2e_p99_ms",
+           "corpus_tokens", "corpus_load_s")  # corpus: only trials with an external corpus (pipeline/corpus.py)
 
 
 def rows_from_runs(runs: Sequence[Any], kind: str = "trial") -> list[dict[str, Any]]:

@@ -128,6 +128,12 @@ class WorkloadSettings(FrozenModel):
 class BudgetSettings(FrozenModel):
     max_trials: int = Field(8, ge=1, description="trials including the baseline")
     time_budget_s: float | None = Field(None, gt=0, description="stop starting new trials after this")
+    # On by default: on the recorded grid's replay it never stopped a point within 2% of the best nor one faster than
+    # the baseline (docs/configuration.md "Early stopping").
+    early_stopping: bool = Field(True, description="measure trials request by request and stop (PRUNED) one that "
+                                 "provably cannot beat the baseline (pipeline/stopping.py); search concurrency 1")
+    early_stopping_sigma: float = Field(0.05, ge=0, le=1, description="run-to-run sd of log throughput the rule "
+                                        "allows for (the recorded grid's pooled figure is 0.034)")
 
 
 # Latency figures an SLA limit may name, and every numeric figure an objective may name: taken from what

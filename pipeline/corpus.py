@@ -3,8 +3,8 @@
 A corpus is a JSONL file of JSON strings (SGLang 0.5.23's `--speculative-ngram-external-corpus-path` format). The
 search space's corpus dimension (`external_corpus`) takes:
 - null: no corpus;
-- `warmup` (`WARMUP_CORPUS`): the study's warm-up split, written once per study into its output dir and shared by
-  every trial that samples it (content-addressed name, so a changed workload gets a new file);
+- `warmup` (`WARMUP_CORPUS`): the study's warm-up split, written into the folder of each trial that samples it
+  (content-addressed name, so a changed workload gets a new file; the engine reads it from there);
 - any other string: a user's corpus file, used as it is.
 
 `corpus_for_trial` turns the sentinel into a path before the replica is configured; `corpus_record` reads what the
@@ -15,6 +15,12 @@ followed by its recorded answer when the workload has one (`output`, e.g. in a c
 
 `python -m pipeline.corpus WORKLOAD OUT.jsonl [--target MODEL]` writes a whole workload (e.g. a merged capture) as a
 corpus, for the search space's corpus choices or `--speculative-ngram-external-corpus-path`.
+
+`corpus_comparison` / `format_corpus_table` (pure, over `pipeline.compare` rows): the study's "corpus vs no corpus"
+answer, printed after the trial table and shown in the HTML report. NGRAM trials are compared at equal
+`num_draft_tokens` only (a longer draft changes tok/s and accept length by itself): per draft length and corpus
+setting, the best trial's tok/s and accept length, its warm-up requests and SAM budget, and the corpus load time
+paid at every engine start.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "WARMUP_CORPUS", "CorpusFile", "corpus_documents", "write_corpus", "corpus_for_trial", "corpus_record"]
+__all__ = ["main", "WARMUP_CORPUS", "CorpusFile", "CorpusCell", "corpus_documents", "write_corpus", "corpus_for_trial",
+           "corpus_record", "corpus_label", "corpus_comparison", "format_corpus_table"]
 
 WARMUP_CORPUS = "warmup"
 
@@ -79,9 +86,10 @@ def write_corpus(documents: Sequence[str], path: str | Path) -> CorpusFile:
 
 
 def corpus_for_trial(trial: Any, warmup: Sequence[Any], out_dir: str | Path,
-                     tokenizer: Any = None) -> tuple[Any, CorpusFile | None]:
+                     tokenizer: Any = None, target: str | None = None) -> tuple[Any, CorpusFile | None]:
     """(trial with the `warmup` sentinel replaced by the written file's path, the file) — the trial unchanged and
-    None when it has no corpus or names a user file. `trial` is a `pipeline.config.TrialConfig`."""
+    None when it has no corpus or names a user file. `trial` is a `pipeline.config.TrialConfig`. Chat warm-up items
+    are rendered with `tokenizer`, else with the tokenizer of the `target` model (loaded only for chat items)."""
     spec = trial.spec
     corpus = getattr(spec, "external_corpus", None)
     if corpus is None:
@@ -94,6 +102,11 @@ def corpus_for_trial(trial: Any, warmup: Sequence[Any], out_dir: str | Path,
         body = path.read_bytes()
         return trial, CorpusFile(str(path), sum(1 for line in body.splitlines() if line.strip()), len(body),
                                  hashlib.sha1(body).hexdigest())
+    if tokenizer is None and target is not None and any(getattr(i, "input_ids", None) is not None for i in warmup):
+        from pipeline.load import target_tokenizer
+
+        # Without it a chat prompt's document would be its readable view ("user: ..."), not what the engine sees.
+        tokenizer = target_tokenizer(target)
     docs = corpus_documents(warmup, tokenizer)
     key = hashlib.sha1(json.dumps(docs, ensure_ascii=False).encode("utf-8")).hexdigest()[:12]
     written = write_corpus(docs, Path(out_dir) / "corpora" / f"warmup-{key}.jsonl")
@@ -113,6 +126,75 @@ def corpus_record(server_info: dict[str, Any], corpus: CorpusFile | None) -> dic
     if isinstance(load_s, (int, float)):
         record["corpus_load_s"] = float(load_s)
     return record
+
+
+def corpus_label(value: Any) -> str:
+    """A trial's corpus as reports name it: `none`, or the file's name without its suffix (the search space's
+    `warmup` choice is logged as `warmup`: trials record the requested setting, not the written file)."""
+    if value in (None, "", "None"):
+        return "none"
+    return Path(str(value)).stem
+
+
+@dataclass(frozen=True)
+class CorpusCell:
+    """One line of the corpus comparison: the best COMPLETE NGRAM trial of one (draft length, corpus) pair."""
+
+    draft_tokens: int
+    corpus: str
+    trials: int
+    best: str
+    tput_tok_s: float
+    accept_len: float | None
+    vs_baseline: float | None
+    sam_budget: int | None
+    warmup_requests: int | None
+    load_s: float | None
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def corpus_comparison(rows: Sequence[dict[str, Any]]) -> list[CorpusCell]:
+    """Corpus vs no corpus at equal draft tokens (module docstring). Empty when no NGRAM trial used a corpus (a study
+    without the corpus dimension has nothing to compare). Ordered by draft length, `none` first. Pure."""
+    done = [r for r in rows if r.get("algorithm") == "ngram" and r.get("outcome") == "COMPLETE"
+            and r.get("tput_tok_s") is not None and _int(r["params"].get("spec.num_draft_tokens")) is not None]
+    if not any(corpus_label(r["params"].get("spec.external_corpus")) != "none" for r in done):
+        return []
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in done:
+        key = (_int(r["params"]["spec.num_draft_tokens"]) or 0, corpus_label(r["params"].get("spec.external_corpus")))
+        groups.setdefault(key, []).append(r)
+    cells = []
+    for (draft, corpus), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "none", kv[0][1])):
+        best = max(members, key=lambda r: r["tput_tok_s"])
+        cells.append(CorpusCell(draft, corpus, len(members), best["name"], best["tput_tok_s"], best.get("accept_len"),
+                                best.get("vs_baseline"), _int(best["params"].get("spec.external_sam_budget")),
+                                _int(best["params"].get("trial.warmup_requests")), best.get("corpus_load_s")))
+    return cells
+
+
+def format_corpus_table(cells: Sequence[CorpusCell]) -> str:
+    """The comparison as text (stdout and the HTML report); draft lengths measured with only one corpus setting are
+    listed too, marked, since they compare nothing."""
+    lines = [f"{'draft tokens':>12} {'corpus':<20} {'trials':>6} {'best tok/s':>10} {'vs base':>7} {'accept':>6} "
+             f"{'SAM budget':>10} {'warm-up':>7} {'load s':>7}  best trial"]
+    settings = {d: sum(1 for c in cells if c.draft_tokens == d) for d in {c.draft_tokens for c in cells}}
+    for c in cells:
+        ratio = f"{c.vs_baseline:.2f}x" if c.vs_baseline else "-"
+        accept = f"{c.accept_len:.2f}" if c.accept_len is not None else "-"
+        budget = str(c.sam_budget) if c.sam_budget is not None and c.corpus != "none" else "-"
+        load = f"{c.load_s:.2f}" if c.load_s is not None else "-"
+        warm = str(c.warmup_requests) if c.warmup_requests is not None else "-"
+        alone = "  (no other corpus setting at this draft length)" if settings[c.draft_tokens] < 2 else ""
+        lines.append(f"{c.draft_tokens:>12} {c.corpus:<20} {c.trials:>6} {c.tput_tok_s:>10.2f} {ratio:>7} "
+                     f"{accept:>6} {budget:>10} {warm:>7} {load:>7}  {c.best}{alone}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

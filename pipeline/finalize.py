@@ -1,33 +1,41 @@
-"""End of a study: the table of trials, finalists re-measured on fresh replicas, the promotion decision and action.
+"""End of a study: the table of trials, finalists re-measured on fresh replicas at every concurrency level, the
+per-level promotion decision and action.
 
-The decision itself is pure (`pipeline.decision.decide`); this module gathers its inputs by measuring, then hands the
-result to the registry action and writes the deployable winner (`deploy/`) and `promoted.yaml`.
+Finalists: the best trials by the objective, or the Pareto front when `objective.metrics` has several
+(`pipeline.pareto.choose_finalists`); trials that broke an SLA limit at the search level are not finalists. The
+decision is pure (`pipeline.levels.decide_levels`: the single-level rule at each level, SLA limits, the serving
+policy); this module gathers its inputs by measuring (`pipeline.finalists`), then hands the result to the registry
+action and writes the deployable winner (`deploy/`, carrying the policy) and `promoted.yaml`.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pipeline.compare import format_table, rows_from_runs
+from pipeline.compare import format_table, mark_constraints, rows_from_runs
 from pipeline.config import TrialConfig
-from pipeline.measure import to_table
+from pipeline.corpus import corpus_comparison, format_corpus_table
 from pipeline.atomic import write_text_atomic
-from pipeline.decision import Decision, Finalist, decide
+from pipeline.decision import Decision
+from pipeline.finalists import measure_levels
+from pipeline.levels import (BASELINE, LEVELS_ARTIFACT, LevelsDecision, decide_levels, format_level_table,
+                             routing_policy)
+from pipeline.pareto import choose_finalists
 from pipeline.record import runs_link
 from pipeline.redact import mask_url
 from pipeline.registry import register_config
 from pipeline.report import write_report
 from pipeline.resume import workload_digest
-from pipeline.trial import Outcome, TrialContext, measure_and_check, replica_config
+from pipeline.trial import TrialContext, replica_config
 from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,
-                           deploy_files, engine_command, serving_config)
+                           RoutingPolicy, deploy_files, engine_command, serving_config)
 
 DEPLOY_DIR = "deploy"
+LEVELS_TEXT = "study/levels.txt"  # the level table as printed, beside LEVELS_ARTIFACT on the parent run
 
 
 def distinct_configs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -54,41 +62,15 @@ def _config_of(ctx: TrialContext, run_id: str) -> TrialConfig:
     return TrialConfig.model_validate(json.loads(Path(path).read_text()))
 
 
-def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int) -> tuple[list[float], bool, list[str]]:
-    """`runs` fresh passes through the trial's own measure+check path (`measure_and_check`: lost requests, settings the
-    engine rewrote, equivalence with the baseline's outputs read from MLflow); (throughputs, all equivalent, failures).
-    A speculative config compared with nothing (no baseline outputs) is not equivalent: it cannot be promoted."""
-    throughputs, failures, equivalent = [], [], True
-    compared = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
-    for k in range(runs):
-        label = f"{name}-run{k}"
-        started_at = time.time()
-        checked = measure_and_check(ctx, config, label, Path(ctx.output_dir) / "finalists" / label)
-        m, outcome, reason, summary = checked.measurement, checked.outcome, checked.reason, checked.summary
-        if outcome is Outcome.COMPLETE and compared and checked.equivalence is None:
-            outcome, reason = Outcome.NOT_EQUIVALENT, f"not compared: {reason or 'no baseline outputs'}"
-        if outcome is not Outcome.COMPLETE:
-            equivalent = False
-            if outcome is not Outcome.NOT_EQUIVALENT:
-                failures.append(f"{label}: {outcome.value}: {reason[:200]}")
-        throughputs.append(summary.tput_tok_s if summary and m.failure is None and outcome is not Outcome.INVALID
-                           else 0.0)
-        texts = {"engine.log": m.engine_log}
-        if checked.equivalence is not None:
-            texts["equivalence.json"] = checked.equivalence.model_dump_json(indent=2)
-        ctx.tracker.log_trial(
-            ctx.parent_run_id, study_name=ctx.study.name, run_name=label, kind="finalist",
-            config=config.model_dump(mode="json"), outcome=outcome.value, reason=reason,
-            metrics=summary.to_metrics() if summary else {}, requests=to_table(m.records) if m.records else None,
-            texts=texts, extra_tags={"finalist": name}, started_at=started_at)
-    return throughputs, equivalent, failures
-
-
 def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     """Print the trials, re-measure finalists, decide, promote; returns the exit code (0 also for keep-baseline)."""
     study = ctx.study
-    rows = trial_rows(ctx)
+    rows = mark_constraints(trial_rows(ctx), study.objective.constraints, study.search_concurrency)
     print("\n" + format_table(rows), flush=True)
+    corpus_cells = corpus_comparison(rows)  # a study that searched an external corpus: corpus vs none
+    if corpus_cells:
+        print("\nNGRAM external corpus vs none, at equal draft tokens:\n" + format_corpus_table(corpus_cells),
+              flush=True)
     ctx.tracker.log_vs_baseline({r["run_id"]: r["vs_baseline"] for r in rows if r.get("vs_baseline")})
     base_row = next((r for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
     if base_row is None:
@@ -97,14 +79,19 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
         ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "no_baseline"}, metrics={}, texts={},
                                  status="FAILED")
         return 1
-    candidates = [r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"]
-    finalists = distinct_configs(candidates)[: study.promotion.finalists]
+    candidates = distinct_configs([r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"])
+    choice = choose_finalists(candidates, study.objective.metrics, list(study.objective.modes),
+                              study.promotion.finalists)
+    finalists = [next(r for r in candidates if r["name"] == name) for name in choice.names]
     base_config = _config_of(ctx, base_row["run_id"])
     model_name = study.tracking.registered_model or f"specdec-{study.name}"
     if not finalists:
         # Nothing to compare: re-measuring the baseline alone would decide nothing.
-        reason = "keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
-        version = _promote(ctx, model_name, base_config, "keep_baseline", "baseline", base_row["run_id"], {})
+        reason = ("keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
+                  + (" and within the SLA limits" if any(r.get("feasible") is False for r in candidates) else ""))
+        routing = RoutingPolicy(text="serve the baseline at every level (no finalist)", levels=list(study.concurrency),
+                                source=BASELINE)
+        version = _promote(ctx, model_name, base_config, "keep_baseline", BASELINE, base_row["run_id"], {}, routing)
         ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "keep_baseline", "winner": "",
                                                           "registered_model": model_name,
                                                           "registered_version": version or ""},
@@ -113,34 +100,44 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
         write_study_report(ctx, ot_study, rows, reason)
         _print_footer(ctx, model_name, version, moved=False)
         return 0
-    runs = study.promotion.runs
-    print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each ...", flush=True)
-    base_tputs, _, base_failures = remeasure(ctx, "final-baseline", base_config, runs)
-    entries, configs, run_ids = [], {"baseline": base_config}, {"baseline": base_row["run_id"]}
+    runs, levels = study.promotion.runs, list(study.concurrency)
+    print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each, at concurrency "
+          f"{levels} ...", flush=True)
+    configs, run_ids, names = {BASELINE: base_config}, {BASELINE: base_row["run_id"]}, {BASELINE: base_row["name"]}
     for i, row in enumerate(finalists):
-        config = _config_of(ctx, row["run_id"])
         name = f"final-{i}-{row['name']}"
-        tputs, equivalent, failures = remeasure(ctx, name, config, runs)
-        entries.append(Finalist(id=name, throughputs=tuple(tputs), equivalent=equivalent, spec=config.spec,
-                                failures=tuple(failures)))
-        configs[name] = config
-        run_ids[name] = row["run_id"]
-    decision = decide(base_tputs, entries, study.promotion, baseline_failures=base_failures)
-    chosen_name = decision.winner or "baseline"
-    chosen = next((c for c in decision.candidates if c.id == chosen_name), decision.baseline)
-    version = _promote(ctx, model_name, configs[chosen_name], decision.kind, chosen_name, run_ids[chosen_name],
-                       {"tput_tok_s": chosen.median, "baseline_tput_tok_s": decision.baseline.median})
-    write_study_report(ctx, ot_study, rows, f"{decision.kind}: {decision.reason}")
-    _report(ctx, decision, model_name, version, base_failures)
+        configs[name], run_ids[name], names[name] = _config_of(ctx, row["run_id"]), row["run_id"], row["name"]
+    inputs = measure_levels(ctx, base_config, [(n, c) for n, c in configs.items() if n != BASELINE], levels, runs)
+    levels_decision = decide_levels(inputs, study.promotion, study.objective.constraints,
+                                    finalists=choice.explanation)
+    table = format_level_table(levels_decision)
+    print("\nper-concurrency decision:\n" + table, flush=True)
+    served = levels_decision.policy
+    chosen_name = served.config or BASELINE
+    # The lowest level decides what is served there, so its single-level decision is the promotion's kind.
+    low = levels_decision.levels[0]
+    kind = "promote" if served.config else "keep_baseline"
+    chosen = next(r for r in low.rows if r.id == chosen_name)
+    version = _promote(ctx, model_name, configs[chosen_name], kind, chosen_name, run_ids[chosen_name],
+                       {"tput_tok_s": chosen.median_tok_s, "baseline_tput_tok_s": low.decision.baseline.median},
+                       routing_policy(levels_decision, {n: replica_config(study, c, Path(ctx.output_dir))
+                                                        for n, c in configs.items()}))
+    write_study_report(ctx, ot_study, rows, f"{kind}: {levels_decision.reason}", levels=levels_decision,
+                       promoted=names[chosen_name] if served.config else None)
+    _report(ctx, low.decision, model_name, version, [f for e in inputs for f in e.baseline_failures],
+            levels_decision, table)
     return 0
 
 
-def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], decision: str) -> None:
-    """HTML + PNGs beside the study and under the parent run's `report/` artifacts; never fails the study."""
+def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], decision: str,
+                       levels: LevelsDecision | None = None, promoted: str | None = None) -> None:
+    """HTML + PNGs beside the study and under the parent run's `report/` artifacts; never fails the study.
+    `levels`: the per-level decision (its table goes in the page); `promoted`: the promoted trial's row name."""
     folder = Path(ctx.output_dir) / "report"
     try:
         files = write_report(folder, title=f"specdec-tuner study '{ctx.study.name}'", rows=rows, decision=decision,
-                             ot_study=ot_study, metrics=ctx.study.objective.metrics, modes=list[str](ctx.study.objective.modes))
+                             ot_study=ot_study, metrics=ctx.study.objective.metrics,
+                             modes=list[str](ctx.study.objective.modes), promoted=promoted, levels=levels)
         for path in files:
             ctx.tracker.log_study_artifact(ctx.parent_run_id, path, "report")
         print(f"report: {folder / 'report.html'}")
@@ -149,16 +146,17 @@ def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, An
 
 
 def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str, source: str,
-             run_id: str | None, medians: dict[str, float]) -> str | None:
+             run_id: str | None, medians: dict[str, float], routing: RoutingPolicy) -> str | None:
     """Registry action, then the deployable winner in `<output>/deploy/` (also logged under the study run's `deploy/`)
-    and promoted.yaml. Keep-baseline registers the baseline only if nothing is in production yet."""
+    and promoted.yaml. Keep-baseline registers the baseline only if nothing is in production yet. `routing`: the
+    per-level serving policy the config carries (production serves it)."""
     study = ctx.study
     prompts = [(r.index, r.text, r.max_new_tokens) for r in (*ctx.warmup, *ctx.measure)]
     provenance = Provenance(study=study.name, decision=kind, source=source, trial_run_id=run_id,
                             workload=study.workload.source,
                             workload_digest=workload_digest(prompts, study.workload.temperature), medians=medians)
     # The same function that built the trial's replica; the log folder is the trial's and is dropped.
-    serving = serving_config(replica_config(study, chosen, Path(ctx.output_dir)), provenance)
+    serving = serving_config(replica_config(study, chosen, Path(ctx.output_dir)), provenance, routing)
     version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving, move_production=kind == "promote")
     folder = Path(ctx.output_dir) / DEPLOY_DIR
     # A password in the tracking URI is masked: deploy files are shared, secrets are set where they are deployed.
@@ -179,15 +177,22 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
     return version
 
 
-def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str | None, failures: list[str]) -> None:
+def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str | None, failures: list[str],
+            levels: LevelsDecision, table: str) -> None:
+    """`decision`: the lowest level's (what is served there); `levels`: the whole per-level decision, logged on the
+    parent run as LEVELS_ARTIFACT (read by `python -m pipeline.compare`) and as a readable table."""
     summary = {"decision": decision.kind, "winner": decision.winner or "", "registered_model": model_name,
-               "registered_version": version or ""}
+               "registered_version": version or "", "serving_policy": levels.policy.text[:5000]}
     ctx.tracker.finish_study(
         ctx.parent_run_id, tags=summary,
         metrics={"baseline_score": decision.baseline.score, "baseline_median": decision.baseline.median,
                  **({"bar": decision.bar} if decision.bar is not None else {})},
-        texts={"decision.json": decision.model_dump_json(indent=2), "decision.txt": decision.reason})
+        texts={"decision.json": decision.model_dump_json(indent=2), "decision.txt": levels.reason,
+               LEVELS_ARTIFACT: levels.model_dump_json(indent=2), LEVELS_TEXT: table + "\n"})
     print(f"\ndecision: {decision.kind.upper()} -- {decision.reason}")
+    print(f"serving policy: {levels.policy.text}")
+    if levels.finalists:
+        print(levels.finalists)
     for c in decision.candidates:
         print(f"  {c.id}: median {c.median:.2f} tok/s, MAD {c.mad:.2f}, score {c.score:.2f}"
               + (f" -- {c.lost_because}" if c.lost_because else " -- winner"))

@@ -19,13 +19,15 @@ only known to lie between `up_to` and the next measured level.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import SLA_METRICS, PromotionPolicy, SlaConstraint
 from pipeline.decision import Decision, Finalist, decide, run_stats
 from pipeline.sla import Verdict, broken, check, median_figure
+from serve.engines.base import ReplicaConfig
+from serve.serving import RoutingPolicy
 from serve.spec import SpecConfig
 
 BASELINE = "baseline"
@@ -214,6 +216,24 @@ def serving_policy(results: Sequence[LevelResult]) -> ServingPolicy:
     return ServingPolicy(config=config, up_to=up_to,
                          text=f"serve {config!r} up to concurrency {up_to}; speculation off above {up_to} "
                               f"({config!r} does not beat the baseline at concurrency {lost})")
+
+
+def routing_policy(decision: LevelsDecision, replicas: Mapping[str, ReplicaConfig]) -> RoutingPolicy:
+    """The serving policy in the form production serves (`serve.serving.RoutingPolicy`): one engine, or two with
+    the switch at `up_to` requests in flight; the second engine is the finalist the policy names above `up_to`, else
+    the baseline ("speculation off above N"). `replicas`: each config id's replica (BASELINE included). Pure."""
+    served = decision.policy
+    levels = [r.level for r in decision.levels]
+    winners = {str(r.level): r.winner or BASELINE for r in decision.levels}
+    source = served.config or BASELINE
+    if served.config is None or served.up_to is None:
+        return RoutingPolicy(text=served.text, levels=levels, winners=winners, source=source)
+    high = served.above or BASELINE
+    if high not in replicas:
+        raise ValueError(f"the policy serves {high!r} above concurrency {served.up_to} but no replica of it was "
+                         f"given (have {sorted(replicas)})")
+    return RoutingPolicy(text=served.text, levels=levels, winners=winners, source=source,
+                         switch_above=served.up_to, high=replicas[high], high_source=high)
 
 
 def format_level_table(decision: LevelsDecision) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import numpy as np
@@ -138,6 +138,24 @@ def to_records(table_or_records: pa.Table | Iterable[RequestRecord]) -> list[Req
             f"request table lacks column(s) {missing}; it must follow pipeline.measure.REQUEST_SCHEMA "
             f"(columns {list(_FIELD_NAMES)})")
     return [RequestRecord(**{n: row[n] for n in _FIELD_NAMES}) for row in table_or_records.to_pylist()]
+
+
+def chunks(total: int, size: int) -> list[range]:
+    """Positions of a phase of `total` requests measured in chunks of `size` (the concurrency: every chunk keeps
+    `size` requests in flight, as the unchunked closed loop does, except the last one's tail)."""
+    for name, value, low in (("total", total, 0), ("size", size, 1)):
+        _check_int("chunks", name, value, low)
+    return [range(first, min(first + size, total)) for first in range(0, total, size)]
+
+
+def continue_records(records: Iterable[RequestRecord], *, offset_s: float, first_position: int) -> list[RequestRecord]:
+    """One chunk's records re-based onto the whole phase: `start_s` shifted by `offset_s` (when the chunk started in
+    the phase's window) and ids renumbered from `first_position` (`<phase>-<position>`, as the load generator names
+    them), so that a phase measured in chunks summarizes like one run of the phase."""
+    _check_seconds("continue_records", "offset_s", offset_s)
+    _check_int("continue_records", "first_position", first_position, 0)
+    return [replace(r, start_s=r.start_s + offset_s, request_id=f"{r.phase}-{first_position + i}")
+            for i, r in enumerate(records)]
 
 
 def _check_int(where: str, name: str, value: object, low: int) -> None:

@@ -19,12 +19,19 @@ import pyarrow.parquet as pq
 
 STUDY_TAG = "specdec.study"
 KIND_TAG = "specdec.kind"  # "study" | "trial" | "finalist"
-# MLflow 3.17's UI opens an experiment on its GenAI "Overview" unless it is tagged as model development (the value is
-# the UI bundle's CUSTOM_MODEL_DEVELOPMENT); then it opens on the runs table.
+# The experiment's kind, for the MLflow versions whose UI reads it. 3.17's UI ignores it (its navigation flag is on in
+# the OSS build): an experiment opens under the browser's GenAI / "Model training" switch, taken from the URL parameter
+# `workflowType`, else the browser's remembered choice, else GenAI; so a bare experiment URL lands on the GenAI
+# overview whatever this tag says.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-# The UI's "share view" mechanism: a link with `?viewStateShareKey=<key>` loads the view stored in the experiment tag
-# `mlflow.sharedViewState.<key>` (plain JSON is accepted): search filter, sort and visible columns, no clicking.
+# Hence the printed link names the workflow itself: with `workflowType=machine_learning` the runs table opens under
+# "Model training" in any browser, new or not.
+WORKFLOW_PARAM = "workflowType=machine_learning"
+# The UI's saved/shared views: a link with `?viewStateShareKey=<key>` loads the view stored in the experiment tag
+# `mlflow.sharedViewState.<key>` (search filter, sort, visible columns, no clicking). Stored as the UI's own
+# saved-view envelope ({name, createdAt, updatedAt, state}) so the view is also listed by name under "Views".
 VIEW_KEY = "specdec-trials"
+VIEW_NAME = "Trials: throughput vs baseline"
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 COMPARE_METRICS = ("tput_tok_s", "vs_baseline", "accept_len", "ttft_p50_ms")
 
@@ -37,9 +44,14 @@ def trials_view(metrics: tuple[str, ...] = COMPARE_METRICS) -> dict[str, Any]:
             "selectedColumns": [f"metrics.`{m}`" for m in metrics] + ["tags.`outcome`", "params.`spec.algorithm`"]}
 
 
+def trials_view_tag(now_ms: int) -> str:
+    """The experiment tag value holding `trials_view()`, in the UI's saved-view envelope (state is a JSON string)."""
+    return json.dumps({"name": VIEW_NAME, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(trials_view())})
+
+
 def runs_link(ui_url: str, experiment_id: str) -> str:
-    """The direct link to the experiment's runs table with the trials view applied."""
-    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
+    """The direct link to the experiment's runs table, under "Model training", with the trials view applied."""
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?{WORKFLOW_PARAM}&viewStateShareKey={VIEW_KEY}"
 
 
 def default_tracking_uri(output_dir: Path) -> str:
@@ -77,9 +89,10 @@ class Tracker:
                 # With a SQLite store, artifacts would land in ./mlruns of whatever cwd; keep them with the study.
                 location = Path(self.artifact_dir).as_uri() if self.artifact_dir else None
                 self._experiment_id = client.create_experiment(self.experiment, artifact_location=location)
-            # Also on an existing experiment: a study resumed from an older store gets the runs-table landing too.
+            # Also on an existing experiment: a study resumed from an older store gets the tags (and the view) too.
             client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-            client.set_experiment_tag(self._experiment_id, VIEW_TAG_PREFIX + VIEW_KEY, json.dumps(trials_view()))
+            client.set_experiment_tag(self._experiment_id, VIEW_TAG_PREFIX + VIEW_KEY,
+                                      trials_view_tag(int(time.time() * 1000)))
         return self._experiment_id
 
     def log_vs_baseline(self, ratios: dict[str, float]) -> None:

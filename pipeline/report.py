@@ -4,7 +4,8 @@ Plots: throughput per trial vs the baseline (with bootstrap CIs), throughput and
 per algorithm, warm-up length vs accept length for NGRAM, NGRAM with an external corpus vs without, Optuna's optimization history and parameter importance,
 and the Pareto front when the study has several objectives (the promoted trial starred, trials that broke an SLA
 limit drawn as crosses and kept off the front). Every plot has an empty state (a study with one trial, or with every
-trial failed, still gets a complete report). With a per-level decision the page shows its level table.
+trial failed, still gets a complete report). With a per-level decision the page shows its level table; when NGRAM
+trials searched an external corpus, the corpus-vs-none table at equal draft tokens (`pipeline.corpus`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.compare import format_table
+from pipeline.corpus import corpus_comparison, corpus_label, format_corpus_table
 
 ALGO_COLORS = {"none": "#555555", "ngram": "#1f77b4", "eagle": "#2ca02c", "eagle3": "#d62728",
                "standalone": "#9467bd"}
@@ -110,13 +112,6 @@ def plot_warmup_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_xlabel("warm-up requests (after flush)")
     ax.set_ylabel("accept length")
     ax.set_title("NGRAM: warm-up length vs accept length")
-
-
-def corpus_label(value: Any) -> str:
-    """A trial's corpus as the report names it: `none`, or the file's name (a warm-up corpus is `warmup-<hash>`)."""
-    if value in (None, "", "None"):
-        return "none"
-    return Path(str(value)).stem
 
 
 def plot_corpus_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -243,11 +238,15 @@ def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decis
         from pipeline.levels import format_level_table
 
         level_html = f"<h2>Per-concurrency decision</h2><pre>{html.escape(format_level_table(levels))}</pre>"
+    corpus_cells = corpus_comparison(rows)  # only when the study searched a corpus
+    corpus_html = (f"<h2>External corpus vs none (at equal draft tokens)</h2><pre>"
+                   f"{html.escape(format_corpus_table(corpus_cells))}</pre>" if corpus_cells else "")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}pre{background:#f6f6f6;padding:1em;"
             "overflow-x:auto;font-size:12px}figure{display:inline-block;margin:0.5em}img{max-width:520px}</style>"
             f"</head><body><h1>{html.escape(title)}</h1><h2>Decision</h2><p>{html.escape(decision)}</p>"
-            f"{level_html}<h2>Trials</h2><pre>{html.escape(table)}</pre><h2>Plots</h2>{images}</body></html>")
+            f"{level_html}{corpus_html}<h2>Trials</h2><pre>{html.escape(table)}</pre><h2>Plots</h2>{images}"
+            "</body></html>")
     report = out_dir / "report.html"
     report.write_text(page)
     return written + [report]

@@ -6,7 +6,11 @@ first time; `--resume` with any of them changed is refused with the names of wha
 honest answer: another `--name` or `--output`), rather than silently comparing new trials with old outputs.
 
 The budget (`budget.max_trials`) and the promotion policy may change on resume: they decide how much more to run and
-how to choose, not what a measurement means. Pure apart from `read_identity` / `write_identity`.
+how to choose, not what a measurement means.
+
+An interrupted study (Ctrl-C) is known from Tune's own checkpoint (`tune_unfinished`), and a trial that had already
+reported when it was interrupted counts with that report on resume (`recorded_reports`) instead of being measured
+again. Pure apart from `read_identity` / `write_identity` / `saved_tune_trials`.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig
 from pipeline.errors import PipelineError
+from pipeline.pruning import MEASURING
 
 IDENTITY_FILE = "identity.json"
 
@@ -114,6 +120,39 @@ def finished_trials(ot_study: Any) -> int:
     return sum(1 for t in ot_study.get_trials(deepcopy=False) if t.state.is_finished())
 
 
-def tune_unfinished(result_grid: Any) -> int:
-    """Trials a Tune run left neither TERMINATED nor ERROR: only an interrupt (Ctrl-C) leaves those."""
-    return len(result_grid) - result_grid.num_errors - result_grid.num_terminated
+@dataclass(frozen=True)
+class SavedTrial:
+    """One trial as Tune's last experiment checkpoint holds it: what `Tuner.restore` would resume."""
+
+    trial_id: str
+    status: str  # Tune's: PENDING, RUNNING, PAUSED, TERMINATED or ERROR
+    report: dict[str, Any]  # the trial's last `tune.report`, without the keys Tune adds itself ({} if none)
+
+
+TUNE_FINISHED = ("TERMINATED", "ERROR")
+
+
+def saved_tune_trials(tune_path: Path) -> list[SavedTrial]:
+    """The trials of Tune's newest experiment checkpoint in `tune_path` (written by `fit()` before it returns)."""
+    from ray.tune import ExperimentAnalysis
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    added = {*AUTO_RESULT_KEYS, "done", "trial_id", "experiment_tag"}  # Tune's bookkeeping, not the trial's report
+    return [SavedTrial(t.trial_id, str(t.status), {k: v for k, v in (t.last_result or {}).items() if k not in added})
+            for t in ExperimentAnalysis(str(tune_path)).trials]
+
+
+def tune_unfinished(saved: Sequence[SavedTrial]) -> list[str]:
+    """Trials Tune's checkpoint holds neither TERMINATED nor ERROR: only an interrupt (Ctrl-C) leaves those, and a
+    restore runs them again. Read from the checkpoint, not from the ResultGrid `fit()` returns: on Ctrl-C Tune
+    checkpoints first and then stops the running trials, which marks them TERMINATED in that grid (Ray 2.60,
+    `tune.run`), so the grid hides the interrupt. A time budget stops trials before the checkpoint: TERMINATED."""
+    return [t.trial_id for t in saved if t.status not in TUNE_FINISHED]
+
+
+def recorded_reports(saved: Sequence[SavedTrial]) -> dict[str, dict[str, Any]]:
+    """{trial id: final report} of the unfinished trials whose final report Tune already holds (Ctrl-C came after
+    the trial reported but before Tune told Optuna). A restore must count that report, not measure the trial again.
+    An intermediate report (outcome MEASURING, early stopping) is not a result: that trial is run again."""
+    return {t.trial_id: dict(t.report) for t in saved
+            if t.status not in TUNE_FINISHED and t.report.get("outcome") not in (None, MEASURING)}

@@ -89,24 +89,29 @@ def constraint_user_attrs(constraints: Sequence[SlaConstraint], search_level: in
     return out
 
 
-def constraints_func(constraints: Sequence[SlaConstraint], search_level: int
-                     ) -> Callable[[Any], Sequence[float]] | None:
-    """Optuna `constraints_func` over the limits checkable at `search_level`: figure - limit per limit (<= 0 holds);
-    None when no limit holds at that level (the sampler then runs unconstrained)."""
-    limits = limits_at(constraints, search_level)
-    if not limits:
-        return None
+class SlaConstraintsFunc:
+    """Optuna's `constraints_func` over `limits`: figure - limit per limit (<= 0 holds). A class, not a closure: Ray
+    Tune checkpoints the searcher (and with it the sampler holding this) by pickling it."""
 
-    def evaluate(trial: Any) -> tuple[float, ...]:
+    def __init__(self, limits: Sequence[SlaConstraint]) -> None:
+        self.limits = tuple(limits)
+
+    def __call__(self, trial: Any) -> tuple[float, ...]:
         attrs = trial.user_attrs
         values = []
-        for limit in limits:
+        for limit in self.limits:
             figure = attrs.get(constraint_attr(limit))
             values.append(UNMEASURED_VIOLATION if not isinstance(figure, (int, float))
                           else float(figure) - limit.max_ms)
         return tuple(values)
 
-    return evaluate
+
+def constraints_func(constraints: Sequence[SlaConstraint], search_level: int
+                     ) -> Callable[[Any], Sequence[float]] | None:
+    """Optuna `constraints_func` over the limits checkable at `search_level` (`SlaConstraintsFunc`); None when no
+    limit holds at that level (the sampler then runs unconstrained)."""
+    limits = limits_at(constraints, search_level)
+    return SlaConstraintsFunc(limits) if limits else None
 
 
 def row_verdicts(row: Mapping[str, Any], constraints: Sequence[SlaConstraint], level: int) -> list[Verdict]:

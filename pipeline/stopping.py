@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline.measure import RequestRecord
 
 __all__ = ["Decision", "Rule", "BaselineFigures", "VerifyCost", "StoppingPolicy", "StopResult", "check",
-           "t_quantile"]
+           "t_quantile", "decode_step_s", "baseline_figures", "rule_off"]
 
 
 class Decision(str, enum.Enum):
@@ -207,7 +207,9 @@ def _statistical_high(ok: Sequence[RequestRecord], sigma: float, policy: Stoppin
         centre = sum(logs) / k
         spread = max(policy.request_spread_floor, math.sqrt(sum((v - centre) ** 2 for v in logs) / (k - 1)))
     ratio = sum(r.completion_tokens for r in ok) / sum(r.e2e_s for r in ok)
-    return ratio * math.exp(t_quantile(1 - policy.alpha, k - 1) * spread / math.sqrt(k) + policy.z * sigma)
+    exponent = t_quantile(1 - policy.alpha, k - 1) * spread / math.sqrt(k) + policy.z * sigma
+    # With 1-2 degrees of freedom and widely spread requests the bound exceeds any float: no proof, continue.
+    return ratio * math.exp(exponent) if exponent < 700 else math.inf
 
 
 def _analytic_high(ok: Sequence[RequestRecord], step_s: float, sigma: float, remaining_requests: int,
@@ -223,6 +225,41 @@ def _analytic_high(ok: Sequence[RequestRecord], step_s: float, sigma: float, rem
     accept_high = min(float(n_query), (tokens + remaining) / (steps + remaining / n_query))
     cost = verify_cost.cost(n_query) if verify_cost else 1.0
     return accept_high / (step_s * cost) * math.exp(z * sigma)
+
+
+def decode_step_s(records: Sequence[RequestRecord]) -> float | None:
+    """Seconds per decoded token of the baseline, for the analytic rule: the lowest per-request
+    (e2e - ttft) / (completion tokens - 1) over its successful measured requests. The lowest, not the mean, because
+    a smaller step makes the candidate's bound higher (errs towards continuing); per request rather than from the
+    ITL gaps because a stream may deliver two tokens in one network read (a gap near 0 would be no step at all).
+    None when no request decoded two tokens."""
+    steps = [(r.e2e_s - r.ttft_s) / (r.completion_tokens - 1) for r in records
+             if r.phase == "measure" and r.ok and r.ttft_s is not None and r.completion_tokens >= 2
+             and r.e2e_s > r.ttft_s]
+    return min(steps) if steps else None
+
+
+def baseline_figures(tput_tok_s: float | None, records: Sequence[RequestRecord], sigma: float) -> BaselineFigures | None:
+    """The baseline trial's figures from its summary throughput and its measured requests (one run); None when it
+    measured no throughput (nothing to compare with: no trial is stopped)."""
+    if not tput_tok_s or tput_tok_s <= 0 or not math.isfinite(tput_tok_s):
+        return None
+    return BaselineFigures(tput_tok_s=tput_tok_s, sigma=sigma, runs=1, step_s=decode_step_s(records))
+
+
+def rule_off(*, enabled: bool, algorithm: str, concurrency: int) -> str | None:
+    """Why the rule does not apply to a trial, or None when it does. Pure.
+    The baseline is never stopped (every other trial is judged against it). At concurrency > 1 the statistical
+    bound's sum tokens / sum e2e is a per-request rate while the baseline's throughput adds up the requests in
+    flight, so the two cannot be compared: the rule is for the search level 1."""
+    if not enabled:
+        return "early stopping is off (budget.early_stopping: false)"
+    if algorithm == "none":
+        return "the baseline is never stopped"
+    if concurrency != 1:
+        return (f"early stopping applies at search concurrency 1 only (this study searches at {concurrency}): the "
+                "rule's per-request bounds cannot be compared with a throughput of several requests in flight")
+    return None
 
 
 def t_quantile(p: float, df: int) -> float:

@@ -13,13 +13,16 @@ from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
 from pipeline.errors import PipelineError
 from pipeline.load import LoadRequest, requests_of
+from pipeline.pruning import MEASURING, intermediate_report
 from pipeline.record import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
 from pipeline.resume import (
     IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
-    tune_unfinished, workload_digest, write_identity,
+    recorded_reports, saved_tune_trials, tune_unfinished, workload_digest, write_identity,
 )
+from pipeline.sla import constraint_user_attrs
 from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
+from pipeline.space.sampler import constrained_search_class
 from pipeline.trial import Outcome, TrialContext, app_name, replica_config, run_trial, study_apps, teardown
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
@@ -28,18 +31,36 @@ TUNE_DIR = "tune"
 SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst value, so TPE steers away from it
 
 
-def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace) -> None:
+def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
+               recorded: dict[str, dict[str, Any]] | None = None) -> None:
     from ray import tune
 
     label = tune.get_context().get_trial_id()
-    result = run_trial(ctx, label, resolve(space, config, ctx.study))
+    if recorded and label in recorded:  # a restore runs this trial again, but Tune holds its final report already:
+        tune.report(recorded[label])  # report it again (Optuna is told as usual); measuring again would count it twice
+        return
+    objective = ctx.study.objective
+
+    def progress(records: Any, stop: Any) -> None:  # after each measured chunk (early stopping on)
+        tune.report(intermediate_report(records, stop, objective.metrics, objective.modes, SENTINEL, ctx.study.seed))
+
+    result = run_trial(ctx, label, resolve(space, config, ctx.study), progress)
     report: dict[str, Any] = {"outcome": result.outcome.value, "mlflow_run_id": result.run_id or ""}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
-        value = result.objective(metric) if result.outcome is Outcome.COMPLETE else None
+        # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/searcher.py)
+        value = result.objective(metric) if result.outcome in (Outcome.COMPLETE, Outcome.PRUNED) else None
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
         report["accept_len"] = result.summary.accept_len or 1.0
-    tune.report(report)  # once, after the measurement: a report-then-crash would reach Optuna as COMPLETE
+    # SLA figures at the search level, copied into the Optuna trial's user attributes by the searcher
+    # (`constrained_search_class`) for the sampler's constraints_func; an unmeasured one is left out (= broken).
+    figures = result.summary.to_metrics() if result.summary is not None and result.outcome is Outcome.COMPLETE else {}
+    report.update({k: v for k, v in constraint_user_attrs(ctx.study.objective.constraints,
+                                                          ctx.study.search_concurrency, figures).items()
+                   if v is not None})
+    # The final report, after the measurement; intermediate ones say MEASURING, and a trial that ends on one is a FAIL
+    # in Optuna (pipeline/searcher.py), so a report-then-crash never reaches Optuna as COMPLETE.
+    tune.report(report)
 
 
 def _progress_callback(study_name: str, total: int, metric: str) -> Any:
@@ -54,6 +75,8 @@ def _progress_callback(study_name: str, total: int, metric: str) -> Any:
             self.baseline: float | None = None
 
         def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
+            if result.get("outcome") == MEASURING:  # a chunk's intermediate report, not a finished trial
+                return
             self.done += 1
             algorithm = trial.config.get("algorithm", "?")
             value = result.get(metric)
@@ -148,7 +171,6 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     """
     import optuna
     from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
 
     from pipeline.finalize import finalize_study
 
@@ -191,10 +213,13 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         if settled:
             print(f"trial(s) {settled} were left running by a previous driver: recorded as failed", flush=True)
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
-    sampler = tpe_sampler(study.seed, study.budget.max_trials)
+    # SLA limits at the search level steer the sampler (Optuna's constraints_func); the others are checked when the
+    # finalists are re-measured at every level (pipeline/finalists.py).
+    sampler = tpe_sampler(study.seed, study.budget.max_trials, constraints=study.objective.constraints,
+                          search_level=study.search_concurrency)
     single = len(study.objective.metrics) == 1
     modes: list[str] = list(study.objective.modes)
-    searcher = OptunaSearch(define_by_run(space), metric=study.objective.metrics[0] if single else
+    searcher = constrained_search_class()(define_by_run(space), metric=study.objective.metrics[0] if single else
                             study.objective.metrics, mode=modes[0] if single else modes,
                             sampler=sampler, storage=storage, study_name=study.name, seed=study.seed)
     # The trial process only drives HTTP and logs: a quarter CPU (Ray's resource name), the replica holds the engine.
@@ -209,8 +234,14 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
                                 callbacks=[_progress_callback(study.name, study.budget.max_trials, study.objective.metrics[0])])
     if restoring:
         # Same driver folder: Tune restores its own state and resumes unfinished trials as the same Optuna trials.
-        grid = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True).fit()
-        if tune_unfinished(grid):  # Tune returns normally after Ctrl-C, with the interrupted trials unfinished
+        # A trial interrupted after it reported (before Optuna was told) is not measured again: it reports what
+        # Tune's checkpoint holds, so Optuna gets its result once and the baseline is neither lost nor run twice.
+        recorded = recorded_reports(saved_tune_trials(tune_path))
+        restored = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space, recorded=recorded),
+                                       tune.PlacementGroupFactory([{"CPU": 0.25}]))  # as `trainable`
+        tune.Tuner.restore(str(tune_path), restored, resume_unfinished=True, resume_errored=True).fit()
+        # Tune returns normally after Ctrl-C; its checkpoint (not the returned grid) still shows the trials unfinished
+        if tune_unfinished(saved_tune_trials(tune_path)):
             return _interrupted(ot_study, resume_command)
         # Trials Optuna handed out after Tune's last checkpoint: no one will ever report them.
         orphans = settle_running(ot_study)
@@ -219,11 +250,11 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     # The budget counts every finished trial, whichever driver ran it.
     remaining = study.budget.max_trials - finished_trials(ot_study)
     if remaining > 0:
-        grid = tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
+        tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
             time_budget_s=study.budget.time_budget_s,
             reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
-        if tune_unfinished(grid):
+        if tune_unfinished(saved_tune_trials(tune_path)):  # as above: the returned grid hides a Ctrl-C
             return _interrupted(ot_study, resume_command)
     elif not restoring:
         print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)

@@ -19,8 +19,9 @@ from pipeline.config import StudyConfig, TrialConfig
 from pipeline.corpus import corpus_for_trial, corpus_record
 from pipeline.equivalence import EquivalenceReport, check_equivalence
 from pipeline.load import LoadRequest, run_phase
-from pipeline.measure import RequestRecord, Summary, summarize, to_records, to_table
-from pipeline.record import KIND_TAG, Tracker
+from pipeline.measure import RequestRecord, Summary, summarize, to_table
+from pipeline.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
+from pipeline.record import Tracker
 from pipeline.space import Resolution
 from serve.engines import engine_for
 from serve.engines.base import ConfigRejected, ReplicaConfig
@@ -182,8 +183,11 @@ def _engine_log(url: str, log_dir: Path) -> str:
     return "\n".join(log_tail(p, 200_000) for p in sorted(log_dir.glob("engine-*.log")))
 
 
-def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: Path) -> Measurement:
+def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: Path,
+                   watch: Watch | None = None) -> Measurement:
     """Deploy one replica for `trial`, flush, warm up, measure, read back, tear down. Never raises for engine trouble.
+    With a `watch` (a search trial with early stopping on) the measurement runs in chunks of `concurrency` requests
+    and stops as PRUNED when the watch's rule says so.
 
     The engine kind's node checks and preflight run inside the replica (on the node that runs the engine); a config
     the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
@@ -193,7 +197,7 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     out = Measurement()
     started = time.monotonic()
     try:  # the `warmup` corpus choice becomes a file written from the warm-up split (a user file is checked)
-        trial, corpus = corpus_for_trial(trial, ctx.warmup, log_dir)
+        trial, corpus = corpus_for_trial(trial, ctx.warmup, log_dir, target=study.model.target)
     except ValueError as exc:
         out.failure = (Outcome.INVALID, str(exc))
         return out
@@ -243,14 +247,16 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         out.records += run_phase(url, warm, phase="warmup", **kwargs) if warm else []
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
-        out.records += run_phase(url, list(ctx.measure), phase="measure", **kwargs)
+        measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info)
+        out.records += measured
         out.timings["measure_s"] = time.monotonic() - phase_start
         try:
             after = httpx.get(f"{url}/server_info", timeout=30).json()
             out.server_info["internal_states_after"] = after.get("internal_states")
         except (httpx.HTTPError, ValueError):
             pass
-        out.failure = lost_requests([r for r in out.records if r.phase == "measure"])
+        # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
+        out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
         return out
     except (httpx.HTTPError, ValueError) as exc:
         out.failure = (Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
@@ -302,8 +308,9 @@ def _meaning_changed(trial: TrialConfig, diffs: dict[str, tuple[object, object]]
         f"{k}: requested {a!r}, effective {b!r}" for k, (a, b) in serious.items())
 
 
-def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialResult:
-    """The whole trial; records a child run in MLflow whatever the outcome."""
+def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: Progress | None = None) -> TrialResult:
+    """The whole trial; records a child run in MLflow whatever the outcome. `progress` gets the measured records and
+    the early-stopping verdict after each chunk (Tune's intermediate report) when early stopping is on."""
     started_at = time.time()
     trial_dir = Path(ctx.output_dir) / "trials" / label
     trial_dir.mkdir(parents=True, exist_ok=True)
@@ -312,10 +319,12 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
     m = Measurement()
     equivalence: EquivalenceReport | None = None
     summary: Summary | None = None
+    watch, stopping_note = None, "not applied: the config is invalid"
     if config is None or resolution.violations:
         outcome, reason = Outcome.INVALID, "; ".join(str(v) for v in resolution.violations)
     else:
-        checked = measure_and_check(ctx, config, label, trial_dir)
+        watch, stopping_note = trial_watch(study, ctx.tracker, ctx.parent_run_id, ctx.measure, config, progress)
+        checked = measure_and_check(ctx, config, label, trial_dir, watch)
         m, outcome, reason = checked.measurement, checked.outcome, checked.reason
         summary, equivalence = checked.summary, checked.equivalence
     texts = {"engine.log": m.engine_log or "(no engine was started)",
@@ -327,6 +336,7 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
     metrics = dict(summary.to_metrics()) if summary else {}
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
     metrics.update(m.corpus)
+    metrics.update(stop_metrics(watch.last if watch else None))
     if equivalence is not None:
         metrics["equiv_identical_share"] = equivalence.identical_share
     # SGLang's own cumulative figure: only after its 40-batch window, reset by a flush; optional, and labelled so.
@@ -339,17 +349,18 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution) -> TrialRes
         config=config.model_dump(mode="json") if config else {"spec": {"algorithm": resolution.params.get("algorithm")}},
         outcome=outcome.value, reason=reason, metrics=metrics, requests=to_table(m.records) if m.records else None,
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
-                                 "trial_node_id": _node_id(),
+                                 "trial_node_id": _node_id(), "early_stopping": stopping_note,
                                  "replica_node_id": str(m.server_info.get("replica_node_id") or ""),
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},
         started_at=started_at)
     return TrialResult(outcome, reason, config, summary, equivalence, run_id)
 
 
-def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_dir: Path) -> Checked:
-    """The trial's judgement of one pass, shared by trials and finalist re-runs: measure, then INVALID when the
-    engine changed what the config means, then equivalence with the baseline's outputs (read from MLflow)."""
-    m = measure_config(ctx, config, label, log_dir)
+def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_dir: Path,
+                      watch: Watch | None = None) -> Checked:
+    """The trial's judgement of one pass, shared by trials and finalist re-runs (never watched): measure, then INVALID
+    when the engine changed what the config means, then equivalence with the baseline's outputs (read from MLflow)."""
+    m = measure_config(ctx, config, label, log_dir, watch)
     outcome, reason = m.failure or (Outcome.COMPLETE, "")
     changed = _meaning_changed(config, m.diffs)
     if m.failure is None and changed:
@@ -364,16 +375,8 @@ def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_di
 def baseline_outputs(ctx: TrialContext) -> list[RequestRecord] | None:
     """The measured outputs of the study's COMPLETE baseline trial, from its MLflow run's `requests.parquet`; None
     when no baseline completed. Read from storage, not a folder, so any driver on any node finds them."""
-    import pyarrow.parquet as pq
-
-    runs = [r for r in ctx.tracker.trial_runs(ctx.parent_run_id)
-            if r.data.tags.get(KIND_TAG) == "trial" and r.data.tags.get("outcome") == Outcome.COMPLETE.value
-            and r.data.params.get("spec.algorithm") == "none"]
-    if not runs:
-        return None
-    run_id = min(runs, key=lambda r: r.info.start_time or 0).info.run_id
-    path = ctx.tracker.client().download_artifacts(run_id, "requests.parquet")
-    return [r for r in to_records(pq.read_table(path)) if r.phase == "measure"]
+    run = baseline_run(ctx.tracker, ctx.parent_run_id)
+    return run_records(ctx.tracker, run.info.run_id) if run is not None else None
 
 
 def _compare(ctx: TrialContext, config: TrialConfig, records: list[RequestRecord]) -> tuple[Outcome, str, Any]:

@@ -10,6 +10,10 @@ a 429 with `Retry-After`; a request running longer than `request_timeout_s` is c
 stream) and its generation cancelled. Every answer, 401s included, is counted in `/metrics`. Auth follows the
 address Serve's proxy really binds (`serve.production_settings`). No `/docs` or `/openapi.json`. API keys, request
 bodies and generated text are never logged.
+
+Serving policy (`serve.serving.RoutingPolicy`, shown by `/v1/config`): with two engines, a generation request that
+makes more than `switch_above` generation requests in flight at this ingress replica goes to the high-concurrency
+engine; the answer's `x-specdec-route` header says which engine served it (`low` / `high`).
 """
 
 
@@ -17,6 +21,7 @@ import asyncio
 import hmac
 import json
 import time
+import weakref
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +32,7 @@ from ray.serve.exceptions import BackPressureError
 
 from serve.capture import Capture
 from serve.production_settings import ProductionSettings, auth_problem, auth_required, load_api_keys
+from serve.serving import HIGH, LOW, RoutingPolicy, ServingConfig
 
 app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -66,6 +72,10 @@ class _Metrics:
         self.tokens = Counter("specdec_completion_tokens", "completion tokens served", registry=self.registry)
         self.accept = Gauge("specdec_engine_accept_length", "engine avg speculative accept length since start",
                             registry=self.registry)
+        self.routed = Counter("specdec_routed_requests", "generation requests by serving-policy route", ["route"],
+                              registry=self.registry)
+        self.in_flight = Gauge("specdec_in_flight_requests", "generation requests in flight at this ingress",
+                               registry=self.registry)
         # as the replica that answered reports them (SGLang reports what it has; absent keys stay unset)
         self.engine_requests = Gauge("specdec_engine_requests", "engine requests by state: running, waiting, "
                                      "finished (since start or flush)", ["state"], registry=self.registry)
@@ -75,8 +85,18 @@ class _Metrics:
                   graceful_shutdown_wait_loop_s=1)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine: Any, settings: dict[str, Any], serving: dict[str, Any]) -> None:
+    def __init__(self, engine: Any, settings: dict[str, Any], serving: dict[str, Any],
+                 high_engine: Any = None) -> None:
         self.engine = engine
+        # The policy decides which engine a generation request goes to (one config: always `engine`).
+        self.policy = ServingConfig.model_validate(serving["config"]).policy or RoutingPolicy(
+            text="one config at every level (a serving config without a per-level policy)", source="(replica)")
+        if (self.policy.high is None) != (high_engine is None):
+            raise RuntimeError(f"the serving policy has {'two' if self.policy.high else 'one'} engine(s) but the "
+                               f"ingress was given {'two' if high_engine is not None else 'one'}")
+        self.engines = {LOW: engine, **({HIGH: high_engine} if high_engine is not None else {})}
+        self.in_flight = 0  # generation requests this replica is forwarding now (the router's load signal)
+        self.routed = {route: 0 for route in self.engines}
         self.settings = ProductionSettings.model_validate(settings)
         self.serving = serving
         self.keys = [key.encode() for key in load_api_keys(self.settings)]
@@ -147,7 +167,11 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        status, _, body = await self.engine.call.remote("GET", "/health")
+        # Healthy only when every engine of the policy is: a request may be routed to either.
+        for engine in self.engines.values():
+            status, _, body = await engine.call.remote("GET", "/health")
+            if status != 200:
+                break
         return Response(body, status_code=status)
 
     @app.get("/v1/config")
@@ -157,8 +181,11 @@ class OpenAIIngress:
     async def _config(self, request: Request) -> Response:
         # The served ServingConfig field for field (`replica`, `provenance`), plus where it came from (`origin`) and,
         # for clients that read only these, the registry version at the top level.
+        # `routing`: what the policy does now (this replica's in-flight count and how many requests each engine got).
         return JSONResponse({**self.serving["config"], "origin": self.serving["origin"],
-                             "version": self.serving["origin"].get("version")})
+                             "version": self.serving["origin"].get("version"),
+                             "routing": {"switch_above": self.policy.switch_above, "in_flight": self.in_flight,
+                                         "routed": dict(self.routed)}})
 
     @app.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
@@ -218,9 +245,38 @@ class OpenAIIngress:
             status, ctype, body = await self.engine.call.remote("GET", path)
             return Response(body, status_code=status, media_type=ctype or None)
         body, data = await self._body(request)
+        route = self.policy.route(self.in_flight + 1)  # +1: this request counts towards the level it creates
+        release = self._enter(route)
+        try:
+            response = await self._generate(self.engines[route], path, body, bool(data.get("stream")), release)
+        except BaseException:
+            release()
+            raise
+        response.headers["x-specdec-route"] = route
+        return response
+
+    def _enter(self, route: str) -> Any:
+        """Count a generation request in flight; returns its idempotent release (a stream releases when it ends)."""
+        self.in_flight += 1
+        self.routed[route] += 1
+        self.metrics.routed.labels(route).inc()
+        self.metrics.in_flight.set(self.in_flight)
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= 1
+                self.metrics.in_flight.set(self.in_flight)
+
+        return release
+
+    async def _generate(self, engine: Any, path: str, body: bytes, streaming: bool, release: Any) -> Response:
+        """Forward one generation request to `engine`; `release` is called when it is no longer in flight."""
         headers = {"content-type": "application/json"}
-        if data.get("stream"):
-            stream = self.engine.options(stream=True).call_stream.remote("POST", path, body, headers)
+        if streaming:
+            stream = engine.options(stream=True).call_stream.remote("POST", path, body, headers)
             try:
                 status, ctype = await stream.__anext__()
             except asyncio.CancelledError:  # client gone or request_timeout_s before the first byte
@@ -228,6 +284,7 @@ class OpenAIIngress:
                 raise
             if status in (429, 503):  # the engine refused before streaming (its waiting queue is full)
                 stream.cancel()
+                release()
                 return self._busy("the engine's queue is full")
             deadline = time.monotonic() + self.settings.request_timeout_s
 
@@ -250,14 +307,21 @@ class OpenAIIngress:
                         yield chunk
                 finally:
                     stream.cancel()
+                    release()
 
-            return StreamingResponse(relay(), status_code=status, media_type=ctype or "text/event-stream")
-        response = self.engine.call.remote("POST", path, body, headers)
+            chunks = relay()
+            # A generator never iterated (the client left before the body was sent) runs no `finally`: release the
+            # in-flight count when it is collected, or the router would count that request forever.
+            weakref.finalize(chunks, release)
+            return StreamingResponse(chunks, status_code=status, media_type=ctype or "text/event-stream")
+        response = engine.call.remote("POST", path, body, headers)
         try:
             status, ctype, payload = await response
         except asyncio.CancelledError:  # client gone or request_timeout_s: stop the generation too
             response.cancel()
             raise
+        finally:
+            release()
         if status in (429, 503):
             return self._busy("the engine's queue is full")
         if status == 200:

@@ -2,7 +2,9 @@
 
 The config comes from the MLflow registry (`models:/<name>@production` by default; another alias, a version, or a
 serving-config file also works). The app is an ingress (`OpenAIIngress`: auth, limits, metrics, `/v1/config`) in
-front of `serve/replica.py::EngineBackend` (the engine owner the trials' replica is built on). Both deployments roll with
+front of `serve/replica.py::EngineBackend` (the engine owner the trials' replica is built on); a serving policy
+that switches config above N requests in flight (`serve.serving.RoutingPolicy`) gets a second engine deployment
+(`EngineBackendHigh`) and the ingress routes by its own in-flight count. All deployments roll with
 `max_surge_percent=100`: on a new config the new replica starts and gets ready before the old one stops, so a
 promotion or a rollback drops no request (at the price of 2x the engine's resources during the swap).
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.engines.base import ReplicaConfig
-from serve.serving import SERVING_FILE, ServingConfig
+from serve.serving import ENGINE_DEPLOYMENTS, HIGH, LOW, SERVING_FILE, ServingConfig
 from serve.production_settings import (LOCAL_HOSTS, PRODUCTION, ProductionSettings, auth_problem,
                                        load_api_keys)
 
@@ -89,28 +91,33 @@ def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
     return {"origin": origin, "config": config.model_dump(mode="json")}
 
 
-def replica_config(serving: dict[str, Any], threads: int | None = None) -> ReplicaConfig:
+def replica_config(serving: dict[str, Any], threads: int | None = None, route: str = LOW) -> ReplicaConfig:
     """The replica exactly as the serving config says (tp_size, extra_flags, env_from, start_timeout_s included);
-    `threads` overrides only the CPU engine's thread count of this machine."""
-    replica = ServingConfig.model_validate(serving["config"]).replica
+    `threads` overrides only the CPU engine's thread count of this machine. `route` HIGH = the policy's second
+    engine (KeyError when the policy has one config)."""
+    replica = ServingConfig.model_validate(serving["config"]).replicas()[route]
     return replica.model_copy(update={"threads": threads}) if threads is not None else replica
 
 
 def build_app(settings: ProductionSettings) -> Any:
-    """The Serve application: ingress + one engine deployment, both rolling with a 100% surge."""
+    """The Serve application: ingress + one engine deployment per engine of the serving policy (one, or two when
+    the policy switches config above a concurrency), all rolling with a 100% surge."""
     from serve.ingress import OpenAIIngress
     from serve.replica import EngineBackend, actor_options
 
     serving = resolve_serving(settings)
-    engine_cfg = replica_config(serving, settings.threads)
-    # @serve.deployment made these classes Deployments (mypy sees the classes).
-    engine = EngineBackend.options(  # type: ignore[attr-defined]
-        num_replicas=settings.num_replicas, max_surge_percent=100, max_constructor_retry_count=3,
-        **_backpressure(settings),
-        ray_actor_options=actor_options(engine_cfg)).bind(engine_cfg.to_replica())
+    engines = {}
+    for route in ServingConfig.model_validate(serving["config"]).replicas():
+        engine_cfg = replica_config(serving, settings.threads, route)
+        # @serve.deployment made these classes Deployments (mypy sees the classes).
+        engines[route] = EngineBackend.options(  # type: ignore[attr-defined]
+            name=ENGINE_DEPLOYMENTS[route], num_replicas=settings.num_replicas, max_surge_percent=100,
+            max_constructor_retry_count=3, **_backpressure(settings),
+            ray_actor_options=actor_options(engine_cfg)).bind(engine_cfg.to_replica())
     # max_constructor_retry_count=1: a refused start (no keys off-localhost, placeholder keys) fails in seconds
     return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,  # type: ignore[attr-defined]
-                                 **_backpressure(settings)).bind(engine, settings.model_dump(mode="json"), serving)
+                                 max_ongoing_requests=settings.max_ongoing_requests, **_backpressure(settings)
+                                 ).bind(engines[LOW], settings.model_dump(mode="json"), serving, engines.get(HIGH))
 
 
 def _backpressure(settings: ProductionSettings) -> dict[str, Any]:

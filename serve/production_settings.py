@@ -48,6 +48,8 @@ class ProductionSettings(FrozenModel):
     max_request_bytes: int = Field(1_000_000, ge=1024, description="bigger bodies get 413")
     max_tokens_limit: int = Field(2048, ge=1, description="max_tokens above this gets 422; absent max_tokens "
                                                           "becomes this (chat) or min(16, this) (completions)")
+    max_ongoing_requests: int = Field(512, ge=1, description="requests one ingress replica handles at once; more "
+                                                            "wait in Serve's queue (max_queued_requests)")
     max_queued_requests: int = Field(256, ge=1, description="requests waiting in Serve per deployment before 429 "
                                                            "with Retry-After")
     retry_after_s: int = Field(2, ge=0, description="Retry-After of a 429")

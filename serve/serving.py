@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from serve.engines.base import ReplicaConfig
 from serve.spec import FrozenModel
@@ -28,6 +28,7 @@ COMMAND_FILE = "engine_command.sh"
 SERVE_CONFIG_FILE = "serve_config.yaml"
 RAYSERVICE_PATCH_FILE = "rayservice_patch.yaml"
 SERVING_FILE = "serving_config.json"
+HIGH_COMMAND_FILE = "engine_command_high.sh"
 ENGINE_HOST, ENGINE_PORT = "0.0.0.0", 30000
 
 
@@ -43,29 +44,86 @@ class Provenance(FrozenModel):
     medians: dict[str, float] = Field(default_factory=dict, description="re-measured medians, e.g. tput_tok_s")
 
 
+LOW, HIGH = "low", "high"  # the two engines of a two-config policy, as the ingress names its routes
+ENGINE_DEPLOYMENTS = {LOW: "EngineBackend", HIGH: "EngineBackendHigh"}  # Serve deployment names per route
+
+
+class RoutingPolicy(FrozenModel):
+    """The per-concurrency answer in the form production serves (`pipeline.levels.ServingPolicy` resolved to
+    engines): the ServingConfig's `replica` while at most `switch_above` requests are in flight at the ingress,
+    `high` (the baseline when the policy says "speculation off above N", else the second config) above that.
+    `switch_above` None = one config at every level (a single-level study, or one config that wins everywhere)."""
+
+    text: str = Field(description="the decided policy in words")
+    levels: list[int] = Field(default_factory=list, description="concurrency levels the decision measured")
+    winners: dict[str, str] = Field(default_factory=dict, description="winner per level ('baseline' or a finalist)")
+    source: str = Field(description="'baseline' or the finalist id `replica` is")
+    switch_above: int | None = Field(None, ge=1, description="more requests in flight than this go to `high`")
+    high: ReplicaConfig | None = Field(None, description="the engine served above `switch_above`")
+    high_source: str | None = Field(None, description="'baseline' or the finalist id `high` is")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> RoutingPolicy:
+        if (self.switch_above is None) != (self.high is None) or (self.high is None) != (self.high_source is None):
+            raise ValueError(f"policy: switch_above={self.switch_above}, high {'set' if self.high else 'unset'}, "
+                             f"high_source={self.high_source!r}: give all three (two configs) or none (one config)")
+        return self
+
+    def route(self, in_flight: int) -> str:
+        """LOW or HIGH for a request that makes `in_flight` requests in flight (itself included). Pure."""
+        return HIGH if self.switch_above is not None and in_flight > self.switch_above else LOW
+
+
 class ServingConfig(FrozenModel):
     """What production serves. Validated whenever it is loaded: a config with secret values or a trial folder in it
-    is refused with the field named."""
+    is refused with the field named. `policy` None (a config registered before per-level decisions) serves
+    `replica` at every level, as a one-config policy does."""
 
     replica: ReplicaConfig
     provenance: Provenance
+    policy: RoutingPolicy | None = None
 
     @model_validator(mode="after")
     def _no_values(self) -> ServingConfig:
-        if self.replica.env:
-            raise ValueError(f"replica.env: holds values for {sorted(self.replica.env)}; a serving config carries "
-                             "secrets by reference only. Fix: move the names to replica.env_from and set the "
-                             "variables in the production replica's environment")
-        if self.replica.log_dir is not None:
-            raise ValueError(f"replica.log_dir: {self.replica.log_dir!r} is a trial's folder. Fix: leave it null")
+        replicas = [("replica", self.replica)]
+        if self.policy is not None and self.policy.high is not None:
+            replicas.append(("policy.high", self.policy.high))
+        for where, replica in replicas:
+            if replica.env:
+                raise ValueError(f"{where}.env: holds values for {sorted(replica.env)}; a serving config carries "
+                                 f"secrets by reference only. Fix: move the names to {where}.env_from and set the "
+                                 "variables in the production replica's environment")
+            if replica.log_dir is not None:
+                raise ValueError(f"{where}.log_dir: {replica.log_dir!r} is a trial's folder. Fix: leave it null")
         return self
 
+    @model_serializer(mode="wrap")
+    def _omit_no_policy(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A config without a policy dumps as it did before policies existed: registered versions, deploy files and
+        # `/v1/config` of such a config stay byte-for-byte what they were.
+        data = handler(self)
+        if self.policy is None and isinstance(data, dict):
+            data.pop("policy", None)
+        return data
 
-def serving_config(replica: ReplicaConfig, provenance: Provenance) -> ServingConfig:
+    def replicas(self) -> dict[str, ReplicaConfig]:
+        """The engines production runs, by route: LOW always, HIGH for a two-config policy."""
+        high = self.policy.high if self.policy is not None else None
+        return {LOW: self.replica, **({HIGH: high} if high is not None else {})}
+
+
+def serving_replica(replica: ReplicaConfig) -> ReplicaConfig:
     """The serving form of the replica a trial ran: env values replaced by their names, log_dir dropped."""
     names = sorted(set(replica.env_from) | set(replica.env))
-    return ServingConfig(replica=replica.model_copy(update={"env": {}, "env_from": names, "log_dir": None}),
-                         provenance=provenance)
+    return replica.model_copy(update={"env": {}, "env_from": names, "log_dir": None})
+
+
+def serving_config(replica: ReplicaConfig, provenance: Provenance,
+                   policy: RoutingPolicy | None = None) -> ServingConfig:
+    """The serving form of the replica a trial ran (`serving_replica`), with the policy's second engine likewise."""
+    if policy is not None and policy.high is not None:
+        policy = policy.model_copy(update={"high": serving_replica(policy.high)})
+    return ServingConfig(replica=serving_replica(replica), provenance=provenance, policy=policy)
 
 
 def engine_argv(serving: ServingConfig, host: str = ENGINE_HOST, port: int = ENGINE_PORT) -> list[str]:
@@ -90,9 +148,11 @@ def engine_command(serving: ServingConfig, host: str = ENGINE_HOST, port: int = 
 def serve_app(serving: ServingConfig, source_args: dict[str, str]) -> dict[str, Any]:
     """One Serve application of the production endpoint; `source_args` say where it loads the config
     (`registered_model` + `version` + `tracking_uri`, or `config_file`)."""
+    # Serve refuses overrides for a deployment the app lacks: the second engine is listed only when there is one.
+    engines = [ENGINE_DEPLOYMENTS[route] for route in serving.replicas()]
     return {"name": "production", "route_prefix": "/", "import_path": "serve.production:app_builder",
             "args": dict(source_args),
-            "deployments": [{"name": "EngineBackend", "max_surge_percent": 100},
+            "deployments": [*({"name": name, "max_surge_percent": 100} for name in engines),
                             {"name": "OpenAIIngress", "max_surge_percent": 100}]}
 
 
@@ -114,10 +174,12 @@ def rayservice_patch(serving: ServingConfig, source_args: dict[str, str], versio
 def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_label: str) -> dict[str, str]:
     """Every deployable form, by file name (the contents hold no secret value: `serving` cannot carry one)."""
     env_note = "".join(f"#   {name} must be set in the engine's environment\n" for name in serving.replica.env_from)
-    return {
+    policy = serving.policy
+    policy_note = f"# Serving policy: {policy.text}\n" if policy is not None else ""
+    files = {
         SERVING_FILE: serving.model_dump_json(indent=2),
         COMMAND_FILE: ("#!/bin/sh\n# The engine exactly as the winning trial ran it "
-                       f"(study {serving.provenance.study}, {serving.provenance.source}).\n" + env_note
+                       f"(study {serving.provenance.study}, {serving.provenance.source}).\n" + policy_note + env_note
                        + "exec " + engine_command(serving) + "\n"),
         SERVE_CONFIG_FILE: ("# serve deploy " + SERVE_CONFIG_FILE + "   (on a cluster started with `ray start --head`)\n"
                             + yaml.safe_dump(serve_deploy_config(serving, source_args), sort_keys=False)),
@@ -126,6 +188,18 @@ def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_la
                                 + yaml.safe_dump(rayservice_patch(serving, source_args, version_label),
                                                  sort_keys=False)),
     }
+    if policy is not None and policy.high is not None:
+        # The high-concurrency engine of a two-config policy: run both and send a request to this one when more
+        # than `switch_above` are in flight (what the production endpoint's ingress does).
+        high = serving.model_copy(update={"replica": policy.high})
+        files[HIGH_COMMAND_FILE] = (f"#!/bin/sh\n# The engine above {policy.switch_above} requests in flight "
+                                    f"({policy.high_source}). {policy_note[2:]}"
+                                    + "exec " + engine_command(high, port=ENGINE_PORT + 1) + "\n")
+    from serve.engines import engine_for
+
+    # An engine that runs without our wrapper adds its bare command too (llama.cpp: llama_server_command.sh).
+    files.update(engine_for(serving.replica.engine).native_deploy_files(serving.replica, ENGINE_HOST, ENGINE_PORT))
+    return files
 
 
 def spec_params(serving: ServingConfig) -> dict[str, str]:

@@ -42,9 +42,9 @@ def constrained_search_class() -> Any:
     """Ray Tune's `OptunaSearch` that copies a trial's SLA figures (result keys starting `sla.`, as
     `pipeline.sla.constraint_user_attrs` names them) into the Optuna trial's user attributes before telling Optuna,
     so the sampler's `constraints_func` sees them: the trial runs in a Ray worker and cannot touch the driver's study."""
-    from ray.tune.search.optuna import OptunaSearch
+    from pipeline.searcher import PruningOptunaSearch  # imports Ray: only here; it also maps PRUNED trials
 
-    class ConstrainedOptunaSearch(OptunaSearch):  # type: ignore[misc]
+    class ConstrainedOptunaSearch(PruningOptunaSearch):  # type: ignore[misc]
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
                               error: bool = False) -> None:
             ot_trial = self._ot_trials.get(trial_id)

@@ -104,6 +104,11 @@ class Engine:
         config, RuntimeError when this node cannot run it."""
         return {}
 
+    def native_deploy_files(self, config: ReplicaConfig, host: str, port: int) -> dict[str, str]:
+        """Deploy files (name -> text) beyond the engine command line, for an engine whose own server can run
+        without our wrapper (llama.cpp: the bare `llama-server` command). Empty by default."""
+        return {}
+
     def start_env(self, config: ReplicaConfig) -> dict[str, str]:
         """The engine process's environment: `env`'s values plus each `env_from` name read from this process's own
         environment. A name that is not set there is an error, not an engine started without its secret."""

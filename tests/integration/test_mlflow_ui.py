@@ -1,10 +1,15 @@
 """The MLflow UI, in a real (headless Debian) Chromium, shows a finished study the way a user needs it.
 
-`mlflow ui` serves a snapshot of the study's SQLite store; Playwright opens the experiment as a new user does (it must
-land on the runs table, not the GenAI overview), then the link the study printed, and checks, without picking columns
-or unfolding anything, that every trial run is listed with the comparison columns (throughput, vs baseline, accept
-length, TTFT, outcome) and its stored `tput_tok_s`; then selects two trials, follows the app's own "Compare" button and
-checks the compare view shows both runs and their `tput_tok_s`.
+`mlflow ui` serves a snapshot of the study's SQLite store; Playwright opens the link the study printed in a new browser
+(no stored UI state: MLflow's one-time assistant panel opens, its GenAI/"Model training" switch has no remembered
+choice) and checks, as the page first shows it (no clicking, no picking columns, no unfolding), that it is the runs
+table under "Model training", not the GenAI overview, and that every trial run is listed with the comparison columns
+(throughput, vs baseline, accept length, TTFT, outcome) and its stored `tput_tok_s`; then selects two trials, follows
+the app's own "Compare" button and checks the compare view shows both runs and their `tput_tok_s`.
+
+A bare experiment URL is not the path checked: MLflow 3.17's UI ignores the experiment's kind tag and opens a new
+browser on the GenAI overview for every experiment (see `pipeline.record.WORKFLOW_PARAM`), so the printed link is
+where a user starts.
 Screenshots go to `$SPECDEC_TEST_ARTIFACTS/test_mlflow_ui/` (default `<repo>/test-artifacts/test_mlflow_ui/`).
 """
 
@@ -100,23 +105,18 @@ def page(browser, study_ui, request) -> Iterator[Any]:
         context.close()
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN BROKEN (open in #20): the printed runs-table link opens MLflow 3.17 on a "
-                   "GenAI traces popover instead of the runs table; the rows are not visible without a click")
 def test_study_runs_table_and_compare_view(page, study_ui) -> None:
     """One user path (a page load costs 10-50 s on a shared 2-core box): the runs table, then Compare from it."""
     server, runs = study_ui
     expect = sync_api.expect
     shots = artifact_dir(ARTIFACT_SUBDIR)
 
-    # A new user opens the experiment: MLflow 3.17 lands a model-development experiment on its runs table (the study
-    # run's row), not on the GenAI overview.
-    page.goto(f"{server.url}/#/experiments/{runs.experiment_id}")
-    expect(page.locator(f'[row-id="{runs.parent_id}"]').first).to_be_visible(timeout=PAGE_TIMEOUT_MS)
-    page.screenshot(path=shots / "experiment-landing.png", full_page=True)
-
-    # The printed link: every trial run listed by name, with the comparison columns and its stored throughput, as
-    # the page first shows it.
+    # The printed link, in a new browser: the runs table under "Model training" (the app kept the workflow the link
+    # names; the GenAI overview and its "Detect Issues" popover are not shown), every trial run listed by name, with
+    # the comparison columns and its stored throughput, as the page first shows it.
     open_trials_view(page, server.url, runs)
+    assert "workflowType=machine_learning" in page.url, page.url
+    expect(page.get_by_text("Detect Issues")).to_have_count(0)
     for key in SHOWN_METRICS:
         header = page.locator(f'.ag-header-cell[col-id="{metric_col_id(key)}"]')
         expect(header).to_contain_text(key, timeout=STEP_TIMEOUT_MS)

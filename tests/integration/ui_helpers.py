@@ -114,51 +114,17 @@ PAGE_TIMEOUT_MS = 90_000  # first load compiles a large JS bundle; slow on a sha
 STEP_TIMEOUT_MS = 30_000
 
 
-def open_runs_table(page: Any, base_url: str, study: StudyRuns) -> None:
-    """The experiment's "Training runs" table, parent run row rendered, assistant side panel closed."""
-    page.goto(f"{base_url}/#/experiments/{study.experiment_id}/runs")
-    page.locator(f'[row-id="{study.parent_id}"]').first.wait_for(timeout=PAGE_TIMEOUT_MS)
-    close_assistant = page.locator('[data-component-id="mlflow.assistant.chat_panel.close"]')
-    if close_assistant.count():  # a GenAI side panel that only takes room from the table in screenshots
-        close_assistant.click()
-        close_assistant.wait_for(state="detached", timeout=STEP_TIMEOUT_MS)
-
-
 def open_trials_view(page: Any, base_url: str, study: StudyRuns) -> None:
-    """The link a study prints at its end (`pipeline.record.runs_link`), as a user opens it: no column picking, no
-    unfolding; the first trial row rendered, assistant side panel closed."""
+    """The link a study prints at its end (`pipeline.record.runs_link`), as a user opens it, until the first trial row
+    is rendered. Nothing is clicked: the assistant side panel a new browser gets stays open, as the user sees it."""
     from pipeline.record import runs_link
 
     page.goto(runs_link(base_url, study.experiment_id))
     page.locator(f'[row-id="{study.trials[0].run_id}"]').first.wait_for(timeout=PAGE_TIMEOUT_MS)
-    close_assistant = page.locator('[data-component-id="mlflow.assistant.chat_panel.close"]')
-    if close_assistant.count():
-        close_assistant.click()
-        close_assistant.wait_for(state="detached", timeout=STEP_TIMEOUT_MS)
-
-
-def show_metric_columns(page: Any, metrics: list[str]) -> None:
-    """Tick `metrics` in the "Columns" picker (searching for each by name); they are hidden by default."""
-    page.get_by_test_id("column-selection-dropdown").filter(has_text="Columns").click()
-    tree = page.get_by_test_id("column-selector-tree")
-    search = page.get_by_placeholder("Search columns")
-    for key in metrics:
-        search.fill(key)
-        # The search highlights substrings (accept_len also hits server_accept_len): match the whole title.
-        tree.locator(".du-bois-light-tree-title").filter(has_text=re.compile(rf"^{re.escape(key)}$")).click()
-        page.locator(f'.ag-header-cell[col-id="{metric_col_id(key)}"]').wait_for(timeout=STEP_TIMEOUT_MS)
-    page.keyboard.press("Escape")
-    tree.wait_for(state="hidden", timeout=STEP_TIMEOUT_MS)
 
 
 def metric_col_id(key: str) -> str:
     return f"metrics.`{key}`"
-
-
-def expand_run(page: Any, parent_id: str, child_id: str) -> None:
-    """Unfold a parent run's children (collapsed by default) with the toggle in its name cell."""
-    page.locator(f'[row-id="{parent_id}"] [col-id="attributes.`Run Name`"] button').first.click()
-    page.locator(f'[row-id="{child_id}"]').first.wait_for(timeout=STEP_TIMEOUT_MS)
 
 
 def table_cell(page: Any, run_id: str, col_id: str) -> Any:

@@ -81,3 +81,13 @@ def test_ray_search_hands_sla_figures_to_the_sampler() -> None:
     study = search._ot_study
     assert [t.system_attrs["constraints"][0] > 0 for t in study.trials] == [True, False, True]
     assert study.best_trial.value == 5.0  # the faster trials broke the limit or did not measure it
+
+
+def test_the_constrained_sampler_survives_tune_checkpointing_by_pickle() -> None:
+    # Ray Tune checkpoints the searcher by pickling its state, sampler included (a closure failed the study).
+    import pickle
+
+    limits = [SlaConstraint(metric="ttft_p99_ms", max_ms=100.0)]
+    sampler = pickle.loads(pickle.dumps(tpe_sampler(0, 8, constraints=limits, search_level=1)))
+    trial = type("T", (), {"user_attrs": {constraint_attr(limits[0]): 150.0}})()
+    assert tuple(sampler._constraints_func(trial)) == (50.0,)

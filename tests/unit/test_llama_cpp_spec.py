@@ -97,6 +97,31 @@ def test_shim_argv_carries_the_spec_and_the_dynamic_cache_switch():
     assert server[0].endswith("llama-server") and "--port" not in server  # the shim picks llama-server's port
 
 
+
+def test_deploy_files_carry_the_bare_llama_server_command():
+    """A llama.cpp winner's deploy/ also holds llama-server alone: the same argv the shim runs, plus host/port, and
+    for ngram-cache the dynamic lookup file created first (llama-server aborts on a missing one)."""
+    import shlex
+
+    from serve.engines.llama_cpp.adapter import LLAMA_SERVER_COMMAND_FILE
+    from serve.serving import Provenance, ServingConfig, deploy_files
+
+    provenance = Provenance(study="s", decision="promote", source="final-0", workload="w", workload_digest="d")
+    for spec in (LlamaDraftSpec(draft_model="smollm2-135m"), LlamaNgramCacheSpec()):
+        replica = ReplicaConfig(engine="llama_cpp", model="smollm2-135m", spec=spec, threads=1)
+        text = deploy_files(ServingConfig(replica=replica, provenance=provenance), {"config_file": "c"}, "1")[
+            LLAMA_SERVER_COMMAND_FILE]
+        argv = shlex.split(next(line for line in text.splitlines() if line.startswith("exec ")))[1:]
+        shim = engine_for("llama_cpp").argv(replica, "h", 1)
+        assert argv[:-4 if isinstance(spec, LlamaDraftSpec) else -6] == shim[shim.index("--") + 1:]
+        assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "30000"
+        if isinstance(spec, LlamaNgramCacheSpec):
+            assert argv[-2:] == ["--lookup-cache-dynamic", "lookup-dynamic.bin"]
+            assert "touch lookup-dynamic.bin\n" in text
+    cpu = ReplicaConfig(model="smollm2-135m")
+    assert LLAMA_SERVER_COMMAND_FILE not in deploy_files(ServingConfig(replica=cpu, provenance=provenance),
+                                                         {"config_file": "c"}, "1")
+
 def test_missing_binary_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_LLAMA_SERVER", str(tmp_path / "nope"))
     with pytest.raises(models.LlamaCppMissing, match="bash infra/install-llama-cpp.sh"):

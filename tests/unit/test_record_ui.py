@@ -12,8 +12,13 @@ def test_the_experiment_lands_on_runs_and_the_link_shows_the_comparison_columns(
     tags = tracker.client().get_experiment(tracker.experiment_id()).tags
     assert tags["mlflow.experimentKind"] == EXPERIMENT_KIND == "custom_model_development"
     link = runs_link("http://127.0.0.1:5000/", tracker.experiment_id())
-    assert link == f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id()}/runs?viewStateShareKey=specdec-trials"
-    view = json.loads(tags["mlflow.sharedViewState.specdec-trials"])
+    # MLflow 3.17's UI ignores the kind tag: the link itself selects "Model training" and the shared view.
+    assert link == (f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id()}/runs"
+                    "?workflowType=machine_learning&viewStateShareKey=specdec-trials")
+    # The UI's saved-view envelope (listed by name under "Views"), its state a JSON string.
+    envelope = json.loads(tags["mlflow.sharedViewState.specdec-trials"])
+    assert envelope["name"] and isinstance(envelope["createdAt"], int) and isinstance(envelope["state"], str)
+    view = json.loads(envelope["state"])
     assert view["selectedColumns"][:4] == ["metrics.`tput_tok_s`", "metrics.`vs_baseline`", "metrics.`accept_len`",
                                            "metrics.`ttft_p50_ms`"] and "tags.`outcome`" in view["selectedColumns"]
     assert view["searchFilter"] == "tags.`specdec.kind` = 'trial'" and view["orderByAsc"] is False

@@ -6,9 +6,10 @@ from optuna.trial import TrialState
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.errors import PipelineError
+from pipeline.pruning import MEASURING
 from pipeline.resume import (
-    budget_note, check_resume, finished_trials, identity_changes, read_identity, settle_running, study_identity,
-    workload_digest, write_identity,
+    SavedTrial, budget_note, check_resume, finished_trials, identity_changes, read_identity, recorded_reports,
+    settle_running, study_identity, tune_unfinished, workload_digest, write_identity,
 )
 from pipeline.space import load_space
 
@@ -80,3 +81,24 @@ def test_running_trials_are_settled_as_failed_and_counted():
     assert study.trials[orphan.number].state is TrialState.FAIL
     assert finished_trials(study) == 2
     assert settle_running(study) == []  # idempotent
+
+
+# Tune's checkpoint after Ctrl-C right after the baseline reported: the baseline RUNNING with its final report.
+REPORT = {"outcome": "COMPLETE", "mlflow_run_id": "abc", "tput_tok_s": 10.4, "accept_len": 1.0}
+INTERRUPTED = [SavedTrial("t0", "TERMINATED", {**REPORT, "tput_tok_s": 9.0}), SavedTrial("t1", "RUNNING", REPORT),
+               SavedTrial("t2", "RUNNING", {"outcome": MEASURING, "tput_tok_s": 3.0}), SavedTrial("t3", "PENDING", {}),
+               SavedTrial("t4", "ERROR", {})]
+
+
+def test_an_interrupt_is_read_from_the_checkpoint_statuses():
+    assert tune_unfinished(INTERRUPTED) == ["t1", "t2", "t3"]
+    assert tune_unfinished([t for t in INTERRUPTED if t.status in ("TERMINATED", "ERROR")]) == []
+
+
+def test_only_an_unfinished_trials_final_report_is_replayed():
+    # t1 reported its result before Optuna was told: it counts; t2 was still measuring and t3 never reported: both
+    # run again; t0 is finished (Optuna already has it)
+    assert recorded_reports(INTERRUPTED) == {"t1": REPORT}
+    replay = recorded_reports(INTERRUPTED)["t1"]
+    replay["tput_tok_s"] = 0.0
+    assert INTERRUPTED[1].report["tput_tok_s"] == 10.4  # a copy: the saved record is not changed

@@ -1,7 +1,7 @@
 """Test-only fault switches of the CPU engine (`--test-fault SPEC`, repeatable). Off unless the flag is given.
 
 They exist so that integration tests can make a real engine fail in each way a trial must survive and record
-(LAUNCH_FAILED, TIMEOUT, UNHEALTHY, NOT_EQUIVALENT) instead of faking the failure around it. Nothing in the product
+(LAUNCH_FAILED, TIMEOUT, UNHEALTHY, NOT_EQUIVALENT, and a slow config PRUNED by early stopping) instead of faking the failure around it. Nothing in the product
 passes this flag; a study can, through `engine.extra_flags`.
 
 SPEC is `KIND[=VALUE][@speculative]`:
@@ -9,6 +9,9 @@ SPEC is `KIND[=VALUE][@speculative]`:
 - `slow-start=SECONDS`    sleep SECONDS before loading the model, so `/health` answers that much later.
 - `crash-after=N`         the process exits (code 70) when generation request N+1 arrives.
 - `hang-after=N`          generation requests after the first N are accepted and never answered.
+- `slow-steps=FACTOR`     every decoder step takes FACTOR (> 1) times as long: after each step the worker sleeps
+                          (FACTOR - 1) x the step's own time. Outputs and accept lengths are unchanged, so the engine
+                          is a correct but uniformly slower one (a config that cannot beat the baseline).
 - `wrong-tokens`          the first output token of every answer is replaced by the next token id (the engine decodes
                           on from the true token, so only what the client sees is wrong).
 Generation requests are `POST /generate`, `/v1/completions` and `/v1/chat/completions`; other routes are never faulty.
@@ -44,16 +47,17 @@ CRASH_EXIT_CODE = 70  # EX_SOFTWARE: distinguishable from a clean exit and from 
 DEFAULT_EXIT_CODE = 3
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 SPECULATIVE_SCOPE = "speculative"
-Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "wrong-tokens"]
+Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "slow-steps", "wrong-tokens"]
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
     "slow-start": ("seconds > 0", float),
     "crash-after": ("a request count >= 0", int),
     "hang-after": ("a request count >= 0", int),
+    "slow-steps": ("a slow-down factor > 1", float),
     "wrong-tokens": ("no value", None),
 }
 _USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, crash-after=N, "
-          "hang-after=N, wrong-tokens")
+          "hang-after=N, slow-steps=FACTOR, wrong-tokens")
 
 
 class FaultSpecError(ValueError):
@@ -103,6 +107,8 @@ def _in_range(kind: str, value: float) -> bool:
         return 1 <= value <= 255
     if kind == "slow-start":
         return value > 0
+    if kind == "slow-steps":
+        return value > 1
     return value >= 0
 
 
@@ -159,10 +165,13 @@ def install(app: FastAPI, engine: Any) -> None:
     active = armed(engine.config.test_faults, engine.speculative)
     if "crash-after" in active or "hang-after" in active:
         app.add_middleware(_RequestFaults, faults=active)
+    # The scheduler's worker calls `scheduler.decoder.step` for every step; nothing else steps requests.
     if "wrong-tokens" in active:
-        # The scheduler's worker calls `scheduler.decoder.step` for every step; nothing else steps requests.
         wrong = _WrongFirstToken(engine.decoder, engine.runner.vocab_size)
         engine.scheduler.decoder = wrong  # type: ignore[assignment]
+    if "slow-steps" in active:
+        slow = _SlowSteps(engine.scheduler.decoder, float(active["slow-steps"].value or 1.0))
+        engine.scheduler.decoder = slow  # type: ignore[assignment]
 
 
 class _RequestFaults:
@@ -206,6 +215,24 @@ class _WrongFirstToken:
         stats = self._inner.step(req)
         if not stats.verify and req.output_ids:
             req.output_ids[0] = (req.output_ids[0] + 1) % self._vocab_size
+        return stats
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _SlowSteps:
+    """Decoder stand-in: each step is followed by a sleep of (factor - 1) x its own duration, in the worker thread
+    (the HTTP server keeps answering). Wraps whatever decoder the scheduler holds, so it combines with wrong-tokens."""
+
+    def __init__(self, inner: Any, factor: float) -> None:
+        self._inner = inner
+        self._factor = factor
+
+    def step(self, req: Request) -> StepStats:
+        started = time.perf_counter()
+        stats = self._inner.step(req)
+        time.sleep((self._factor - 1) * (time.perf_counter() - started))
         return stats
 
     def __getattr__(self, name: str) -> Any:

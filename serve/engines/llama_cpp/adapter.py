@@ -4,12 +4,16 @@ replica's resources, and the node checks (binary built, GGUF files present)."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, python_module_argv
 from serve.engines.llama_cpp import flags, models
 from serve.spec import LLAMA_CPP_ALGORITHMS, LlamaDraftSpec, validate_spec
+
+LLAMA_SERVER_COMMAND_FILE = "llama_server_command.sh"
+DYNAMIC_CACHE_FILE = "lookup-dynamic.bin"
 
 
 class LlamaCppEngine(Engine):
@@ -32,6 +36,22 @@ class LlamaCppEngine(Engine):
         if flags.needs_dynamic_cache(config.spec):
             shim.append("--dynamic-lookup-cache")
         return shim + ["--"] + self.server_argv(config)
+
+    def native_deploy_files(self, config: ReplicaConfig, host: str, port: int) -> dict[str, str]:
+        """`llama_server_command.sh`: the winner's llama-server alone (no shim, no Python), serving llama-server's
+        own routes (`/v1/completions`, `/v1/chat/completions`, `/completion`) on host:port."""
+        argv = [*self.server_argv(config), "--host", host, "--port", str(port)]
+        setup = ""
+        if flags.needs_dynamic_cache(config.spec):
+            # llama-server aborts on a missing dynamic lookup file; the trial started from an empty one
+            argv += ["--lookup-cache-dynamic", DYNAMIC_CACHE_FILE]
+            setup = f"touch {DYNAMIC_CACHE_FILE}\n"
+        env_note = "".join(f"#   {name} must be set in llama-server's environment\n"
+                           for name in config.env_from)
+        return {LLAMA_SERVER_COMMAND_FILE: (
+            "#!/bin/sh\n# llama-server exactly as the winning trial ran it behind the shim. The binary and GGUF paths "
+            "are those of the\n# machine that ran the study (bash infra/install-llama-cpp.sh builds the binary; the "
+            "model store\n# fetches the GGUF files).\n" + env_note + setup + "exec " + shlex.join(argv) + "\n")}
 
     def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
         # llama-server uses its node's cores; the replica actor only proxies (as for the CPU engine).

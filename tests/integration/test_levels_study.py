@@ -1,0 +1,179 @@
+"""Per-concurrency answer end to end: a study with `concurrency: [1, 4]` and a TTFT limit (real CPU engine, local Ray,
+MLflow and Optuna on SQLite) ends with a level table in its output, its MLflow parent run, its report and
+`python -m pipeline.compare`; the production endpoint serves the promoted policy and `/v1/config` shows it; a
+two-engine policy routes a request to the high-concurrency engine when more than `switch_above` are in flight."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import optuna
+import pytest
+import yaml
+
+from pipeline.levels import LEVELS_ARTIFACT, LevelsDecision
+from pipeline.record import Tracker
+from pipeline.study import connect_ray
+from serve.engines.base import ReplicaConfig
+from serve.production import ProductionSettings, deploy, load_serving_config
+from serve.serving import HIGH, LOW, Provenance, RoutingPolicy, ServingConfig
+from tests.conftest import TINY_SPACE
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+NAME = "it-levels"
+# Generous on purpose: the verdicts must show (figure and limit) without the CPU machine's load deciding the test.
+TTFT_LIMIT_MS = 120_000.0
+STUDY = {"name": NAME, "budget": {"max_trials": 3}, "concurrency": [1, 4],
+         "workload": {"warmup_prompts": 2, "measure_prompts": 4, "max_new_tokens": 12},
+         "objective": {"constraints": [{"metric": "ttft_p99_ms", "max_ms": TTFT_LIMIT_MS}]},
+         "promotion": {"finalists": 1, "runs": 3}, "engine": {"start_timeout_s": 300}}
+
+
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def levels_study(tmp_path_factory):
+    """(study file, output folder, the study's stdout), after `python -m pipeline.tune` ran it to its decision."""
+    tmp = tmp_path_factory.mktemp("levels")
+    space = tmp / "space.yaml"
+    space.write_text(TINY_SPACE)
+    study_file = tmp / "study.yaml"
+    study_file.write_text(yaml.safe_dump({**STUDY, "search_space": str(space), "output_dir": str(tmp / "out")}))
+    done = run(["-m", "pipeline.tune", "--study", str(study_file)], timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return study_file, tmp / "out", done.stdout
+
+
+def parent_run(out: Path):
+    tracker = Tracker(f"sqlite:///{out / 'mlflow.db'}", NAME)
+    runs = tracker.client().search_runs([tracker.experiment_id()], max_results=1000)
+    return tracker, next(r for r in runs if r.data.tags.get("specdec.kind") == "study")
+
+
+def logged_levels(out: Path) -> LevelsDecision:
+    tracker, parent = parent_run(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tracker.client().download_artifacts(parent.info.run_id, LEVELS_ARTIFACT, tmp)
+        return LevelsDecision.model_validate_json(Path(path).read_text())
+
+
+def test_the_study_ends_with_a_level_table_in_its_output_mlflow_and_report(levels_study):
+    _, out, stdout = levels_study
+    decision = logged_levels(out)
+    assert [r.level for r in decision.levels] == [1, 4]
+    for result in decision.levels:  # baseline and the finalist, each re-measured at both levels
+        assert {row.id for row in result.rows} >= {"baseline"} and len(result.rows) == 2
+        for row in result.rows:
+            assert row.median_tok_s > 0 and row.latencies_ms["ttft_p99_ms"] is not None
+            assert [v.metric for v in row.verdicts] == ["ttft_p99_ms"] and row.verdicts[0].max_ms == TTFT_LIMIT_MS
+    table = stdout.split("per-concurrency decision:\n", 1)[1]
+    assert [line.split()[0] for line in table.splitlines()[1:5]] == ["1", "1", "4", "4"]
+    assert f"policy: {decision.policy.text}" in table and "ttft_p99_ms at concurrency 4:" in table
+    tracker, parent = parent_run(out)
+    files = {f.path for f in tracker.client().list_artifacts(parent.info.run_id, "study")}
+    assert {"study/levels.json", "study/levels.txt"} <= files
+    assert parent.data.tags["serving_policy"] == decision.policy.text
+    report = (out / "report" / "report.html").read_text()
+    assert "Per-concurrency decision" in report and "ttft_p99_ms at concurrency 4" in report
+    # The search saw the limit: each completed trial carries its figure for Optuna's constraints_func.
+    trials = optuna.load_study(study_name=NAME, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert done and all(isinstance(t.user_attrs.get("sla.ttft_p99_ms@any"), float) for t in done)
+    # Finalist re-runs are recorded per level.
+    runs = tracker.client().search_runs([tracker.experiment_id()], max_results=1000)
+    levels = {(r.data.tags.get("finalist"), r.data.tags.get("concurrency")) for r in runs
+              if r.data.tags.get("specdec.kind") == "finalist"}
+    assert {lvl for _, lvl in levels} == {"1", "4"} and len(levels) == 4
+
+
+def test_compare_shows_the_level_table_and_the_verdicts(levels_study):
+    study_file, out, _ = levels_study
+    shown = run(["-m", "pipeline.compare", "--study", str(study_file), "--output", str(out)], timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "Per-concurrency decision:" in shown.stdout
+    assert "ttft_p99_ms at concurrency 1:" in shown.stdout and "ttft_p99_ms at concurrency 4:" in shown.stdout
+    as_json = run(["-m", "pipeline.compare", "--study", str(study_file), "--output", str(out), "--levels",
+                   "--format", "json"], timeout=300)
+    assert LevelsDecision.model_validate_json(as_json.stdout) == logged_levels(out)
+
+
+def test_production_serves_the_promoted_policy_and_shows_it(levels_study):
+    from ray import serve
+
+    _, out, _ = levels_study
+    decision = logged_levels(out)
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    promoted = load_serving_config(uri, f"models:/specdec-{NAME}@production")
+    assert promoted.policy is not None and promoted.policy.text == decision.policy.text
+    assert promoted.policy.switch_above == decision.policy.up_to
+    assert promoted.policy.winners == {str(r.level): r.winner or "baseline" for r in decision.levels}
+    base_url = connect_ray("levels-production")
+    settings = ProductionSettings(registered_model=f"specdec-{NAME}", tracking_uri=uri, app_name="levels-production",
+                                  max_tokens_limit=64)
+    try:
+        deploy(settings)
+        shown = httpx.get(f"{base_url}/v1/config", timeout=30).json()
+        assert shown["policy"] == promoted.policy.model_dump(mode="json")
+        assert shown["routing"]["switch_above"] == decision.policy.up_to
+        engines = set(serve.status().applications[settings.app_name].deployments)
+        assert ("EngineBackendHigh" in engines) == (decision.policy.up_to is not None)
+        answer = httpx.post(f"{base_url}/v1/completions", timeout=120,
+                            json={"model": "smollm2-135m", "prompt": "def f(x):", "max_tokens": 4})
+        assert answer.status_code == 200 and answer.headers["x-specdec-route"] == LOW
+    finally:
+        serve.delete(settings.app_name)
+
+
+def two_engine_config(tmp: Path) -> Path:
+    ngram = {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1,
+             "match_type": "BFS", "max_trie_depth": 8, "capacity": 100000}
+    policy = RoutingPolicy(text="serve 'final-0' up to concurrency 1; speculation off above 1", levels=[1, 4],
+                           winners={"1": "final-0", "4": "baseline"}, source="final-0", switch_above=1,
+                           high=ReplicaConfig(model="smollm2-135m", threads=1), high_source="baseline")
+    serving = ServingConfig(replica=ReplicaConfig(model="smollm2-135m", spec=ngram, threads=1), policy=policy,
+                            provenance=Provenance(study="hand", decision="promote", source="final-0",
+                                                  workload="templated", workload_digest="0123456789abcdef"))
+    path = tmp / "serving_config.json"
+    path.write_text(serving.model_dump_json(indent=2))
+    return path
+
+
+def test_a_request_beyond_the_switch_level_goes_to_the_high_concurrency_engine(tmp_path):
+    from ray import serve
+
+    base_url = connect_ray("levels-routing")
+    settings = ProductionSettings(config_file=str(two_engine_config(tmp_path)), app_name="levels-routing",
+                                  max_tokens_limit=512)
+    try:
+        deploy(settings)
+        engines = set(serve.status().applications[settings.app_name].deployments)
+        assert {"EngineBackend", "EngineBackendHigh"} <= engines
+        long_one = {"model": "smollm2-135m", "prompt": "Count: 1, 2, 3,", "max_tokens": 512, "ignore_eos": True,
+                    "stream": True}
+        with httpx.Client(base_url=base_url, timeout=300) as http:
+            with http.stream("POST", "/v1/completions", json=long_one) as first:
+                # The first request is in flight (streaming, far from its 512 tokens) while the second one arrives.
+                assert first.status_code == 200 and first.headers["x-specdec-route"] == LOW
+                # Keep the line iterator referenced: a collected one closes the connection, which cancels the
+                # first request and leaves the ingress with nothing in flight.
+                lines = first.iter_lines()
+                assert next(lines).startswith("data: ")
+                second = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi",
+                                                             "max_tokens": 2})
+                assert second.status_code == 200 and second.headers["x-specdec-route"] == HIGH, \
+                    http.get("/v1/config").json()["routing"]
+            shown = http.get("/v1/config").json()
+        assert shown["routing"]["routed"] == {LOW: 1, HIGH: 1}
+        assert shown["policy"]["high"]["spec"]["algorithm"] == "none" and shown["routing"]["switch_above"] == 1
+        assert shown["policy"]["winners"] == {"1": "final-0", "4": "baseline"}
+    finally:
+        serve.delete(settings.app_name)
