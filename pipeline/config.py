@@ -103,6 +103,42 @@ class EngineSettings(FrozenModel):
         return value
 
 
+class ArrivalSettings(FrozenModel):
+    """How measured requests arrive (`workload.arrival`). `closed` (the default): `concurrency` requests in flight,
+    each client sends its next prompt when its previous one finished (pipeline/load.py). `poisson`: open loop, seeded
+    Poisson arrivals at `rate_per_s` whether or not earlier requests finished (pipeline/openloop.py), bounded in count
+    (the measured prompts) and in time (no request starts after `max_duration_s`). Warm-up stays closed loop."""
+
+    model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)
+
+    mode: Literal["closed", "poisson"] = Field("closed", description="closed loop (concurrency) or open loop (rate)")
+    rate_per_s: float | None = Field(None, gt=0, description="poisson: mean arrivals per second (offered load)")
+    max_duration_s: float | None = Field(None, gt=0, description="poisson: no request starts after this many seconds "
+                                         "from the first; started ones run to completion")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ArrivalSettings:
+        given = {k: getattr(self, k) for k in ("rate_per_s", "max_duration_s") if getattr(self, k) is not None}
+        if self.open_loop and len(given) < 2:
+            raise ValueError(
+                f"mode poisson needs {' and '.join(k for k in ('rate_per_s', 'max_duration_s') if k not in given)} "
+                f"(got rate_per_s={self.rate_per_s!r}, max_duration_s={self.max_duration_s!r}). Fix: e.g. arrival: "
+                "{mode: poisson, rate_per_s: 0.5, max_duration_s: 60}: open-loop load is bounded in time and count")
+        if not self.open_loop and given:
+            raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in given.items())} apply to mode poisson only, got "
+                             "mode closed. Fix: set mode: poisson for open-loop arrivals, or remove them")
+        return self
+
+    @property
+    def open_loop(self) -> bool:
+        return self.mode == "poisson"
+
+    def describe(self, concurrency: int) -> str:  # for logs and MLflow tags
+        if self.open_loop:
+            return f"open loop: poisson {self.rate_per_s:g} req/s, arrivals within {self.max_duration_s:g} s"
+        return f"closed loop: concurrency {concurrency}"
+
+
 class WorkloadSettings(FrozenModel):
     """Defaults sized so the default study (8 trials + 6 promotion re-runs) fits in 15 minutes on 2 CPU cores; on a
     GPU node use more prompts and tokens (examples/study-gpu.yaml)."""
@@ -114,6 +150,8 @@ class WorkloadSettings(FrozenModel):
     measure_prompts: int = Field(4, ge=1)
     max_new_tokens: int = Field(24, ge=1, description=f"per-prompt default, at most {MAX_NEW_TOKENS_LIMIT}")
     temperature: float = Field(0.0, ge=0)
+    arrival: ArrivalSettings = Field(default_factory=ArrivalSettings, description="closed loop (default) or "
+                                     "open-loop poisson arrivals for the measurement")
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -142,7 +180,8 @@ SLA_METRICS: tuple[str, ...] = tuple(
     name for name in Summary.model_fields if name.endswith("_ms") and name.split("_")[0] in ("ttft", "itl", "e2e"))
 OBJECTIVE_METRICS: tuple[str, ...] = tuple(
     name for name, field in Summary.model_fields.items()
-    if name not in ("seed", "n_boot", "concurrency") and field.annotation in (int, float, float | None))
+    if name not in ("seed", "n_boot", "concurrency", "offered_rate_per_s", "arrival_rate_per_s")  # load, not result
+    and field.annotation in (int, float, float | None))
 
 
 class SlaConstraint(FrozenModel):
@@ -262,6 +301,17 @@ class StudyConfig(FrozenModel):
             raise ValueError(f"concurrency levels must be distinct, got {value}. Fix: list each level once; the "
                              "first is the search level")
         return value
+
+    @model_validator(mode="after")
+    def _open_loop_level(self) -> StudyConfig:
+        # Open-loop load has no concurrency to vary: re-measuring finalists "per level" would repeat one
+        # measurement; the single level is the warm-up's closed-loop concurrency and the records' label.
+        if self.workload.arrival.open_loop and len(self.concurrency) > 1:
+            raise ValueError(
+                f"workload.arrival.mode=poisson measures at an arrival rate, not at concurrency levels; got "
+                f"concurrency={self.concurrency}. Fix: list one level (e.g. concurrency: [1]; it is the warm-up's "
+                "concurrency), or use mode: closed to compare levels")
+        return self
 
     @model_validator(mode="after")
     def _constraint_levels(self) -> StudyConfig:

@@ -4,11 +4,17 @@ A corpus is a JSONL file of JSON strings (SGLang 0.5.23's `--speculative-ngram-e
 search space's corpus dimension (`external_corpus`) takes:
 - null: no corpus;
 - `warmup` (`WARMUP_CORPUS`): the study's warm-up split, written into the folder of each trial that samples it
-  (content-addressed name, so a changed workload gets a new file; the engine reads it from there);
-- any other string: a user's corpus file, used as it is.
+  (content-addressed name, so a changed workload gets a new file);
+- `shared:<path>` (`SHARED_PREFIX`): a corpus file every engine node can read at `<path>` (a shared filesystem),
+  passed to the engine as it is and never shipped: the way to use a corpus above `MAX_SHIPPED_CORPUS_BYTES`;
+- any other string: a user's corpus file, read on the driver and shipped like the warm-up split.
 
-`corpus_for_trial` turns the sentinel into a path before the replica is configured; `corpus_record` reads what the
-engine reported after start-up: corpus tokens (from `/server_info`'s `external_corpora`) and the load time, a cost
+The engine may run on another node than the trial (a Ray Serve replica placed anywhere on the cluster), so a corpus
+is not passed as a driver-side path: `corpus_for_trial` resolves the setting to documents and a file in the trial's
+folder (the trial's record of what it loaded), and `ship_corpus` puts the documents in the `ReplicaConfig`; the
+replica writes them on its own node (`serve.replica.write_shipped_corpus`) at the same path under its `log_dir`, and
+the served config of a winner carries them the same way. `corpus_record` reads what the engine reported after
+start-up: corpus tokens (from `/server_info`'s `external_corpora`) and the load time, a cost
 paid at every restart. Documents are what the engine sees: a plain prompt's text; a chat prompt rendered with the
 chat template (decoded from its rendered ids, special tokens kept, so the engine tokenizes them back to the same ids)
 followed by its recorded answer when the workload has one (`output`, e.g. in a capture).
@@ -31,22 +37,30 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "WARMUP_CORPUS", "CorpusFile", "CorpusCell", "corpus_documents", "write_corpus", "corpus_for_trial",
-           "corpus_record", "corpus_label", "corpus_comparison", "format_corpus_table"]
+from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, ReplicaConfig, corpus_jsonl
+
+__all__ = ["main", "WARMUP_CORPUS", "SHARED_PREFIX", "CorpusFile", "CorpusCell", "corpus_documents", "write_corpus",
+           "read_corpus", "corpus_for_trial", "ship_corpus", "corpus_record", "corpus_label", "corpus_comparison",
+           "format_corpus_table"]
 
 WARMUP_CORPUS = "warmup"
+SHARED_PREFIX = "shared:"
 
 
 @dataclass(frozen=True)
 class CorpusFile:
+    """A trial's corpus: its file, size and digest (None: a `shared:` file the driver cannot read), and the documents
+    that travel with the replica (empty: not shipped, the engine's node reads `path` itself)."""
+
     path: str
-    documents: int
-    bytes: int
-    sha1: str
+    documents: int | None
+    bytes: int | None
+    sha1: str | None
+    texts: tuple[str, ...] = field(default=(), repr=False)
 
 
 def corpus_documents(items: Iterable[Any], tokenizer: Any = None) -> list[str]:
@@ -76,42 +90,106 @@ def write_corpus(documents: Sequence[str], path: str | Path) -> CorpusFile:
     if not documents:
         raise ValueError("corpus: no documents to write (the warm-up split is empty: set workload.warmup_prompts "
                          ">= 1, or use a corpus file)")
-    body = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in documents).encode("utf-8")
+    body = corpus_jsonl(documents)  # the bytes the replica writes from shipped documents: the same file on one node
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     tmp.write_bytes(body)
     os.replace(tmp, target)
-    return CorpusFile(str(target), len(documents), len(body), hashlib.sha1(body).hexdigest())
+    return CorpusFile(str(target), len(documents), len(body), hashlib.sha1(body).hexdigest(), tuple(documents))
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """The documents of a corpus JSONL file (one JSON string per non-blank line, as SGLang reads it); a bad line is a
+    ValueError naming the file and the line."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"spec.external_corpus: {str(path)!r} line {number} is not JSON ({err.msg}); a "
+                                 "corpus is JSONL with one JSON string per line") from None
+            if not isinstance(doc, str):
+                raise ValueError(f"spec.external_corpus: {str(path)!r} line {number} holds a {type(doc).__name__}, "
+                                 "not a JSON string; a corpus is JSONL with one JSON string per line")
+            docs.append(doc)
+    return docs
+
+
+def _too_big(corpus: str, documents: Sequence[str], fix: str) -> None:
+    size = len(corpus_jsonl(documents))
+    if size > MAX_SHIPPED_CORPUS_BYTES:
+        raise ValueError(f"spec.external_corpus: {corpus!r} is {size} bytes as a corpus, more than the "
+                         f"{MAX_SHIPPED_CORPUS_BYTES} bytes shipped with an engine replica. Fix: {fix}, or put the "
+                         f"corpus on a filesystem every engine node sees and give it as '{SHARED_PREFIX}<path>'")
+
+
+def _shared(corpus: str) -> CorpusFile:
+    """A `shared:` corpus: its size when the driver sees the file too (recorded), else unknown."""
+    path = Path(corpus[len(SHARED_PREFIX):])
+    if not path.is_absolute():
+        raise ValueError(f"spec.external_corpus: {corpus!r} is relative; an engine on another node resolves it "
+                         f"against its own working folder. Fix: give an absolute path, '{SHARED_PREFIX}/shared/x.jsonl'")
+    try:
+        body = path.read_bytes()
+    except OSError:
+        return CorpusFile(str(path), None, None, None)
+    return CorpusFile(str(path), sum(1 for line in body.splitlines() if line.strip()), len(body),
+                      hashlib.sha1(body).hexdigest())
 
 
 def corpus_for_trial(trial: Any, warmup: Sequence[Any], out_dir: str | Path,
                      tokenizer: Any = None, target: str | None = None) -> tuple[Any, CorpusFile | None]:
-    """(trial with the `warmup` sentinel replaced by the written file's path, the file) — the trial unchanged and
-    None when it has no corpus or names a user file. `trial` is a `pipeline.config.TrialConfig`. Chat warm-up items
-    are rendered with `tokenizer`, else with the tokenizer of the `target` model (loaded only for chat items)."""
+    """(trial whose `spec.external_corpus` is the corpus file the engine is to load, the corpus) — the trial unchanged
+    and None when it has no corpus. `warmup` and a user file become a file under `out_dir/corpora/` (content-addressed
+    name) whose documents the corpus carries for `ship_corpus`; `shared:<path>` becomes `<path>`, not shipped. A
+    corpus that cannot be used (missing, malformed, empty, too big to ship) is a ValueError naming the field, the
+    value and the fix. `trial` is a `pipeline.config.TrialConfig`. Chat warm-up items are rendered with `tokenizer`,
+    else with the tokenizer of the `target` model (loaded only for chat items)."""
     spec = trial.spec
     corpus = getattr(spec, "external_corpus", None)
     if corpus is None:
         return trial, None
-    if corpus != WARMUP_CORPUS:
-        path = Path(corpus)
-        if not path.is_file():
-            raise ValueError(f"spec.external_corpus: {corpus!r} is not a file; give a JSONL corpus path, "
-                             f"{WARMUP_CORPUS!r} for the warm-up split, or null")
-        body = path.read_bytes()
-        return trial, CorpusFile(str(path), sum(1 for line in body.splitlines() if line.strip()), len(body),
-                                 hashlib.sha1(body).hexdigest())
-    if tokenizer is None and target is not None and any(getattr(i, "input_ids", None) is not None for i in warmup):
-        from pipeline.load import target_tokenizer
+    if corpus.startswith(SHARED_PREFIX):
+        shared = _shared(corpus)
+        return trial.model_copy(update={"spec": spec.model_copy(update={"external_corpus": shared.path})}), shared
+    if corpus == WARMUP_CORPUS:
+        if tokenizer is None and target is not None and any(getattr(i, "input_ids", None) is not None
+                                                             for i in warmup):
+            from pipeline.load import target_tokenizer
 
-        # Without it a chat prompt's document would be its readable view ("user: ..."), not what the engine sees.
-        tokenizer = target_tokenizer(target)
-    docs = corpus_documents(warmup, tokenizer)
+            # Without it a chat prompt's document would be its readable view ("user: ..."), not what the engine sees.
+            tokenizer = target_tokenizer(target)
+        docs = corpus_documents(warmup, tokenizer)
+        _too_big(corpus, docs, "lower workload.warmup_prompts")
+        stem = "warmup"
+    else:
+        if not Path(corpus).is_file():
+            raise ValueError(f"spec.external_corpus: {corpus!r} is not a file on the driver's node. Fix: give a JSONL "
+                             f"corpus path the driver can read (it is shipped to the engine's node), "
+                             f"'{SHARED_PREFIX}<path>' for a file every engine node has, {WARMUP_CORPUS!r} for the "
+                             "warm-up split, or null")
+        docs = read_corpus(corpus)
+        if not docs:
+            raise ValueError(f"spec.external_corpus: {corpus!r} holds no documents (SGLang refuses an empty corpus). "
+                             "Fix: one JSON string per line, or null")
+        _too_big(corpus, docs, "use a smaller corpus")
+        stem = Path(corpus).stem
     key = hashlib.sha1(json.dumps(docs, ensure_ascii=False).encode("utf-8")).hexdigest()[:12]
-    written = write_corpus(docs, Path(out_dir) / "corpora" / f"warmup-{key}.jsonl")
+    written = write_corpus(docs, Path(out_dir) / "corpora" / f"{stem}-{key}.jsonl")
     new_spec = spec.model_copy(update={"external_corpus": written.path})
     return trial.model_copy(update={"spec": new_spec}), written
+
+
+def ship_corpus(config: ReplicaConfig, corpus: CorpusFile | None) -> ReplicaConfig:
+    """`config` carrying the corpus's documents (`ReplicaConfig.corpus_documents`), so the replica can write the
+    corpus on whatever node it runs; unchanged without a corpus or for a `shared:` one. Validated (size limit)."""
+    if corpus is None or not corpus.texts:
+        return config
+    return ReplicaConfig.model_validate({**config.to_replica(), "corpus_documents": list(corpus.texts)})
 
 
 def corpus_record(server_info: dict[str, Any], corpus: CorpusFile | None) -> dict[str, float]:
@@ -121,8 +199,9 @@ def corpus_record(server_info: dict[str, Any], corpus: CorpusFile | None) -> dic
     states = server_info.get("internal_states") or [{}]
     loaded = (states[0] or {}).get("external_corpora") or {}
     load_s = (server_info.get("startup_time") or {}).get("load_external_corpus")
-    record = {"corpus_documents": float(corpus.documents), "corpus_bytes": float(corpus.bytes),
-              "corpus_tokens": float(sum(loaded.values()))}
+    record = {"corpus_tokens": float(sum(loaded.values()))}
+    if corpus.documents is not None and corpus.bytes is not None:  # unknown for a shared file the driver cannot see
+        record.update(corpus_documents=float(corpus.documents), corpus_bytes=float(corpus.bytes))
     if isinstance(load_s, (int, float)):
         record["corpus_load_s"] = float(load_s)
     return record

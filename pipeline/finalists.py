@@ -4,6 +4,10 @@ measure+check path, gathered into the per-level input of the promotion rule (`pi
 The search measures at the first level only (`StudyConfig.search_concurrency`): a level as a search dimension would
 spread a small budget over a product of spaces, and TPE would compare throughputs that differ by level, not by
 config. The answer a serving team deploys is per level, so the few finalists pay for the other levels here.
+
+Under open-loop arrivals (`workload.arrival.mode: poisson`, one level only) every re-run goes through the same path,
+so it replays the trials' seeded Poisson schedule: the baseline and each finalist see the same arrival times, and
+their runs carry the offered and drawn rates (`offered_rate_per_s`, `arrival_rate_per_s`) beside `req_per_s`.
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int, leve
             ctx.parent_run_id, study_name=ctx.study.name, run_name=label, kind="finalist",
             config=at_level.model_dump(mode="json"), outcome=outcome.value, reason=reason,
             metrics=summary.to_metrics() if summary else {}, requests=to_table(m.records) if m.records else None,
-            texts=texts, extra_tags={"finalist": name, "concurrency": str(level)}, started_at=started_at)
+            texts=texts, started_at=started_at,
+            extra_tags={"finalist": name, "concurrency": str(level),
+                        "arrival": ctx.study.workload.arrival.describe(level)})
     return out
 
 
@@ -75,6 +81,9 @@ def measure_levels(ctx: TrialContext, baseline: TrialConfig, finalists: Sequence
     for level in levels:
         if several:
             print(f"  concurrency {level}: baseline and {len(finalists)} finalist(s), {runs} runs each", flush=True)
+        elif ctx.study.workload.arrival.open_loop:
+            print(f"  {ctx.study.workload.arrival.describe(level)}: baseline and {len(finalists)} finalist(s), "
+                  f"{runs} runs each", flush=True)
         base = remeasure(ctx, "final-baseline", baseline, runs, level, several)
         candidates = []
         for name, config in finalists:

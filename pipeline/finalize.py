@@ -30,7 +30,8 @@ from pipeline.redact import mask_url
 from pipeline.registry import register_config
 from pipeline.report import write_report
 from pipeline.resume import workload_digest
-from pipeline.trial import TrialContext, replica_config
+from pipeline.trial import TrialContext, shipped_replica_config
+from serve.engines.base import ReplicaConfig
 from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,
                            RoutingPolicy, deploy_files, engine_command, serving_config)
 
@@ -120,13 +121,18 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     chosen = next(r for r in low.rows if r.id == chosen_name)
     version = _promote(ctx, model_name, configs[chosen_name], kind, chosen_name, run_ids[chosen_name],
                        {"tput_tok_s": chosen.median_tok_s, "baseline_tput_tok_s": low.decision.baseline.median},
-                       routing_policy(levels_decision, {n: replica_config(study, c, Path(ctx.output_dir))
-                                                        for n, c in configs.items()}))
+                       routing_policy(levels_decision, {n: _served_replica(ctx, c) for n, c in configs.items()}))
     write_study_report(ctx, ot_study, rows, f"{kind}: {levels_decision.reason}", levels=levels_decision,
                        promoted=names[chosen_name] if served.config else None)
     _report(ctx, low.decision, model_name, version, [f for e in inputs for f in e.baseline_failures],
             levels_decision, table)
     return 0
+
+
+def _served_replica(ctx: TrialContext, config: TrialConfig) -> ReplicaConfig:
+    """The replica a finalist's trial ran, corpus included: its documents travel in the served config (production
+    may run on a node that never saw the study's files; the `warmup` choice is written under the output folder)."""
+    return shipped_replica_config(ctx.study, config, ctx.warmup, Path(ctx.output_dir))[0]
 
 
 def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], decision: str,
@@ -156,7 +162,7 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
                             workload=study.workload.source,
                             workload_digest=workload_digest(prompts, study.workload.temperature), medians=medians)
     # The same function that built the trial's replica; the log folder is the trial's and is dropped.
-    serving = serving_config(replica_config(study, chosen, Path(ctx.output_dir)), provenance, routing)
+    serving = serving_config(_served_replica(ctx, chosen), provenance, routing)
     version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving, move_production=kind == "promote")
     folder = Path(ctx.output_dir) / DEPLOY_DIR
     # A password in the tracking URI is masked: deploy files are shared, secrets are set where they are deployed.

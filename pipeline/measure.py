@@ -190,7 +190,13 @@ class Summary(BaseModel):
       R = sum tokens / sum e2e; throughput = R x (sum e2e / window), and the second factor is the mean number of
       requests in flight, which the load generator holds fixed, so the CI is tput x the 2.5/97.5% quantiles of
       R_boot / R. It covers request-to-request variation within this run only; run-to-run noise is what the
-      promotion rule's repeated runs and MAD are for.
+      promotion rule's repeated runs and MAD are for. Under open-loop arrivals the number in flight is not held
+      fixed, so there the CI covers the per-request rate only.
+    - Open loop (`offered_rate_per_s` given, else both None): `offered_rate_per_s` is the configured Poisson rate,
+      `arrival_rate_per_s` the rate the seeded schedule actually drew ((sent - 1) / time from the first start to the
+      last; None with one request). The achieved rate is `req_per_s` (completed requests per second of window); when
+      it falls short of the arrival rate, the engine did not keep up and requests queued (latencies show it). Throughput
+      is then bounded by the offered load, so configs that both keep up differ mainly in latency.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -221,6 +227,8 @@ class Summary(BaseModel):
     e2e_p99_ms: float | None
     seed: int
     n_boot: int
+    offered_rate_per_s: float | None = None
+    arrival_rate_per_s: float | None = None
 
     def to_metrics(self) -> dict[str, float]:
         """The numeric fields for `mlflow.log_metrics` (None dropped: MLflow has no null metric)."""
@@ -233,14 +241,20 @@ MIN_BOOT = 100
 _BOOT_CHUNK_ELEMENTS = 1_000_000
 
 
-def summarize(table_or_records: pa.Table | Iterable[RequestRecord], *, seed: int, n_boot: int = 1000) -> Summary:
-    """Summarize one trial's records at one concurrency (see `Summary` for every definition).
+def summarize(table_or_records: pa.Table | Iterable[RequestRecord], *, seed: int, n_boot: int = 1000,
+              offered_rate_per_s: float | None = None) -> Summary:
+    """Summarize one trial's records at one concurrency (see `Summary` for every definition). `offered_rate_per_s`:
+    the Poisson rate of an open-loop measurement (None = closed loop).
 
     Empty or all-failed input gives zero throughput and the error counts, not an exception. Mixed concurrency
     levels among the measurement requests are an error: summarize each level on its own.
     """
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < MIN_BOOT:
         raise ValueError(f"n_boot must be an integer >= {MIN_BOOT} for a 95% interval, got n_boot={n_boot!r}")
+    if offered_rate_per_s is not None and not (
+            isinstance(offered_rate_per_s, (int, float)) and math.isfinite(offered_rate_per_s)
+            and offered_rate_per_s > 0):
+        raise ValueError(f"offered_rate_per_s must be a finite number > 0 or None, got {offered_rate_per_s!r}")
     records = to_records(table_or_records)
     warmup = [r for r in records if r.phase == "warmup"]
     measured = [r for r in records if r.phase == "measure"]
@@ -283,7 +297,15 @@ def summarize(table_or_records: pa.Table | Iterable[RequestRecord], *, seed: int
         **_percentiles_ms("e2e", e2e),
         seed=seed,
         n_boot=n_boot,
+        offered_rate_per_s=float(offered_rate_per_s) if offered_rate_per_s is not None else None,
+        arrival_rate_per_s=_arrival_rate(measured) if offered_rate_per_s is not None else None,
     )
+
+
+def _arrival_rate(measured: Sequence[RequestRecord]) -> float | None:
+    starts = sorted(r.start_s for r in measured)
+    span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
+    return (len(starts) - 1) / span if span > 0 else None
 
 
 def _accept_lengths(ok: Sequence[RequestRecord]) -> tuple[float | None, float | None]:

@@ -6,7 +6,9 @@ down; production traffic does not wait. Here arrivals are a seeded Poisson proce
 starts after it; started ones run to completion or their timeout). Each request goes through load.py's own
 streaming request path, so records have the same format as `run_phase`'s. `RequestRecord.concurrency` must hold one
 level per window (`pipeline.measure.summarize`), so every record carries `label` there (default 1): open-loop load
-has no fixed concurrency, and the rate is the caller's to record (e.g. an MLflow param).
+has no fixed concurrency, and the rate is the caller's to record (`summarize(..., offered_rate_per_s=...)`).
+A study uses it when `workload.arrival.mode` is `poisson` (`pipeline.pruning.measure_phase`, for trials and finalist
+re-runs alike).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ async def run_open_loop_async(base_url: str, items: Sequence[LoadRequest], *, ra
         window_start = time.monotonic()
 
         async def arrive(position: int, offset: float) -> RequestRecord:
-            delay = window_start + offset - time.monotonic()
-            if delay > 0:
+            # A loop, not one sleep: uvloop's (libuv's) timers are millisecond-granular and fire up to 1 ms early,
+            # and a trial process may run uvloop (Ray Serve installs it); no request may start before its arrival.
+            while (delay := window_start + offset - time.monotonic()) > 0:
                 await asyncio.sleep(delay)
             return await _one(client, items[position], phase=phase, concurrency=label, window_start=window_start,
                               temperature=temperature, timeout_s=timeout_s, request_id=f"{phase}-{position}")

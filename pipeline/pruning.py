@@ -6,6 +6,11 @@ chunked measurement (`measure_phase`, called by `pipeline.trial.measure_config`)
 Chunks are `concurrency` requests (1 at the search level the rule applies to), each one `run_phase`, laid end to end
 in the phase window: the pause between chunks (the rule, Tune's report) is left out of the window, so a watched
 trial's throughput is its requests' own; every trial of the search, the baseline included, is measured this way.
+
+Open-loop arrivals (`workload.arrival.mode: poisson`) switch early stopping off: chunks run one after the other would
+close the loop again (a chunk waits for the previous one), and the rule compares throughputs, which under open loop
+follow the offered rate rather than the config. Such a phase is one `run_open_loop` on the study's seeded schedule,
+the same for every trial and finalist run, so they all see the same arrival times.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from pipeline.load import run_phase
 from pipeline.measure import RequestRecord, chunks, continue_records, summarize, to_records
+from pipeline.openloop import run_open_loop
 from pipeline.record import KIND_TAG, Tracker
 from pipeline.stopping import BaselineFigures, StoppingPolicy, StopResult, VerifyCost, baseline_figures, check, rule_off
 from serve.spec import draft_token_count
@@ -79,9 +85,20 @@ class Watch:
 
 
 def measure_phase(url: str, items: list[Any], kwargs: dict[str, Any], watch: Watch | None,
-                  server_info: dict[str, Any]) -> tuple[list[RequestRecord], str | None]:
+                  server_info: dict[str, Any], arrival: Any = None,
+                  seed: int = 0) -> tuple[list[RequestRecord], str | None]:
     """The measurement phase: in one piece without a watch; else chunk by chunk, asking the watch after each one.
+    With `arrival` (a `pipeline.config.ArrivalSettings`) in poisson mode: open loop on the schedule seeded by `seed`
+    (records labelled with `kwargs["concurrency"]`), never watched.
     Returns the records and, when the rule stopped the trial, its reason (the bound that stopped it)."""
+    if arrival is not None and arrival.open_loop:
+        if watch is not None:
+            raise ValueError("open-loop measurement cannot be watched: early stopping is off under "
+                             "workload.arrival.mode poisson (trial_watch returns no watch)")
+        return run_open_loop(url, items, rate_per_s=arrival.rate_per_s, seed=seed, phase="measure",
+                             max_duration_s=arrival.max_duration_s, label=kwargs["concurrency"],
+                             temperature=kwargs.get("temperature", 0.0),
+                             timeout_s=kwargs.get("timeout_s", 300.0)), None
     if watch is None:
         return run_phase(url, items, phase="measure", **kwargs), None
     records: list[RequestRecord] = []
@@ -106,6 +123,9 @@ def trial_watch(study: Any, tracker: Tracker, parent_run_id: str, measure: Seque
     budget = study.budget
     if not budget.early_stopping:
         return None, "off (budget.early_stopping: false)"
+    if study.workload.arrival.open_loop:
+        return None, ("off (workload.arrival.mode: poisson: measured chunks would close the loop, and throughput "
+                      "follows the offered rate)")
     off = rule_off(enabled=True, algorithm=config.spec.algorithm, concurrency=config.concurrency)
     figures = None
     if off is None:

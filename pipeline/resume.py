@@ -53,6 +53,8 @@ def study_identity(study: StudyConfig, space_dump: dict[str, Any], workload: str
                               "env": sorted(engine.env)}, sort_keys=True),
         "objective": json.dumps(study.objective.model_dump(mode="json"), sort_keys=True),
         "concurrency": str(study.concurrency[0]),
+        # closed loop vs an arrival rate: trials measured under both would not compare
+        "arrival": json.dumps(study.workload.arrival.model_dump(mode="json"), sort_keys=True),
     }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from pipeline.config import StudyConfig, TrialConfig
-from pipeline.corpus import corpus_for_trial, corpus_record
+from pipeline.corpus import CorpusFile, corpus_for_trial, corpus_record, ship_corpus
 from pipeline.equivalence import EquivalenceReport, check_equivalence
 from pipeline.load import LoadRequest, run_phase
 from pipeline.measure import RequestRecord, Summary, summarize, to_table
@@ -100,6 +100,15 @@ def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> Rep
         max_running_requests=trial.max_running_requests, threads=engine.threads, tp_size=engine.tp_size,
         replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
         env=engine.env, start_timeout_s=engine.start_timeout_s, log_dir=str(log_dir))
+
+
+def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,
+                           log_dir: Path) -> tuple[ReplicaConfig, CorpusFile | None]:
+    """`replica_config` with the trial's corpus resolved (`corpus_for_trial`: the `warmup` choice written from the
+    warm-up split, a user file read) and its documents shipped in the config, so a replica on any node can load it.
+    Trials and promotion both use it. ValueError for a corpus that cannot be used."""
+    trial, corpus = corpus_for_trial(trial, warmup, log_dir, target=study.model.target)
+    return ship_corpus(replica_config(study, trial, log_dir), corpus), corpus
 
 
 def app_name(study_name: str, label: str) -> str:
@@ -196,12 +205,11 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     url = f"{ctx.serve_url}/{name}"
     out = Measurement()
     started = time.monotonic()
-    try:  # the `warmup` corpus choice becomes a file written from the warm-up split (a user file is checked)
-        trial, corpus = corpus_for_trial(trial, ctx.warmup, log_dir, target=study.model.target)
+    try:  # a corpus travels in the replica's config: the engine may run on a node without the driver's files
+        config, corpus = shipped_replica_config(study, trial, ctx.warmup, log_dir)
     except ValueError as exc:
         out.failure = (Outcome.INVALID, str(exc))
         return out
-    config = replica_config(study, trial, log_dir)
     problem = _cluster_cannot_host(config)
     if problem:
         out.failure = (Outcome.LAUNCH_FAILED, problem)
@@ -247,7 +255,8 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         out.records += run_phase(url, warm, phase="warmup", **kwargs) if warm else []
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
-        measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info)
+        measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
+                                         arrival=study.workload.arrival, seed=study.seed)
         out.records += measured
         out.timings["measure_s"] = time.monotonic() - phase_start
         try:
@@ -365,7 +374,9 @@ def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_di
     changed = _meaning_changed(config, m.diffs)
     if m.failure is None and changed:
         outcome, reason = Outcome.INVALID, changed
-    summary = summarize(m.records, seed=ctx.study.seed) if m.records else None
+    arrival = ctx.study.workload.arrival
+    summary = summarize(m.records, seed=ctx.study.seed,
+                        offered_rate_per_s=arrival.rate_per_s if arrival.open_loop else None) if m.records else None
     equivalence = None
     if outcome is Outcome.COMPLETE:
         outcome, reason, equivalence = _compare(ctx, config, m.records)

@@ -2,12 +2,12 @@
 
 Two deployments share one engine-owning base: `EngineReplica` (HTTP ingress: every engine route under the app's
 prefix; one per trial) and `EngineBackend` (handle-only, behind the production ingress). Lifecycle: the constructor
-runs the engine kind's node checks and preflight (here, where the engine will run), starts the engine on a free port
-in its own process group under a watchdog, with its output in a log file, and waits for `GET /health` up to
-`start_timeout_s`. If the engine exits or
-never gets ready, the constructor raises with the log tail, so Serve marks the app DEPLOY_FAILED and the trial can
-record LAUNCH_FAILED with the reason. Every route is proxied to the engine (streaming included). Serve's health
-check asks the process and `/health`. Shutdown kills the whole process group.
+writes a corpus shipped in its config, runs the engine kind's node checks and preflight (here, where the engine will
+run), starts the engine on a free port in its own process group under a watchdog, with its output in a log file, and
+waits for `GET /health` up to `start_timeout_s`. If the engine exits or never gets ready, the constructor raises with
+the log tail, so Serve marks the app DEPLOY_FAILED and the trial can record LAUNCH_FAILED with the reason. Every
+route is proxied to the engine (streaming included). Serve's health check asks the process and `/health`. Shutdown
+kills the whole process group.
 """
 
 
@@ -26,7 +26,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
 from serve.engines import engine_for
-from serve.engines.base import ReplicaConfig, python_module_argv
+from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, corpus_jsonl, python_module_argv
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
@@ -62,6 +62,27 @@ def unplaceable(options: dict[str, Any], nodes: list[dict[str, float]]) -> str |
             f"engine.tp_size, engine.replica_cpus and engine.replica_resources")
 
 
+def write_shipped_corpus(config: ReplicaConfig, folder: str | Path) -> ReplicaConfig:
+    """Runs on the engine's node before its command line is built: a corpus shipped in the config
+    (`corpus_documents`) is written as JSONL to `<folder>/corpora/<name of spec.external_corpus>` and the returned
+    config points `spec.external_corpus` (hence the engine's corpus-path flag) there. The driver that wrote the corpus
+    may be another node without a filesystem in common. Without shipped documents the config is returned unchanged.
+
+    A trial's driver names the same path (its own trial folder, `log_dir`), so on a single node both write the same
+    bytes there and the engine reports the path the trial asked for."""
+    if config.corpus_documents is None:
+        return config
+    spec = config.spec
+    target = Path(folder) / CORPUS_FOLDER / corpus_file_name(str(getattr(spec, "external_corpus", "")))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic: the driver (same node) or another replica may be writing the same content-addressed file right now.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(corpus_jsonl(config.corpus_documents))
+    os.replace(tmp, target)
+    return config.model_copy(update={"spec": spec.model_copy(update={"external_corpus": str(target)}),
+                                     "corpus_documents": None})
+
+
 def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
     try:
         data = Path(path).read_bytes()
@@ -73,18 +94,21 @@ def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
 class EngineProcess:
     """One engine process: node checks, start, wait for readiness, stop. Usable without Ray (tests, benchmarks).
 
-    The constructor runs the engine kind's `prepare` here, on the node that will run the engine (GPUs Ray assigned,
-    driver, compiler, free GPU memory, the engine's own parser on the exact argv): it raises ConfigRejected when the
-    engine refuses the config and RuntimeError when this node cannot run it. The engine is started through
+    The constructor first writes a corpus shipped in the config (`write_shipped_corpus`), then runs the engine kind's
+    `prepare` here, on the node that will run the engine (GPUs Ray assigned, driver, compiler, free GPU memory, the
+    engine's own parser on the exact argv): it raises ConfigRejected when the engine refuses the config and
+    RuntimeError when this node cannot run it. The engine is started through
     `serve.engines.watchdog`, which kills its process group if this process dies without running `stop`."""
 
     def __init__(self, config: ReplicaConfig, host: str = "127.0.0.1") -> None:
-        self.config = config
         self.kind = engine_for(config.engine)
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="specdec-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
+        # The corpus travels in the config: written here, on the engine's node, before the command line names it.
+        config = write_shipped_corpus(config, log_dir)
+        self.config = config
         self.log_path = log_dir / f"engine-{self.port}.log"
         self.argv = self.kind.argv(config, host, self.port)
         self.prepared = self.kind.prepare(config, self.argv)

@@ -3,9 +3,11 @@
 One typed object (`ServingConfig`) travels from the end of a study (pipeline/finalize.py) through the registry
 (pipeline/registry.py) to the production endpoint (serve/production.py) and its `/v1/config` (serve/ingress.py). Its
 `replica` is the `ReplicaConfig` the trial's replica ran, built by the same function (`pipeline.trial.replica_config`),
-so tp_size, extra_flags, start_timeout_s and the engine environment reach production unchanged. Two things differ:
+so tp_size, extra_flags, start_timeout_s and the engine environment reach production unchanged. What differs:
 `log_dir` (a trial folder) is dropped, and secrets travel as references: every `env` name moves to `env_from`, and
-the engine reads its value from the production replica's own environment (`Engine.start_env`).
+the engine reads its value from the production replica's own environment (`Engine.start_env`). An NGRAM external
+corpus travels as its documents (`ReplicaConfig.corpus_documents`), with `spec.external_corpus` reduced to the file
+name the production replica writes them to on its own node; the deploy files add that file beside the engine command.
 
 The deployable forms of a serving config (engine command line, Serve config file, KubeRay patch) are rendered here too,
 so the files a user deploys and the config production loads cannot disagree.
@@ -21,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from serve.engines.base import ReplicaConfig
+from serve.engines.base import ReplicaConfig, corpus_file_name, corpus_jsonl
 from serve.spec import FrozenModel
 
 COMMAND_FILE = "engine_command.sh"
@@ -113,9 +115,14 @@ class ServingConfig(FrozenModel):
 
 
 def serving_replica(replica: ReplicaConfig) -> ReplicaConfig:
-    """The serving form of the replica a trial ran: env values replaced by their names, log_dir dropped."""
+    """The serving form of the replica a trial ran: env values replaced by their names, log_dir dropped, a shipped
+    corpus's path (in the trial's folder) reduced to its file name (each replica writes the documents on its node)."""
     names = sorted(set(replica.env_from) | set(replica.env))
-    return replica.model_copy(update={"env": {}, "env_from": names, "log_dir": None})
+    update: dict[str, Any] = {"env": {}, "env_from": names, "log_dir": None}
+    corpus = getattr(replica.spec, "external_corpus", None)
+    if replica.corpus_documents is not None and corpus is not None:
+        update["spec"] = replica.spec.model_copy(update={"external_corpus": corpus_file_name(corpus)})
+    return replica.model_copy(update=update)
 
 
 def serving_config(replica: ReplicaConfig, provenance: Provenance,
@@ -171,8 +178,22 @@ def rayservice_patch(serving: ServingConfig, source_args: dict[str, str], versio
             "spec": {"serveConfigV2": yaml.safe_dump(config, sort_keys=False)}}
 
 
+def corpus_files(serving: ServingConfig) -> dict[str, str]:
+    """The shipped corpora of the served engines as deploy files (name -> JSONL): the engine command names them by
+    file name, so they lie beside it."""
+    return {corpus_file_name(str(getattr(r.spec, "external_corpus", ""))): corpus_jsonl(r.corpus_documents).decode()
+            for r in serving.replicas().values() if r.corpus_documents is not None}
+
+
+def _corpus_cd(replica: ReplicaConfig) -> str:
+    # The command names a shipped corpus by its bare file name: run it from the folder that holds the file.
+    return 'cd "$(dirname "$0")"  # the corpus file the command names lies beside this script\n' \
+        if replica.corpus_documents is not None else ""
+
+
 def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_label: str) -> dict[str, str]:
-    """Every deployable form, by file name (the contents hold no secret value: `serving` cannot carry one)."""
+    """Every deployable form, by file name (the contents hold no secret value: `serving` cannot carry one), plus the
+    shipped corpus file(s) the engine commands name."""
     env_note = "".join(f"#   {name} must be set in the engine's environment\n" for name in serving.replica.env_from)
     policy = serving.policy
     policy_note = f"# Serving policy: {policy.text}\n" if policy is not None else ""
@@ -180,7 +201,7 @@ def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_la
         SERVING_FILE: serving.model_dump_json(indent=2),
         COMMAND_FILE: ("#!/bin/sh\n# The engine exactly as the winning trial ran it "
                        f"(study {serving.provenance.study}, {serving.provenance.source}).\n" + policy_note + env_note
-                       + "exec " + engine_command(serving) + "\n"),
+                       + _corpus_cd(serving.replica) + "exec " + engine_command(serving) + "\n"),
         SERVE_CONFIG_FILE: ("# serve deploy " + SERVE_CONFIG_FILE + "   (on a cluster started with `ray start --head`)\n"
                             + yaml.safe_dump(serve_deploy_config(serving, source_args), sort_keys=False)),
         RAYSERVICE_PATCH_FILE: ("# kubectl -n specdec patch rayservice specdec-production --type merge "
@@ -193,20 +214,23 @@ def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_la
         # than `switch_above` are in flight (what the production endpoint's ingress does).
         high = serving.model_copy(update={"replica": policy.high})
         files[HIGH_COMMAND_FILE] = (f"#!/bin/sh\n# The engine above {policy.switch_above} requests in flight "
-                                    f"({policy.high_source}). {policy_note[2:]}"
+                                    f"({policy.high_source}). {policy_note[2:]}" + _corpus_cd(policy.high)
                                     + "exec " + engine_command(high, port=ENGINE_PORT + 1) + "\n")
     from serve.engines import engine_for
 
     # An engine that runs without our wrapper adds its bare command too (llama.cpp: llama_server_command.sh).
     files.update(engine_for(serving.replica.engine).native_deploy_files(serving.replica, ENGINE_HOST, ENGINE_PORT))
+    files.update(corpus_files(serving))
     return files
 
 
 def spec_params(serving: ServingConfig) -> dict[str, str]:
     """Flat params for the registry's Models page: the replica's fields, spec.* expanded, env values absent."""
-    data = serving.replica.model_dump(mode="json", exclude={"log_dir", "env"})
+    data = serving.replica.model_dump(mode="json", exclude={"log_dir", "env", "corpus_documents"})
     spec = data.pop("spec", {}) or {}
     params = {f"spec.{k}": v for k, v in spec.items()}
     params.update({k: v for k, v in data.items()})
+    if serving.replica.corpus_documents is not None:  # the documents are in the registered config; a param is short
+        params["corpus_documents"] = len(serving.replica.corpus_documents)
     return {k: (str(v) if not isinstance(v, (list, dict)) else yaml.safe_dump(v, default_flow_style=True).strip())
             for k, v in params.items() if v is not None and v != [] and v != {}}

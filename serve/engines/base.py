@@ -10,18 +10,24 @@ checks that must pass on the replica's node before it starts, and how many repli
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_serializer
+from pydantic import Field, field_serializer, model_validator
 
-from serve.spec import FrozenModel, NoSpec, SpecConfig
+from serve.spec import FrozenModel, NgramSpec, NoSpec, SpecConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EngineKind = Literal["cpu", "sglang", "llama_cpp"]
 REDACTED = "<redacted>"
+# A shipped corpus travels inside the replica's config (Serve's deployment arguments, the registered serving config,
+# `/v1/config`): kept small enough for all of them. A larger corpus belongs on a filesystem every engine node sees.
+MAX_SHIPPED_CORPUS_BYTES = 8 * 2**20
+CORPUS_FOLDER = "corpora"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -39,6 +45,16 @@ def redact_env(env: dict[str, str], info: Any) -> dict[str, str]:
     if (getattr(info, "context", None) or {}).get("reveal_env"):
         return dict(env)
     return {name: REDACTED for name in env}
+
+
+def corpus_jsonl(documents: Sequence[str]) -> bytes:
+    """Documents as an external-corpus JSONL body (SGLang's format: one JSON string per line). Pure."""
+    return "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in documents).encode("utf-8")
+
+
+def corpus_file_name(path: str) -> str:
+    """The file name a shipped corpus gets on the engine's node: the name of `spec.external_corpus`. Pure."""
+    return Path(path).name or "corpus.jsonl"
 
 
 class ReplicaConfig(FrozenModel):
@@ -60,8 +76,31 @@ class ReplicaConfig(FrozenModel):
                                 "replica's own environment (how a served config carries secrets: by reference)")
     start_timeout_s: float = Field(600.0, gt=0)
     log_dir: str | None = Field(None, description="where the engine log goes; None = a temp dir")
+    corpus_documents: tuple[str, ...] | None = Field(
+        None, description="the NGRAM external corpus itself, shipped with the replica: the replica writes it as "
+        "JSONL on its own node (<log_dir>/corpora/<name of spec.external_corpus>) and points the engine there, so no "
+        "filesystem need be shared; None = spec.external_corpus is a path the engine's node reads as it is")
 
     _redact = field_serializer("env")(redact_env)
+
+    @model_validator(mode="after")
+    def _shipped_corpus(self) -> ReplicaConfig:
+        if self.corpus_documents is None:
+            return self
+        if not isinstance(self.spec, NgramSpec) or self.spec.external_corpus is None:
+            raise ValueError("corpus_documents: given, but spec.external_corpus is not set (only an NGRAM spec with "
+                             "a corpus loads one). Fix: set spec.external_corpus to the corpus's file name, or drop "
+                             "corpus_documents")
+        if not self.corpus_documents:
+            raise ValueError("corpus_documents: empty (SGLang refuses an empty corpus). Fix: give at least one "
+                             "document, or set spec.external_corpus to null")
+        size = len(corpus_jsonl(self.corpus_documents))
+        if size > MAX_SHIPPED_CORPUS_BYTES:
+            raise ValueError(f"corpus_documents: {len(self.corpus_documents)} documents, {size} bytes as JSONL, "
+                             f"more than the {MAX_SHIPPED_CORPUS_BYTES} bytes a replica config may carry. Fix: put "
+                             "the corpus on a filesystem every engine node sees and give its path as "
+                             "spec.external_corpus without corpus_documents (in a search space: 'shared:<path>')")
+        return self
 
     def to_replica(self) -> dict[str, Any]:
         """The JSON form handed to the Serve replica (the only form that carries env values)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from fastapi.responses import Response, StreamingResponse
@@ -216,13 +217,15 @@ def test_warmup_sentinel_becomes_a_shared_corpus_file(tmp_path):
                                             "corpus_tokens": 7.0, "corpus_load_s": 0.5}
 
 
-def test_no_corpus_and_user_files_pass_through(tmp_path):
+def test_no_corpus_passes_through_and_a_user_file_is_read_to_be_shipped(tmp_path):
     plain = TrialConfig(spec=NgramSpec(num_draft_tokens=8))
     assert corpus_for_trial(plain, [], tmp_path) == (plain, None)
     user = write_corpus(["x", "y"], tmp_path / "user.jsonl")
     trial = TrialConfig(spec=NgramSpec(num_draft_tokens=8, external_corpus=user.path, external_sam_budget=2))
-    same, info = corpus_for_trial(trial, [], tmp_path)
-    assert same is trial and info.documents == 2
+    resolved, info = corpus_for_trial(trial, [], tmp_path / "trial")
+    # The engine's node may not see the user's file: its documents travel, and the trial keeps its own copy.
+    assert info.documents == 2 and info.texts == ("x", "y")
+    assert resolved.spec.external_corpus == info.path and Path(info.path).parent == tmp_path / "trial" / "corpora"
     missing = TrialConfig(spec=NgramSpec(num_draft_tokens=8, external_corpus="/no/such.jsonl", external_sam_budget=2))
     with pytest.raises(ValueError, match="spec.external_corpus: '/no/such.jsonl' is not a file"):
         corpus_for_trial(missing, [], tmp_path)
