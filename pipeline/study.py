@@ -5,6 +5,7 @@ Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` a
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,11 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                recorded: dict[str, dict[str, Any]] | None = None) -> None:
     from ray import tune
 
+    # This runs in Tune's worker process, whose Serve client logs one "Deleting app"/"Connecting" INFO line per
+    # deploy; Ray forwards them to the driver's terminal, between our one-line-per-trial progress.
+    import ray.serve  # noqa: F401  (its import sets the logger to INFO)
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     label = tune.get_context().get_trial_id()
     if recorded and label in recorded:  # a restore runs this trial again, but Tune holds its final report already:
         tune.report(recorded[label])  # report it again (Optuna is told as usual); measuring again would count it twice

@@ -124,8 +124,15 @@ def quiet_libraries() -> None:
     import optuna
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a progress bar per downloaded config
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one "Deleting app" line per trial otherwise
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial, doubling ours
+
+
+def quiet_serve() -> None:
+    """Serve's client logs a "Deleting app" line per trial; importing ray.serve sets its logger to INFO, so this
+    runs after that import (and only for a real run: --dry-run imports no ray)."""
+    import ray.serve  # noqa: F401
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from pipeline.study import run_study  # heavy imports (Ray, MLflow) only for a real run
 
+        quiet_serve()
         return run_study(study, space, resume=args.resume, resume_command=resume_command(argv))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
