@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ from pipeline.measure import Summary, summarize  # noqa: E402
 from pipeline.workloads import load_workload  # noqa: E402
 from serve.engines.base import ReplicaConfig, child_env  # noqa: E402
 from serve.engines.cpu.adapter import CpuEngine  # noqa: E402
+from serve.replica import stop_group  # noqa: E402
 from serve.spec import SpecConfig  # noqa: E402
 
 # The default study's last recorded winner (docs/benchmarks.md "Default study"), in the search space's terms.
@@ -106,13 +106,7 @@ def engine(spec: SpecConfig, args: argparse.Namespace, log_path: Path) -> Iterat
             time.sleep(0.5)  # polling a condition with a deadline
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, 20.0)
 
 
 def flush(url: str) -> None:

@@ -145,17 +145,23 @@ class EngineProcess:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM to the group, SIGKILL after `grace_s`; bounded, so it fits in Serve's graceful shutdown."""
-        if self.process.poll() is not None:
-            return
+        stop_group(self.process, grace_s)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop a process started in its own session (it leads its group, e.g. the engine watchdog): SIGTERM to the
+    group, SIGKILL after `grace_s`. Used by replicas, test servers and benchmarks alike."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(timeout=grace_s)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=grace_s)
 
 
 app = FastAPI()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from serve.replica import stop_group
 
 
 @dataclass
@@ -51,10 +51,4 @@ def http_server(what: str, cmd: list[str], *, port: int, cwd: Path, env: dict[st
             time.sleep(0.5)  # polling interval of a condition with a deadline, not a wait-and-hope
         yield server
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, 20.0)
