@@ -154,3 +154,30 @@ def test_stop_string_cuts_speculative_output_where_plain_stops(runner, tokenizer
     spec = _run(decoder, tokenizer, p, stop=[stop])
     assert spec.output_ids == ref.output_ids and spec.finish_reason == ref.finish_reason
     _counters_consistent(spec)
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "standalone"])
+def test_requests_stepped_together_decode_what_each_decodes_alone(runner, tokenizer, plain, algorithm):
+    # The scheduler's rounds: every running request's verify step in one batched forward (Decoder.step_many).
+    speculator: NgramSpeculator | StandaloneSpeculator | None = None
+    if algorithm == "ngram":
+        cache = NgramCache(max_trie_depth=18, capacity=100_000, min_bfs_breadth=1, match_type="BFS",
+                           num_draft_tokens=8, max_bfs_breadth=4)
+        speculator = NgramSpeculator(cache, 8, 18)
+    elif algorithm == "standalone":
+        speculator = StandaloneSpeculator(runner, 2, 3, 7)
+    decoder = Decoder(runner, tokenizer, speculator)
+    eos = eos_ids_of(runner.model, tokenizer)
+    reqs = [Request(rid=str(i), prompt_ids=tokenizer.encode(p), sampling=GREEDY,
+                    rules=StopRules(max_new_tokens=NEW_TOKENS, eos_ids=eos), seed=0) for i, p in enumerate(PROMPTS)]
+    rounds = 0
+    while any(not r.finished for r in reqs):
+        decoder.begin_round()
+        results = decoder.step_many([r for r in reqs if not r.finished])
+        assert not [r for r in results if isinstance(r, Exception)]
+        rounds += 1
+    assert [r.output_ids for r in reqs] == [plain[p] for p in PROMPTS]
+    assert rounds < 3 * NEW_TOKENS  # they did share rounds
+    if speculator is not None:
+        for r in reqs:
+            _counters_consistent(r)

@@ -8,7 +8,7 @@ Modules (torch is imported lazily, only by the ones that run a model):
 - `verify`: tree acceptance (greedy and target-only sampling) and the sampling transforms.
 - `speculators`: draft sources producing `ngram.DraftTree`s (the shared n-gram trie, a standalone draft model).
 - `decode`: one request's state machine (prefill, draft+verify steps, stop rules, SGLang meta_info counters).
-- `scheduler`: the FIFO queue and the worker thread that round-robins the running requests.
+- `scheduler`: the FIFO queue and the worker thread that steps the running requests together (one batched forward).
 - `config`: the command line (SGLang flag names) and the resolved engine config.
 - `server`, `openai_api`: the HTTP surface (`python -m serve.engines.cpu`); `streaming`: what both share (a request
   seen from the event loop, cancel on disconnect, SSE and error bodies).

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget (KV) of the running requests: prompt + max_new_tokens each "
                         "(default 4 x context length)")
     p.add_argument("--max-running-requests", type=int, default=None,
-                   help=f"requests decoded at once (round-robin); default {DEFAULT_MAX_RUNNING_REQUESTS} like SGLang")
+                   help=f"requests decoded at once (one batched forward per step); default {DEFAULT_MAX_RUNNING_REQUESTS} like SGLang")
     p.add_argument("--random-seed", type=int, default=None, help="seeds requests that carry no seed (default random)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s = p.add_argument_group("speculative decoding (SGLang 0.5.23 semantics)")

@@ -124,6 +124,58 @@ class Decoder:
             return self._prefill(req)
         return self._verify(req)
 
+    def step_many(self, reqs: Sequence[Request]) -> list[StepStats | Exception]:
+        """One step for each of `reqs` (a scheduler round): prefills one by one, then every draft + verify step in
+        one batched target forward where the runner batches (`ModelRunner.batches`). Each result is the request's
+        `StepStats` or the exception its step raised, so one bad request fails alone. If the batched forward
+        itself raises, each request's forward is run alone with the tree it already drafted (drafting has side
+        effects: the n-gram insert is queued at propose time), so the error lands on the request that caused it."""
+        results: dict[int, StepStats | Exception] = {}
+        drafted: list[tuple[int, Request, _Drafted]] = []
+        for i, req in enumerate(reqs):
+            try:
+                if req.finished:
+                    raise RuntimeError(f"request {req.rid} already finished")
+                if req.cache is None:
+                    results[i] = self._prefill(req)
+                elif not self.runner.batches:
+                    results[i] = self._verify(req)
+                else:
+                    drafted.append((i, req, self._draft(req)))
+            except Exception as err:  # noqa: BLE001 - handed to the caller per request
+                results[i] = err
+        if len(drafted) == 1:
+            i, req, step = drafted[0]
+            results[i] = self._forward_alone(req, step)
+        elif drafted:
+            try:
+                hiddens = self.runner.forward_many(
+                    [(req.cache, step.tokens, step.positions, step.visible) for _, req, step in drafted])
+            except Exception:  # noqa: BLE001 - retried one by one below, where the error has an owner
+                hiddens = None
+            if hiddens is None:
+                for i, req, step in drafted:
+                    results[i] = self._forward_alone(req, step)
+            else:
+                # the first-level logits of every request in one matmul: the LM head is read once per round too
+                firsts = self.runner.logits(torch.cat([h[:step.first] for h, (_, _, step) in zip(hiddens, drafted)]))
+                offset = 0
+                for hidden, (i, req, step) in zip(hiddens, drafted):
+                    rows = firsts[offset:offset + step.first]
+                    offset += step.first
+                    try:
+                        results[i] = self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, rows=rows))
+                    except Exception as err:  # noqa: BLE001
+                        results[i] = err
+        return [results[i] for i in range(len(reqs))]
+
+    def _forward_alone(self, req: Request, step: _Drafted) -> StepStats | Exception:
+        try:
+            hidden = self.runner.forward(req.cache, step.tokens, step.positions, step.visible)
+            return self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, first=step.first))
+        except Exception as err:  # noqa: BLE001
+            return err
+
     def begin_round(self) -> None:
         """Called by the scheduler before each round of steps (NGRAM lands the previous round's inserts here)."""
         # Optional on the protocol's implementers: a draft source without round-level state need not define it.
@@ -146,20 +198,30 @@ class Decoder:
         return StepStats(verify=False, emitted=1, proposed=0)
 
     def _verify(self, req: Request) -> StepStats:
+        step = self._draft(req)
+        hidden = self.runner.forward(req.cache, step.tokens, step.positions, step.visible)
+        return self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, first=step.first))
+
+    def _draft(self, req: Request) -> _Drafted:
+        """Propose a tree rooted at the last token and lay it out as the target forward's queries."""
+        if req.chooser is None:
+            raise RuntimeError(f"request {req.rid}: verify step before its prefill")
+        tree = self.speculator.propose(req) if self.speculator is not None else _EMPTY
+        base = self.runner.cache_len(req.cache)
+        parents = [-1, *(p + 1 for p in tree.parents)]  # query 0 is the root
+        return _Drafted(tree=tree, base=base, tokens=[req.tokens[-1], *tree.tokens], parents=parents,
+                        positions=[base + d for d in (0, *tree.depths())],
+                        visible=tree_visibility(base, parents), first=1 + tree.num_real)
+
+    def _accept(self, req: Request, step: _Drafted, hidden: torch.Tensor, logits_at: _LazyLogits) -> StepStats:
+        """Walk the verified tree, keep the accepted KV columns, append the tokens, update the counters."""
         chooser = req.chooser
         if chooser is None:
             raise RuntimeError(f"request {req.rid}: verify step before its prefill")
-        tree = self.speculator.propose(req) if self.speculator is not None else _EMPTY
-        runner = self.runner
-        base = runner.cache_len(req.cache)
-        tokens = [req.tokens[-1], *tree.tokens]
-        parents = [-1, *(p + 1 for p in tree.parents)]  # query 0 is the root
-        depths = [0, *tree.depths()]
-        hidden = runner.forward(req.cache, tokens, [base + d for d in depths], tree_visibility(base, parents))
-        logits_at = _LazyLogits(runner, hidden, first=1 + tree.num_real)
-        accepted, emitted = walk_tree(tokens, parents, logits_at, chooser)
-        runner.keep(req.cache, base, [0, *accepted])
+        accepted, emitted = walk_tree(step.tokens, step.parents, logits_at, chooser)
+        self.runner.keep(req.cache, step.base, [0, *accepted])
         kept = self._append(req, emitted)
+        tree = step.tree
         req.spec_verify_ct += 1
         req.spec_num_correct_drafts += kept - 1
         req.spec_num_proposed_drafts += len(tree.tokens)
@@ -210,15 +272,15 @@ def _generator(seed: int) -> torch.Generator:
 
 class _LazyLogits:
     """Logits of the verified queries, computed once per query: the root and the real draft nodes in one matmul
-    (what a typical step needs), pads only if the walk reaches one."""
+    (what a typical step needs; `rows` when the caller computed them for a whole batch), pads only if the walk
+    reaches one."""
 
-    def __init__(self, runner: ModelRunner, hidden: torch.Tensor, first: int) -> None:
+    def __init__(self, runner: ModelRunner, hidden: torch.Tensor, first: int = 0,
+                 rows: torch.Tensor | None = None) -> None:
         self._runner = runner
         self._hidden = hidden
-        self._rows: dict[int, torch.Tensor] = {}
-        batch = runner.logits(hidden[:first])
-        for i in range(first):
-            self._rows[i] = batch[i]
+        batch = runner.logits(hidden[:first]) if rows is None else rows
+        self._rows: dict[int, torch.Tensor] = {i: batch[i] for i in range(int(batch.shape[0]))}
 
     def __call__(self, index: int) -> torch.Tensor:
         row = self._rows.get(index)
@@ -226,3 +288,16 @@ class _LazyLogits:
             row = self._runner.logits(self._hidden[index:index + 1])[0]
             self._rows[index] = row
         return row
+
+
+@dataclass(frozen=True)
+class _Drafted:
+    """A drafted step, laid out as the target forward's queries (query 0 = the root, the last emitted token)."""
+
+    tree: DraftTree
+    base: int  # cache columns before the queries
+    tokens: list[int]
+    parents: list[int]
+    positions: list[int]
+    visible: torch.Tensor
+    first: int  # queries whose logits a typical walk needs: the root and the real (non-pad) draft nodes

@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from serve.spec import FrozenModel
@@ -165,7 +165,7 @@ def install(app: FastAPI, engine: Any) -> None:
     active = armed(engine.config.test_faults, engine.speculative)
     if "crash-after" in active or "hang-after" in active:
         app.add_middleware(_RequestFaults, faults=active)
-    # The scheduler's worker calls `scheduler.decoder.step` for every step; nothing else steps requests.
+    # The scheduler's worker calls `scheduler.decoder.step_many` for every round; nothing else steps requests.
     if "wrong-tokens" in active:
         wrong = _WrongFirstToken(engine.decoder, engine.runner.vocab_size)
         engine.scheduler.decoder = wrong  # type: ignore[assignment]
@@ -213,9 +213,19 @@ class _WrongFirstToken:
 
     def step(self, req: Request) -> StepStats:
         stats = self._inner.step(req)
+        self._corrupt(req, stats)
+        return stats
+
+    def step_many(self, reqs: Sequence[Request]) -> list[StepStats | Exception]:
+        results = self._inner.step_many(reqs)
+        for req, result in zip(reqs, results):
+            if not isinstance(result, Exception):
+                self._corrupt(req, result)
+        return results
+
+    def _corrupt(self, req: Request, stats: StepStats) -> None:
         if not stats.verify and req.output_ids:
             req.output_ids[0] = (req.output_ids[0] + 1) % self._vocab_size
-        return stats
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -234,6 +244,13 @@ class _SlowSteps:
         stats = self._inner.step(req)
         time.sleep((self._factor - 1) * (time.perf_counter() - started))
         return stats
+
+    def step_many(self, reqs: Sequence[Request]) -> list[Any]:
+        # a round is one batched step: slowing the round slows every request in it by the same factor
+        started = time.perf_counter()
+        results = self._inner.step_many(reqs)
+        time.sleep((self._factor - 1) * (time.perf_counter() - started))
+        return results
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

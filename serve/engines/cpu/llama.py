@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FORWARD_VERSION", "LlamaShape", "LlamaForward", "KVCache", "unsupported_reason"]
+__all__ = ["FORWARD_VERSION", "LlamaShape", "LlamaForward", "KVCache", "Query", "unsupported_reason"]
 
 FORWARD_VERSION = 1  # part of the verify-cost cache key (probe.py): bump when the forward's cost profile changes
 
@@ -132,6 +132,17 @@ class KVCache:
         self.length = base + k
 
 
+@dataclass(frozen=True)
+class Query:
+    """One request's part of a forward: `token_ids` [N] at `positions` [N] after the `cache`'s columns, under an
+    additive `mask` [N, P+N] (None: plain causal attention over an empty cache)."""
+
+    cache: KVCache
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+
+
 class LlamaForward:
     """The model as plain tensors. Not thread-safe: one worker thread drives it (as `ModelRunner`)."""
 
@@ -213,39 +224,58 @@ class LlamaForward:
                 mask: torch.Tensor | None) -> torch.Tensor:
         """Hidden states [N, d] (after the final norm) of `token_ids` [N] at `positions` [N]; appends N cache
         columns. `mask` is an additive [N, P+N] mask, or None for plain causal attention over an empty cache."""
+        return self.forward_many([Query(cache, token_ids, positions, mask)])[0]
+
+    def forward_many(self, queries: Sequence[Query]) -> list[torch.Tensor]:
+        """One forward for several requests (each with its own cache): the hidden states [N_i, d] of each.
+
+        Every weight matmul runs once over all requests' rows stacked, so the weights are read once per round
+        instead of once per request (what makes a batched decode step cheaper per token, as on a GPU); attention
+        runs per request against its own cache. A failure leaves every cache's `length` as it was."""
         s = self.shape
-        n = int(token_ids.shape[0])
-        start = cache.length
-        end = start + n
-        cache.reserve(s, end)
+        sizes = [int(q.token_ids.shape[0]) for q in queries]
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        total = bounds[-1]
+        token_ids = torch.cat([q.token_ids for q in queries]) if len(queries) > 1 else queries[0].token_ids
+        positions = torch.cat([q.positions for q in queries]) if len(queries) > 1 else queries[0].positions
+        for q, n in zip(queries, sizes):
+            q.cache.reserve(s, q.cache.length + n)
         top = int(positions.max()) + 1
         if top > self._cos.shape[0]:
             self._rope_tables(max(top, 2 * self._cos.shape[0]))
-        cos = self._cos[positions][:, None, :]  # [N, 1, hd]: broadcast over heads
+        cos = self._cos[positions][:, None, :]  # [T, 1, hd]: broadcast over heads
         sin = self._sin[positions][:, None, :]
-        attn_mask = None if mask is None else mask[None, None]
-        causal = mask is None
+        masks = [None if q.mask is None else q.mask[None, None] for q in queries]
         heads_qk = s.num_heads + s.num_kv_heads
         half = s.head_dim // 2
         x = F.embedding(token_ids, self.embed)
-        keys, values = cache.keys, cache.values
+        attn_out = torch.empty(total, self.q_size, dtype=self.dtype)
         for i, layer in enumerate(self.layers):
             h = torch.rms_norm(x, (s.hidden_size,), layer.in_norm, s.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, heads_qk + s.num_kv_heads, s.head_dim)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(total, heads_qk + s.num_kv_heads, s.head_dim)
             qk = qkv[:, :heads_qk]
             qk = qk * cos + torch.roll(qk, half, -1) * sin
-            q = qk[:, :s.num_heads].transpose(0, 1)
-            keys[i, :, start:end] = qk[:, s.num_heads:].transpose(0, 1)
-            values[i, :, start:end] = qkv[:, heads_qk:].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[i, :, :end][None], values[i, :, :end][None], attn_mask=attn_mask,
-                is_causal=causal and n > 1, scale=self.scale, enable_gqa=True)
-            x = x + F.linear(attn[0].transpose(0, 1).reshape(n, self.q_size), layer.o)
+            for j, query in enumerate(queries):
+                a, b = bounds[j], bounds[j + 1]
+                n, start = b - a, query.cache.length
+                end = start + n
+                keys, values = query.cache.keys, query.cache.values
+                keys[i, :, start:end] = qk[a:b, s.num_heads:].transpose(0, 1)
+                values[i, :, start:end] = qkv[a:b, heads_qk:].transpose(0, 1)
+                attn = F.scaled_dot_product_attention(
+                    qk[a:b, :s.num_heads].transpose(0, 1)[None], keys[i, :, :end][None], values[i, :, :end][None],
+                    attn_mask=masks[j], is_causal=masks[j] is None and n > 1, scale=self.scale, enable_gqa=True)
+                attn_out[a:b] = attn[0].transpose(0, 1).reshape(n, self.q_size)
+            x = x + F.linear(attn_out, layer.o)
             h = torch.rms_norm(x, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
             gate_up = F.linear(h, layer.gate_up)
             x = x + F.linear(F.silu(gate_up[:, :s.intermediate_size]) * gate_up[:, s.intermediate_size:], layer.down)
-        cache.length = end
-        return torch.rms_norm(x, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
+        for query, n in zip(queries, sizes):
+            query.cache.length += n
+        out = torch.rms_norm(x, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
+        return [out[bounds[j]:bounds[j + 1]] for j in range(len(queries))]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head)

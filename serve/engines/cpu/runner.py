@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from serve.engines.cpu.llama import KVCache, LlamaForward, unsupported_reason
+from serve.engines.cpu.llama import KVCache, LlamaForward, Query, unsupported_reason
 
 __all__ = ["ModelRunner", "chain_visibility", "tree_visibility"]
 
@@ -176,6 +176,28 @@ class ModelRunner:
         out = self._base(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, cache=cache,
                          use_cache=True)
         return out.last_hidden_state[0]
+
+    @property
+    def batches(self) -> bool:
+        """Whether `forward_many` runs several requests in one forward (the fast Llama path); else it loops."""
+        return self.fast is not None
+
+    @torch.inference_mode()
+    def forward_many(self, items: Sequence[tuple[Any, Sequence[int], Sequence[int], torch.Tensor]]
+                     ) -> list[torch.Tensor]:
+        """`forward` for several requests at once: items of (cache, token_ids, positions, visible), each with its
+        own cache. On the fast path one forward with every weight read once (`LlamaForward.forward_many`); on HF
+        modules one forward per item. Returns each item's hidden states [N_i, d]."""
+        if self.fast is None:
+            return [self.forward(cache, ids, pos, visible) for cache, ids, pos, visible in items]
+        queries = []
+        for cache, token_ids, positions, visible in items:
+            n = len(token_ids)
+            if tuple(visible.shape) != (n, cache.length + n):
+                raise ValueError(f"visible must have shape ({n}, {cache.length + n}), got {tuple(visible.shape)}")
+            queries.append(Query(cache, torch.tensor(list(token_ids), dtype=torch.long),
+                                 torch.tensor(list(positions), dtype=torch.long), self._additive(visible)))
+        return self.fast.forward_many(queries)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         mask = torch.full(visible.shape, self._min, dtype=self.dtype)

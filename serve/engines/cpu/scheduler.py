@@ -1,12 +1,14 @@
-"""FIFO queue + one worker thread that decodes the running requests round-robin.
+"""FIFO queue + one worker thread that steps all running requests together, one round at a time.
 
 What batching the engine does (and does not do):
 - Requests wait in one FIFO queue. At the start of every round the worker admits waiting requests, oldest first,
   while fewer than `max_running_requests` are running and the token budget has room (below).
-- A round gives every running request exactly one step, in admission order: its prefill, or one draft + verify step
-  (= one target forward, plus the draft model's forwards for STANDALONE). There is no cross-request batched forward:
-  two running requests take about twice as long per round as one, so throughput does not grow with concurrency;
-  latency is shared fairly. SGLang batches the running requests into one forward per step instead.
+- A round gives every running request exactly one step (`Decoder.step_many`): new requests their prefill, one by one;
+  the others one draft + verify step each, all verified in ONE target forward where the runner batches (the fast
+  Llama path: every weight matmul over all requests' query rows, attention per request against its own cache;
+  STANDALONE's draft-model forwards stay per request). Like SGLang's decode batch, a round's cost grows less than
+  linearly with the number of running requests, so throughput rises with concurrency while each request's
+  inter-token latency grows; on HF modules (Gemma 3) the forwards stay one per request.
 - Finished or cancelled requests leave at once; their KV caches are dropped. Cancelling sets a flag on the
   request's `Ticket` (never a key derived from the object's address, which a later request may reuse).
 
@@ -40,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve.engines.cpu.decode import Decoder, Request
+from serve.engines.cpu.decode import Decoder, Request, StepStats
 
 __all__ = ["Scheduler", "Counters", "Ticket", "QueueFull", "TooLarge", "DECODE_LOG_INTERVAL",
            "DEFAULT_MAX_QUEUED_REQUESTS"]
@@ -243,27 +245,42 @@ class Scheduler:
             begin_round = getattr(self.decoder, "begin_round", None)
             if begin_round is not None:
                 begin_round()
-            verify = emitted = 0
+            live = []
             for ticket in batch:
-                stats = self._turn(ticket)
+                if ticket.cancelled:
+                    self._leave(ticket)
+                else:
+                    live.append(ticket)
+            verify = emitted = 0
+            for ticket, result in zip(live, self._step_all([t.req for t in live])):
+                stats = self._settle(ticket, result)
                 if stats is not None and stats.verify and self.decoder.speculator is not None:
                     verify += 1
                     emitted += stats.emitted
             with self._cond:
                 self.counters.end_round(verify, emitted)
 
-    def _turn(self, ticket: Ticket):
+    def _step_all(self, reqs: list[Request]) -> list[StepStats | Exception]:
+        # getattr: decoders that only step one request (test doubles) need not define step_many
+        step_many = getattr(self.decoder, "step_many", None)
+        if step_many is not None:
+            return step_many(reqs)
+        results: list[StepStats | Exception] = []
+        for req in reqs:
+            try:
+                results.append(self.decoder.step(req))
+            except Exception as err:  # noqa: BLE001 - settled per request
+                results.append(err)
+        return results
+
+    def _settle(self, ticket: Ticket, result: StepStats | Exception) -> StepStats | None:
         req, sink = ticket.req, ticket.sink
-        if ticket.cancelled:
+        if isinstance(result, Exception):  # a model error must not kill the worker: fail this request, keep serving
+            log.error("request %s failed", req.rid, exc_info=result)
             self._leave(ticket)
+            sink(req, f"{type(result).__name__}: {result}")
             return None
-        try:
-            stats = self.decoder.step(req)
-        except Exception as err:  # a model error must not kill the worker: fail this request, keep serving
-            log.exception("request %s failed", req.rid)
-            self._leave(ticket)
-            sink(req, f"{type(err).__name__}: {err}")
-            return None
+        stats = result
         if not ticket.internal:
             with self._cond:
                 c = self.counters
