@@ -234,7 +234,8 @@ class PromotionPolicy(FrozenModel):
 
     model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)  # an infinite margin decides nothing
 
-    finalists: int = Field(1, ge=1, description="best trials re-measured against the baseline")
+    finalists: int = Field(1, ge=0, description="best trials re-measured against the baseline; 0 = search only: "
+                                               "nothing is re-measured, so the study keeps the baseline")
     runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (fresh replica each); a MAD of "
                                            "fewer than 3 runs is meaningless")
     margin: float = Field(0.03, ge=0, description="score must beat the baseline's median by this fraction")

@@ -52,6 +52,17 @@ def distinct_configs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def no_finalist_reason(finalists_setting: int, infeasible: bool) -> str:
+    """Why a study ends keeping the baseline without re-measuring anything. `finalists_setting`: the study's
+    `promotion.finalists` (0 = search only, so no promotion is possible and the decision must say so rather than
+    look like a verdict on the configs); `infeasible`: a completed speculative trial broke an SLA limit. Pure."""
+    if finalists_setting == 0:
+        return ("keep baseline: promotion.finalists is 0, so nothing was re-measured and nothing can be promoted "
+                "(the table holds the search's single measurements; set promotion.finalists >= 1 to decide)")
+    return ("keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
+            + (" and within the SLA limits" if infeasible else ""))
+
+
 def trial_rows(ctx: TrialContext) -> list[dict[str, Any]]:
     """The study's trials from MLflow, baseline first then by throughput."""
     return rows_from_runs(ctx.tracker.trial_runs(ctx.parent_run_id))
@@ -81,15 +92,18 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
                                  status="FAILED")
         return 1
     candidates = distinct_configs([r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"])
-    choice = choose_finalists(candidates, study.objective.metrics, list(study.objective.modes),
-                              study.promotion.finalists)
-    finalists = [next(r for r in candidates if r["name"] == name) for name in choice.names]
+    finalists: list[dict[str, Any]] = []
+    explanation = ""
+    if study.promotion.finalists:
+        choice = choose_finalists(candidates, study.objective.metrics, list(study.objective.modes),
+                                  study.promotion.finalists)
+        finalists = [next(r for r in candidates if r["name"] == name) for name in choice.names]
+        explanation = choice.explanation
     base_config = _config_of(ctx, base_row["run_id"])
     model_name = study.tracking.registered_model or f"specdec-{study.name}"
     if not finalists:
         # Nothing to compare: re-measuring the baseline alone would decide nothing.
-        reason = ("keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
-                  + (" and within the SLA limits" if any(r.get("feasible") is False for r in candidates) else ""))
+        reason = no_finalist_reason(study.promotion.finalists, any(r.get("feasible") is False for r in candidates))
         routing = RoutingPolicy(text="serve the baseline at every level (no finalist)", levels=list(study.concurrency),
                                 source=BASELINE)
         version = _promote(ctx, model_name, base_config, "keep_baseline", BASELINE, base_row["run_id"], {}, routing)
@@ -109,8 +123,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
         name = f"final-{i}-{row['name']}"
         configs[name], run_ids[name], names[name] = _config_of(ctx, row["run_id"]), row["run_id"], row["name"]
     inputs = measure_levels(ctx, base_config, [(n, c) for n, c in configs.items() if n != BASELINE], levels, runs)
-    levels_decision = decide_levels(inputs, study.promotion, study.objective.constraints,
-                                    finalists=choice.explanation)
+    levels_decision = decide_levels(inputs, study.promotion, study.objective.constraints, finalists=explanation)
     table = format_level_table(levels_decision)
     print("\nper-concurrency decision:\n" + table, flush=True)
     served = levels_decision.policy

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
+# Search only (promotion.finalists 0): the promotion's re-runs (2 x promotion.runs fresh replicas) cost twice the
+# search of a 3-trial study, and the tests using it check the search, the records and the resume, not the
+# promotion rule. Tests of the promotion path ask for finalists explicitly (test_open_loop_study,
+# test_llama_cpp_study, test_levels_study, test_distributed).
 TINY_STUDY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
-              "promotion.finalists": 1, "engine.start_timeout_s": 300}
+              "promotion.finalists": 0, "engine.start_timeout_s": 300}
 TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
               "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
               "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
@@ -17,7 +21,8 @@ TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fix
 
 @pytest.fixture(scope="session")
 def finished_study(tmp_path_factory):
-    """(StudyConfig, output folder, exit code) of a 3-trial study that ran to its decision."""
+    """(StudyConfig, output folder, exit code) of a 3-trial search-only study (no re-runs) that ran to its
+    keep-baseline decision, the baseline registered as production."""
     from pipeline.config import load_study
     from pipeline.space import load_space
     from pipeline.study import run_study

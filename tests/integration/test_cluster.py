@@ -73,7 +73,9 @@ def test_trial_and_replica_run_on_different_nodes_and_the_study_decides(tmp_path
         f"name: cluster\nsearch_space: {space}\nray: {{address: '{address}'}}\nbudget: {{max_trials: 2}}\n"
         "workload: {warmup_prompts: 2, measure_prompts: 2, max_new_tokens: 12}\n"
         f"engine: {{start_timeout_s: 300, replica_cpus: 0, replica_resources: {{{ENGINE_RESOURCE}: 1}}}}\n"
-        "promotion: {finalists: 1}\n")
+        # Placement is what this test checks: the search's trials show it; the promotion's re-runs (6 more fresh
+        # replicas on the same path) would add minutes and no assertion.
+        "promotion: {finalists: 0}\n")
     done = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study", str(study_file), "--output",
                            str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -120,14 +120,16 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
               f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
               "workload: {warmup_prompts: 8, measure_prompts: 4, max_new_tokens: 24}\n"
-              "promotion: {finalists: 1}\nengine: {start_timeout_s: 300}\n")
-    study_file.write_text("name: dist\nbudget: {max_trials: 2}\n" + common)
+              "engine: {start_timeout_s: 300}\n")
+    # The first driver only searches (finalists 0: no re-runs); the promotion policy may change on resume
+    # (pipeline/resume.py), and the promotion that matters here is the second driver's.
+    study_file.write_text("name: dist\nbudget: {max_trials: 2}\npromotion: {finalists: 0}\n" + common)
     first = run_driver(study_file, tmp_path / "driver1", env, resume=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "hunter2" not in first.stdout + first.stderr + (tmp_path / "driver1" / "study.yaml").read_text()
 
     # A second driver, elsewhere, continues the same study from the database up to 3 trials.
-    study_file.write_text("name: dist\nbudget: {max_trials: 3}\n" + common)
+    study_file.write_text("name: dist\nbudget: {max_trials: 3}\npromotion: {finalists: 1}\n" + common)
     second = run_driver(study_file, tmp_path / "driver2", env, resume=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "decision: PROMOTE" in second.stdout, second.stdout[-3000:]
@@ -136,7 +138,8 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     assert "--speculative-algorithm" in command and "hunter2" not in command
 
     # A third driver with another workload must not continue this study's history (issue #15 item 13).
-    study_file.write_text("name: dist\nbudget: {max_trials: 4}\n" + common.replace("max_new_tokens: 24", "max_new_tokens: 32"))
+    study_file.write_text("name: dist\nbudget: {max_trials: 4}\npromotion: {finalists: 1}\n"
+                          + common.replace("max_new_tokens: 24", "max_new_tokens: 32"))
     third = run_driver(study_file, tmp_path / "driver3", env, resume=True)
     assert third.returncode == 2 and "--resume refused" in third.stderr and "workload:" in third.stderr, third.stderr
     assert "hunter2" not in third.stderr

@@ -34,10 +34,11 @@ BASE = {"workload.warmup_prompts": 1, "workload.measure_prompts": 2, "workload.m
 CASES = {
     "launch_failed": ("exit-at-start", "LAUNCH_FAILED", "exited with code 3",
                       "TEST FAULT exit-at-start: exiting with code 3", {}),
-    # One measured prompt, so the trial waits out one request timeout; 12 s is ample for 8 tokens of the baseline.
-    "timeout": ("hang-after=1", "TIMEOUT", "timeout after 12 s",
+    # One measured prompt, so each faulty trial waits out one request timeout, which is wall time and nothing else:
+    # 6 s is still > 10x what 8 tokens of the baseline take (~0.5 s at 1 thread, under load a few times that).
+    "timeout": ("hang-after=1", "TIMEOUT", "timeout after 6 s",
                 "TEST FAULT hang-after: generation request 2 accepted and never answered",
-                {"engine.request_timeout_s": 12, "workload.measure_prompts": 1}),
+                {"engine.request_timeout_s": 6, "workload.measure_prompts": 1}),
     "not_equivalent": ("wrong-tokens", "NOT_EQUIVALENT", "0/2 outputs identical",
                        "TEST FAULT armed: wrong-tokens@speculative", {}),
     # The engine dies after answering the first measured request: a dead engine, not a verdict on its outputs.

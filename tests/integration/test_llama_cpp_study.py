@@ -33,6 +33,8 @@ def test_llama_cpp_study_end_to_end(tmp_path):
     study = load_study(None, {**TINY_STUDY, "name": "it-llama", "output_dir": str(tmp_path),
                               "search_space": str(space), "budget.max_trials": 3, "engine.kind": "llama_cpp",
                               "engine.threads": 1, "workload.source": "code-edit",
+                              # the one llama.cpp study whose finalist is re-measured and decided on
+                              "promotion.finalists": 1,
                               # a Ray of this process, never a `ray start` cluster another test left on the machine
                               "ray.address": "local"})
     assert run_study(study, load_space(space)) == 0

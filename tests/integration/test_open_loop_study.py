@@ -25,7 +25,7 @@ def test_a_poisson_study_measures_trials_and_finalists_open_loop(tmp_path):
     space.write_text(TINY_SPACE)
     study = load_study(None, {
         **TINY_STUDY, "name": "it-open-loop", "output_dir": str(tmp_path), "search_space": str(space), "seed": 0,
-        "workload.measure_prompts": MEASURED, "budget.max_trials": 2,
+        "workload.measure_prompts": MEASURED, "budget.max_trials": 2, "promotion.finalists": 1,
         "workload.arrival": {"mode": "poisson", "rate_per_s": RATE, "max_duration_s": BOUND}})
     schedule = poisson_schedule(MEASURED, RATE, seed=study.seed, max_duration_s=BOUND)
     assert len(schedule) == MEASURED

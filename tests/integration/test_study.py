@@ -17,6 +17,7 @@ import pytest
 from pipeline.config import load_study
 from pipeline.record import Tracker
 from pipeline.registry import load_serving_config
+from pipeline.replicas import study_apps
 from pipeline.space import BASELINE_ATTR, load_space
 from pipeline.study import run_study
 
@@ -73,9 +74,18 @@ def test_promoted_config_is_in_the_registry_and_no_trial_app_is_left(happy):
 
     study, out, _ = happy
     config = load_serving_config(f"sqlite:///{out / 'mlflow.db'}", f"models:/specdec-{study.name}@production")
-    assert config.replica.model == "smollm2-135m" and config.replica.spec.algorithm in ("none", "ngram")
+    # Search only (TINY_STUDY: promotion.finalists 0): the baseline is registered as the first production version,
+    # nothing was re-measured, and the decision says so instead of posing as a verdict on the trials.
+    assert config.replica.model == "smollm2-135m" and config.replica.spec.algorithm == "none"
     assert (out / "promoted.yaml").exists() and (out / "deploy" / "engine_command.sh").exists()
-    assert not [name for name in serve.status().applications if name.startswith("trial-")]
+    tracker, _ = child_runs(study, out)
+    client = tracker.client()
+    assert not client.search_runs([tracker.experiment_id()], "tags.`specdec.kind` = 'finalist'")
+    (parent,) = client.search_runs([tracker.experiment_id()], "tags.`specdec.kind` = 'study'")
+    assert parent.data.tags["decision"] == "keep_baseline"
+    decision = Path(client.download_artifacts(parent.info.run_id, "decision.txt")).read_text()
+    assert "promotion.finalists is 0, so nothing was re-measured" in decision, decision
+    assert not study_apps(study.name, serve.status().applications)  # the workers' and the finalists' apps too
 
 
 def test_faults_are_recorded_and_the_study_continues(tmp_path):

@@ -102,6 +102,7 @@ def test_output_path_defaults_under_runs(tmp_path, monkeypatch):
     ({"promotion.tie_tolerance": 1.5}, ["promotion.tie_tolerance", "got 1.5", "Fix: e.g. 0.01"]),
     ({"promotion.tie_tolerance": 1}, ["promotion.tie_tolerance", "[0, 1)"]),
     ({"promotion.margin": float("inf")}, ["promotion.margin", "finite"]),
+    ({"promotion.finalists": -1}, ["promotion.finalists", "greater than or equal to 0", "got -1"]),
     ({"workload.max_new_tokens": 10**9}, ["workload.max_new_tokens", "<= 32768", "got 1000000000", "Fix:"]),
     ({"engine.extra_flags": ["--port", "1"]}, ["engine.extra_flags", "'--port' sets --port", "Fix: remove it"]),
     ({"engine.extra_flags": ["--speculative-num-draft-tokens=3"]},
@@ -122,8 +123,21 @@ def test_extra_flags_the_tuner_does_not_render_pass():
 
 def test_bounds_at_their_edges_are_accepted():
     study = load_study(None, {"promotion.equivalence_threshold": 1.0, "promotion.tie_tolerance": 0,
-                              "workload.max_new_tokens": 32768})
-    assert study.workload.max_new_tokens == 32768
+                              "workload.max_new_tokens": 32768, "promotion.finalists": 0})
+    assert study.workload.max_new_tokens == 32768 and study.promotion.finalists == 0
+
+
+def test_zero_finalists_means_search_only_and_the_decision_says_nothing_was_re_measured():
+    from pipeline.finalize import no_finalist_reason
+
+    search_only = no_finalist_reason(0, infeasible=False)
+    assert search_only.startswith("keep baseline: promotion.finalists is 0")
+    assert "nothing was re-measured" in search_only and "nothing can be promoted" in search_only
+    assert "promotion.finalists >= 1" in search_only  # the fix is named
+    # With finalists asked for, the reason is about the trials, not the setting.
+    none_fit = no_finalist_reason(1, infeasible=True)
+    assert "no speculative trial completed" in none_fit and "SLA limits" in none_fit
+    assert "re-measured" not in none_fit and "SLA" not in no_finalist_reason(2, infeasible=False)
 
 
 # --- credentials (issue #15 item 6) -------------------------------------------------------------------------------
