@@ -7,8 +7,10 @@ reads a finished one (`--from runs/default`), and splits each trial's cycle into
   it includes Tune scheduling, the trial actor, MLflow logging and Optuna bookkeeping;
 - engine start: engine process spawned -> first healthy `/health` (model load, the engine's verify-cost probe);
 - warm-up and measurement: the load generator's two phases;
-- everything else = cycle - engine start - warm-up - measurement, itself split into Serve deploy (app and replica
-  actor, excluding the engine start), read-back + flush + teardown + engine-log fetch, and logging + Tune + Optuna.
+- everything else = cycle - engine start - warm-up - measurement, itself split into Serve deploy (excluding the
+  engine start: a fresh app and replica actor, or, when the trial process's live replica is reused (column
+  `replica`), the restart request with the previous trial's engine stopped and the node checks), read-back + flush +
+  engine-log fetch (+ the app's delete after a failure), and logging + Tune + Optuna.
 
 Trials run one at a time on a CPU machine, so Optuna trials and MLflow trial runs are matched by order.
 
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("engine_start_s", "warmup_s", "measure_s")
@@ -41,7 +44,7 @@ def run_study(folder: Path, trials: int | None, extra: list[str]) -> Path:
     return folder / "runs" / "overhead"
 
 
-def trial_rows(study_dir: Path) -> list[dict[str, float]]:
+def trial_rows(study_dir: Path) -> list[dict[str, Any]]:
     """One row per trial with its cycle and phase times, in the order the trials ran."""
     import mlflow
     import optuna
@@ -63,7 +66,8 @@ def trial_rows(study_dir: Path) -> list[dict[str, float]]:
         end = trials[i + 1].datetime_start if i + 1 < len(trials) else trial.datetime_complete
         m = {k[len("time_"):]: v for k, v in run.data.metrics.items() if k.startswith("time_")}
         row = {"trial": trial.number, "algorithm": run.data.params.get("spec.algorithm", "?"),
-               "outcome": run.data.tags.get("outcome", "?"), "cycle_s": (end - trial.datetime_start).total_seconds(),
+               "outcome": run.data.tags.get("outcome", "?"), "replica": run.data.tags.get("serve_replica") or "-",
+               "cycle_s": (end - trial.datetime_start).total_seconds(),
                **{k: m.get(k, float("nan")) for k in ("deploy_s", "total_s", *PHASES)}}
         row["other_s"] = row["cycle_s"] - sum(row[k] for k in PHASES)
         row["serve_deploy_s"] = row["deploy_s"] - row["engine_start_s"]
@@ -73,19 +77,19 @@ def trial_rows(study_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
-def report(rows: list[dict[str, float]]) -> str:
+def report(rows: list[dict[str, Any]]) -> str:
     complete = [r for r in rows if r["outcome"] == "COMPLETE" and r["engine_start_s"] == r["engine_start_s"]]
     cols = ("cycle_s", "engine_start_s", "warmup_s", "measure_s", "other_s", "serve_deploy_s",
             "readback_teardown_s", "logging_tune_s")
-    lines = ["| trial | algorithm | outcome | " + " | ".join(c[:-2].replace("_", " ") + " s" for c in cols)
-             + " | other share |", "|" + "---|" * (len(cols) + 4)]
+    lines = ["| trial | algorithm | outcome | replica | " + " | ".join(c[:-2].replace("_", " ") + " s" for c in cols)
+             + " | other share |", "|" + "---|" * (len(cols) + 5)]
     for r in rows:
-        lines.append(f"| {r['trial']} | {r['algorithm']} | {r['outcome']} | "
+        lines.append(f"| {r['trial']} | {r['algorithm']} | {r['outcome']} | {r['replica']} | "
                      + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {r['other_s'] / r['cycle_s']:.1%} |")
     if complete:
         med = {c: statistics.median(r[c] for r in complete) for c in cols}
         share = statistics.median(r["other_s"] / r["cycle_s"] for r in complete)
-        lines.append(f"| **median** ({len(complete)} complete) | | | "
+        lines.append(f"| **median** ({len(complete)} complete) | | | | "
                      + " | ".join(f"{med[c]:.1f}" for c in cols) + f" | **{share:.1%}** |")
         total = sum(r["cycle_s"] for r in complete)
         lines.append(f"\nEverything else, summed over the complete trials: {sum(r['other_s'] for r in complete):.0f} "

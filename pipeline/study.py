@@ -24,7 +24,8 @@ from pipeline.resume import (
 from pipeline.sla import constraint_user_attrs
 from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
 from pipeline.space.sampler import constrained_search_class
-from pipeline.trial import Outcome, TrialContext, app_name, replica_config, run_trial, study_apps, teardown
+from pipeline.replicas import delete_study_apps, study_apps
+from pipeline.trial import Outcome, TrialContext, replica_config, run_trial
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
 
@@ -96,12 +97,8 @@ def _progress_callback(study_name: str, total: int, metric: str) -> Any:
             print(f"[trial {self.done}/{total}] {algorithm:<10} {result.get('outcome'):<14} {metric}={value:.2f}  "
                   f"best={self.best or 0:.2f} ({vs})  {params}", flush=True)
 
-        def on_trial_complete(self, iteration, trials, trial, **info):  # noqa: ANN001
-            teardown(app_name(study_name, trial.trial_id))  # belt and braces: the trial's own finally may not have run
-
-        def on_trial_error(self, iteration, trials, trial, **info):  # noqa: ANN001
-            teardown(app_name(study_name, trial.trial_id))
-
+    # No per-trial teardown here: a worker's Serve app outlives its trial (the next trial restarts only the engine in
+    # it, pipeline/replicas.py); `run_study` deletes the study's apps when the search ends.
     return Progress()
 
 
@@ -245,7 +242,10 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         recorded = recorded_reports(saved_tune_trials(tune_path))
         restored = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space, recorded=recorded),
                                        tune.PlacementGroupFactory([{"CPU": 0.25}]))  # as `trainable`
-        tune.Tuner.restore(str(tune_path), restored, resume_unfinished=True, resume_errored=True).fit()
+        try:
+            tune.Tuner.restore(str(tune_path), restored, resume_unfinished=True, resume_errored=True).fit()
+        finally:
+            delete_study_apps(study.name)  # as after the search below
         # Tune returns normally after Ctrl-C; its checkpoint (not the returned grid) still shows the trials unfinished
         if tune_unfinished(saved_tune_trials(tune_path)):
             return _interrupted(ot_study, resume_command)
@@ -256,15 +256,21 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     # The budget counts every finished trial, whichever driver ran it.
     remaining = study.budget.max_trials - finished_trials(ot_study)
     if remaining > 0:
-        tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
-            search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
-            time_budget_s=study.budget.time_budget_s,
-            reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
+        try:
+            tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
+                search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
+                time_budget_s=study.budget.time_budget_s,
+                reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
+        finally:  # the workers' live apps (and their engines): gone before the finalists or an interrupted exit
+            delete_study_apps(study.name)
         if tune_unfinished(saved_tune_trials(tune_path)):  # as above: the returned grid hides a Ctrl-C
             return _interrupted(ot_study, resume_command)
     elif not restoring:
         print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
     settle_running(ot_study)  # Tune finished every trial it knows: a RUNNING one was stopped before reporting
-    code = finalize_study(ctx, ot_study)
+    try:
+        code = finalize_study(ctx, ot_study)
+    finally:  # this process's live app from the finalist re-runs
+        delete_study_apps(study.name)
     print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)
     return code

@@ -1,7 +1,9 @@
-"""One trial's lifecycle: validate -> deploy -> read back -> flush -> warm up -> measure -> compare -> record -> teardown.
+"""One trial's lifecycle: validate -> start the engine -> read back -> flush -> warm up -> measure -> compare -> record.
 
 Every way a trial can end is an `Outcome`, recorded in MLflow with its reason and logs; nothing here raises for a bad
-config or a dead engine. The engine runs behind a Ray Serve app named `<study>~trial-<label>` (route the same).
+config or a dead engine. The engine runs behind a Ray Serve app named `<study>~trial-<label>` (route the same), which
+the process keeps for its next trial: that trial restarts only the engine in it (pipeline/replicas.py); after any
+engine or replica failure the app is deleted and the next trial deploys a fresh one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pipeline.load import LoadRequest, run_phase
 from pipeline.measure import RequestRecord, Summary, summarize, to_table
 from pipeline.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
 from pipeline.record import Tracker
+from pipeline.replicas import cluster_cannot_host, live_app, release, start_engine
 from pipeline.space import Resolution
 from serve.engines import engine_for
 from serve.engines.base import ConfigRejected, ReplicaConfig
@@ -67,6 +70,7 @@ class Measurement:
     failure: tuple[Outcome, str] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     corpus: dict[str, float] = field(default_factory=dict)  # corpus documents/bytes/tokens/load seconds
+    replica_reused: bool | None = None  # engine restarted in the live replica (True) or a fresh app (False)
 
 
 @dataclass
@@ -111,49 +115,6 @@ def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,
     return ship_corpus(replica_config(study, trial, log_dir), corpus), corpus
 
 
-def app_name(study_name: str, label: str) -> str:
-    """Serve app (and route) of one trial. Study names cannot contain '~', so `<study>~` marks a study's apps and a
-    driver touches no other study's apps on a shared cluster."""
-    return f"{study_name}~trial-{label}"
-
-
-def study_apps(study_name: str, names: Any) -> list[str]:
-    """This study's trial apps among Serve's application names."""
-    return [n for n in names if n.startswith(f"{study_name}~trial-")]
-
-
-def _app_failure(name: str) -> str:
-    from ray import serve
-
-    app = serve.status().applications.get(name)
-    if app is None:
-        return "application vanished"
-    parts = [app.message] + [d.message for d in app.deployments.values() if d.message]
-    return "\n".join(p for p in parts if p)
-
-
-def deploy(name: str, config: ReplicaConfig, timeout_s: float) -> None:
-    """Start app `name` without blocking Serve forever (serve.run has no timeout); raise RuntimeError/TimeoutError."""
-    from ray import serve
-
-    from serve.replica import EngineReplica, actor_options
-
-    # @serve.deployment made the class a Deployment (mypy sees the class)
-    target = EngineReplica.options(ray_actor_options=actor_options(config)).bind(  # type: ignore[attr-defined]
-        config.to_replica())
-    serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(name)
-        status = str(app.status) if app else "MISSING"
-        if status.endswith("RUNNING"):
-            return
-        if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
-            raise RuntimeError(f"Serve app {name} is {status.split('.')[-1]}: {_app_failure(name)}")
-        time.sleep(0.2)
-    raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
-
-
 def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | None:
     """`/flush_cache` until it succeeds; the last refusal after `deadline_s`, else None.
 
@@ -171,21 +132,10 @@ def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | N
         time.sleep(0.5)
 
 
-def teardown(name: str) -> None:
-    """Delete the app if it exists (idempotent: also called from the driver's callback)."""
-    from ray import serve
-
+def _engine_log(url: str | None, log_dir: Path) -> str:
     try:
-        if name in serve.status().applications:
-            serve.delete(name)
-    except Exception:  # noqa: BLE001 - cleanup must never hide the trial's own outcome
-        pass
-
-
-def _engine_log(url: str, log_dir: Path) -> str:
-    try:
-        response = httpx.get(f"{url}/replica/log", timeout=10)
-        if response.status_code == 200:
+        response = httpx.get(f"{url}/replica/log", timeout=10) if url else None
+        if response is not None and response.status_code == 200:
             return response.text
     except httpx.HTTPError:
         pass
@@ -194,15 +144,15 @@ def _engine_log(url: str, log_dir: Path) -> str:
 
 def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: Path,
                    watch: Watch | None = None) -> Measurement:
-    """Deploy one replica for `trial`, flush, warm up, measure, read back, tear down. Never raises for engine trouble.
+    """Start `trial`'s engine (a restart in this process's live replica, else a fresh app), read back, flush, warm
+    up, measure; the app stays for the next trial unless anything failed. Never raises for engine trouble.
     With a `watch` (a search trial with early stopping on) the measurement runs in chunks of `concurrency` requests
     and stops as PRUNED when the watch's rule says so.
 
     The engine kind's node checks and preflight run inside the replica (on the node that runs the engine); a config
     the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
     LAUNCH_FAILED."""
-    study, name = ctx.study, app_name(ctx.study.name, label)
-    url = f"{ctx.serve_url}/{name}"
+    study = ctx.study
     out = Measurement()
     started = time.monotonic()
     try:  # a corpus travels in the replica's config: the engine may run on a node without the driver's files
@@ -210,13 +160,15 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     except ValueError as exc:
         out.failure = (Outcome.INVALID, str(exc))
         return out
-    problem = _cluster_cannot_host(config)
+    problem = cluster_cannot_host(config)
     if problem:
         out.failure = (Outcome.LAUNCH_FAILED, problem)
         return out
+    clean = False  # measured without an engine or replica failure: the app may serve the next trial
     try:
         try:
-            deploy(name, config, study.engine.start_timeout_s + 60)
+            live, out.replica_reused = start_engine(study.name, label, ctx.serve_url, config,
+                                                    study.engine.start_timeout_s + 60)
         except TimeoutError as exc:
             out.failure = (Outcome.TIMEOUT, str(exc))
             return out
@@ -229,6 +181,7 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
                 out.failure = (Outcome.LAUNCH_FAILED, message)
             return out
         out.timings["deploy_s"] = time.monotonic() - started
+        url = live.url
         with httpx.Client(base_url=url, timeout=30) as client:
             replica = client.get("/replica/argv").json()
             if isinstance(replica.get("startup_s"), (int, float)):
@@ -266,25 +219,17 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             pass
         # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
         out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
+        clean = out.failure is None or out.failure[0] is Outcome.PRUNED
         return out
     except (httpx.HTTPError, ValueError) as exc:
         out.failure = (Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
         return out
     finally:
-        out.engine_log = _engine_log(url, log_dir)
-        teardown(name)
+        tried = live_app(study.name)  # the app this trial started its engine in (also when that failed)
+        out.engine_log = _engine_log(tried.url if tried else None, log_dir)
+        if not clean:
+            release(study.name)
         out.timings["total_s"] = time.monotonic() - started
-
-
-def _cluster_cannot_host(config: ReplicaConfig) -> str | None:
-    """Checked from the cluster's totals before deploying, not on a node: a replica no node can host would wait for
-    resources until the deploy timeout."""
-    import ray
-
-    from serve.replica import actor_options, unplaceable
-
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    return unplaceable(actor_options(config), nodes)
 
 
 def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
@@ -360,6 +305,8 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
                                  "trial_node_id": _node_id(), "early_stopping": stopping_note,
                                  "replica_node_id": str(m.server_info.get("replica_node_id") or ""),
+                                 # engine restarted in the process's live replica, or a fresh Serve app deployed
+                                 "serve_replica": {True: "reused", False: "new", None: ""}[m.replica_reused],
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},
         started_at=started_at)
     return TrialResult(outcome, reason, config, summary, equivalence, run_id)

@@ -8,9 +8,16 @@ waits for `GET /health` up to `start_timeout_s`. If the engine exits or never ge
 the log tail, so Serve marks the app DEPLOY_FAILED and the trial can record LAUNCH_FAILED with the reason. Every
 route is proxied to the engine (streaming included). Serve's health check asks the process and `/health`. Shutdown
 kills the whole process group.
+
+A trial replica is reused from trial to trial (pipeline/replicas.py): `POST /replica/engine` with the next trial's
+config stops this replica's engine (its whole process group, waited for: on a GPU it holds memory) and starts the new
+one in the same actor, which saves a new replica actor (a Ray worker importing Serve and FastAPI) and Serve's
+deploy/delete round trip. Serve's own `reconfigure`/`user_config` cannot do this from `serve.run`: Ray 2.60 deploys
+every `serve.run` under a random version, which replaces the replica.
 """
 
 
+import asyncio
 import os
 import signal
 import socket
@@ -22,7 +29,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
 from serve.engines import engine_for
@@ -183,8 +190,14 @@ class _EngineOwner:
         self.engine = EngineProcess(self.config)
         self.engine.wait_ready()
         self.client = httpx.AsyncClient(base_url=self.engine.url, timeout=httpx.Timeout(None, connect=10))
+        self.replacing = False  # an engine restart is under way: no engine to check
+        self.refused: str | None = None  # why the last restart started no engine (its old one is stopped)
 
     async def check_health(self) -> None:
+        # During a restart (it has its own deadline, start_timeout_s) or after one that started nothing, there is no
+        # engine to check, and the caller deletes or restarts the replica: Serve must not replace the actor meanwhile.
+        if self.replacing or self.refused:
+            return
         if not self.engine.alive():
             raise RuntimeError(f"engine exited with code {self.engine.process.returncode}")
         response = await self.client.get("/health", timeout=20)
@@ -226,16 +239,59 @@ class EngineReplica(_EngineOwner):
 
     @app.get("/replica/log")
     async def engine_log(self) -> PlainTextResponse:
-        """The engine log's tail: trials attach it to their MLflow run."""
+        """The engine log's tail: trials attach it to their MLflow run. 404 when the last restart started no engine
+        (the previous engine's log is not this config's)."""
+        if self.refused:
+            return PlainTextResponse(self.refused, status_code=404)
         return PlainTextResponse(log_tail(self.engine.log_path, 200_000))
 
     @app.get("/replica/argv")
     async def engine_command(self) -> dict[str, Any]:
-        """What ran where: the engine's argv, its start-up time, the node checks' findings, the Ray node."""
+        """What ran where: the engine's argv, its start-up time, the node checks' findings, the Ray node, and the
+        replica actor's own pid (the same across engine restarts)."""
         import ray
 
         return {"argv": self.engine.argv, "pid": self.engine.process.pid, "startup_s": self.engine.startup_s,
-                "prepared": self.engine.prepared, "node_id": ray.get_runtime_context().get_node_id()}
+                "prepared": self.engine.prepared, "node_id": ray.get_runtime_context().get_node_id(),
+                "replica_pid": os.getpid()}
+
+    @app.post("/replica/engine")
+    async def replace_engine(self, request: Request) -> JSONResponse:
+        """Stop this replica's engine and start one for the posted `ReplicaConfig` (a study's next trial); the actor
+        and its app stay. 200 {"ok": true} when the new engine is healthy; 200 {"ok": false, "error": ...} when it
+        could not start (the error as a constructor's: ConfigRejected's marker, the log tail); 409 when the config
+        needs other `ray_actor_options` (the caller deploys a fresh app: resources are the actor's)."""
+        config = ReplicaConfig.model_validate(await request.json())
+        if actor_options(config) != actor_options(self.config):
+            return JSONResponse({"ok": False, "error": "the config needs other ray_actor_options than this replica "
+                                 f"has: {actor_options(config)} vs {actor_options(self.config)}"}, status_code=409)
+        self.replacing = True
+        try:
+            await self.client.aclose()
+            # Blocking work (process-group stop, node checks, polling /health) off the event loop: Serve's health
+            # check and the log route keep answering.
+            error = await asyncio.to_thread(self._replace, config)
+        finally:
+            self.client = httpx.AsyncClient(base_url=self.engine.url, timeout=httpx.Timeout(None, connect=10))
+            self.replacing = False
+        return JSONResponse({"ok": error is None, "error": error})
+
+    def _replace(self, config: ReplicaConfig) -> str | None:
+        """Old engine fully stopped first (GPU memory), then the new one started; the error text, else None.
+        A new engine that fails to start stays `self.engine` (dead), so `/replica/log` shows its log."""
+        self.engine.stop()
+        try:
+            engine = EngineProcess(config)
+        except Exception as exc:  # noqa: BLE001 - as the constructor's would: prepare refused it, or the node cannot
+            self.refused = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
+            return self.refused
+        self.engine, self.config, self.refused = engine, config, None
+        try:
+            engine.wait_ready()
+        except RuntimeError as exc:
+            engine.stop()
+            return str(exc)
+        return None
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(self, path: str, request: Request) -> Response:

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 POLL_S = 0.5
 GRACE_S = 10.0
@@ -31,7 +30,8 @@ def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     except ProcessLookupError:
         return
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if threading.current_thread() is threading.main_thread():  # signal.signal raises in any other thread
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         os.killpg(group, signal.SIGKILL)  # ends us as well, which is the point
     except ProcessLookupError:
@@ -60,7 +60,10 @@ def main(argv: list[str]) -> int:
             print(f"[watchdog] owner process {parent} is gone: stopping the engine", file=sys.stderr, flush=True)
             stopping.set()
             _stop_group(child)
-        time.sleep(POLL_S)
+        try:  # not a sleep: the wrapper exits as soon as the engine does (a teardown waits for the wrapper)
+            child.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
     return child.returncode if child.returncode >= 0 else 128 - child.returncode
 
 

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from pipeline.config import load_study, study_to_yaml
-from pipeline.trial import app_name, flush, replica_config, study_apps
+from pipeline.replicas import app_name, study_apps
+from pipeline.trial import flush, replica_config
 from pipeline.config import TrialConfig
 
 SGLANG_REFUSAL = "Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 1"
@@ -62,6 +63,18 @@ def test_app_names_are_per_study_and_cleanup_touches_only_its_own():
     names = ["a~trial-x1", "a-b~trial-x2", "other~trial-x3", "production", "trial-legacy"]
     assert study_apps("a", names) == ["a~trial-x1"]
     assert study_apps("a-b", names) == ["a-b~trial-x2"]
+
+
+def test_the_next_trial_restarts_in_the_live_replica_only_when_the_actor_would_be_the_same():
+    from pipeline.replicas import LiveApp, can_reuse
+
+    options = {"num_cpus": 0.1, "num_gpus": 0, "resources": {}}
+    live = LiveApp("a~trial-x1", "http://127.0.0.1:8000", options)
+    assert can_reuse(live, "http://127.0.0.1:8000", dict(options))
+    assert not can_reuse(None, "http://127.0.0.1:8000", options)  # nothing deployed yet in this process
+    assert not can_reuse(live, "http://127.0.0.1:8001", options)  # another Serve (a new local Ray)
+    assert not can_reuse(live, "http://127.0.0.1:8000", {**options, "num_cpus": 0.2})  # resources are the actor's
+    assert not can_reuse(live, "http://127.0.0.1:8000", {**options, "resources": {"engine_node": 1}})  # placement
 
 
 def test_engine_env_values_never_leave_in_logged_or_written_forms(tmp_path):

@@ -72,3 +72,25 @@ def test_the_engines_exit_code_is_passed_on():
     done = subprocess.run([sys.executable, "-m", "serve.engines.watchdog", "--", sys.executable, "-c",
                            "raise SystemExit(3)"], env=child_env(), timeout=60)
     assert done.returncode == 3
+
+
+# The engine exits on SIGTERM; its child ignores SIGTERM, so only the wrapper's final SIGKILL to the group ends it.
+STUBBORN = ("import signal, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); time.sleep(600)")
+
+
+def test_sigterm_to_the_wrapper_alone_ends_a_child_that_ignores_it_without_a_traceback():
+    # SIGTERM handled in the wrapper's signal handler stops the group from a thread: signal.signal raised there, so
+    # the group's SIGKILL never came and a SIGTERM-proof child survived.
+    watchdog = subprocess.Popen([sys.executable, "-m", "serve.engines.watchdog", "--", sys.executable, "-c", STUBBORN],
+                                start_new_session=True, env=child_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        pids = group_of(watchdog.pid)
+        os.kill(watchdog.pid, signal.SIGTERM)
+        _, stderr = watchdog.communicate(timeout=60)  # EOF only once every holder of the pipe is gone
+        assert wait_gone(pids) == [] and "Traceback" not in stderr, stderr
+    finally:
+        try:
+            os.killpg(watchdog.pid, signal.SIGKILL)  # the group this test started, if anything of it is left
+        except ProcessLookupError:
+            pass

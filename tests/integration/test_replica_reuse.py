@@ -1,0 +1,97 @@
+"""A trial process keeps its Serve app: the next trial restarts only the engine inside the same replica actor
+(pipeline/replicas.py). A failed start leaves its log readable, and the next trial then gets a fresh app; a trial that
+needs other actor options gets a fresh app too. Real local Ray and Serve, the real CPU engine (smallest model)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipeline.replicas import app_name, delete_study_apps, live_app, release, start_engine
+from pipeline.study import connect_ray
+from serve.engines.base import ReplicaConfig
+from tests.integration.conftest import SMOL, TEST_THREADS
+
+pytestmark = pytest.mark.integration
+STUDY = "it-reuse"
+TIMEOUT_S = 360.0
+
+
+@pytest.fixture(scope="module")
+def serve_url():
+    url = connect_ray(STUDY)
+    yield url
+    delete_study_apps(STUDY)
+
+
+def config(tmp: Path, label: str, spec: dict | None = None, extra: tuple[str, ...] = (),
+           replica_cpus: float | None = None) -> ReplicaConfig:
+    return ReplicaConfig(model=SMOL, spec=spec or {"algorithm": "none"}, threads=TEST_THREADS,
+                         replica_cpus=replica_cpus, start_timeout_s=300,
+                         extra_flags=["--verify-probe-seconds", "0", *extra], log_dir=str(tmp / label))
+
+
+def replica_of(url: str) -> dict:
+    return httpx.get(f"{url}/replica/argv", timeout=30).json()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def generate(url: str) -> str:
+    body = {"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    response = httpx.post(f"{url}/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["text"]
+
+
+def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fresh_app(serve_url, tmp_path):
+    from ray import serve
+
+    first, reused = start_engine(STUDY, "a", serve_url, config(tmp_path, "a"), TIMEOUT_S)
+    assert not reused and first.name == app_name(STUDY, "a")
+    before = replica_of(first.url)
+    generate(first.url)
+
+    ngram = {"algorithm": "ngram", "num_draft_tokens": 3, "max_bfs_breadth": 1}
+    second, reused = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), TIMEOUT_S)
+    after = replica_of(second.url)
+    assert reused and second == first  # same app, same route
+    assert after["replica_pid"] == before["replica_pid"]  # the same actor: no new Ray worker
+    assert after["pid"] != before["pid"] and not group_alive(before["pid"])  # old engine group gone first
+    assert "NGRAM" in after["argv"] and list((tmp_path / "b").glob("engine-*.log"))  # the new config, its own log
+    assert generate(second.url)
+
+    # A start that fails: the trial gets the engine's reason, and the failed engine's own log stays readable.
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        start_engine(STUDY, "c", serve_url, config(tmp_path, "c", extra=("--test-fault", "exit-at-start")),
+                     TIMEOUT_S)
+    failed = live_app(STUDY)
+    assert failed is not None and failed.name == first.name
+    log = httpx.get(f"{failed.url}/replica/log", timeout=30)
+    assert log.status_code == 200 and "TEST FAULT exit-at-start" in log.text
+    release(STUDY)  # what a trial does after any failure
+
+    third, reused = start_engine(STUDY, "d", serve_url, config(tmp_path, "d"), TIMEOUT_S)
+    assert not reused and third.name == app_name(STUDY, "d")
+    assert replica_of(third.url)["replica_pid"] != before["replica_pid"]
+    generate(third.url)
+
+    # Other ray_actor_options (resources, placement are the actor's): a fresh app, the old one deleted.
+    fourth, reused = start_engine(STUDY, "e", serve_url, config(tmp_path, "e", replica_cpus=0.2), TIMEOUT_S)
+    assert not reused and fourth.name == app_name(STUDY, "e")
+    generate(fourth.url)
+    deadline = time.monotonic() + 120  # the delete did not wait (no GPU): the controller finishes it
+    while third.name in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert third.name not in serve.status().applications
+    assert set(a for a in serve.status().applications if a.startswith(f"{STUDY}~")) == {fourth.name}
