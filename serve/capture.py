@@ -162,14 +162,22 @@ class Capture:
         async def relay():
             pieces: list[str] = []
             pending = b""
-            async for chunk in iterator:
-                raw = chunk.encode() if isinstance(chunk, str) else chunk
-                pending += raw
-                *lines, pending = pending.split(b"\n")
-                pieces.extend(_stream_delta(line) for line in lines)
-                yield chunk
-            pieces.append(_stream_delta(pending))
-            self.record(route, body, "".join(pieces))
+            complete = False
+            try:
+                async for chunk in iterator:
+                    raw = chunk.encode() if isinstance(chunk, str) else chunk
+                    pending += raw
+                    *lines, pending = pending.split(b"\n")
+                    pieces.extend(_stream_delta(line) for line in lines)
+                    complete = complete or any(line.strip() == b"data: [DONE]" for line in lines)
+                    yield chunk
+                complete = True
+            finally:
+                # A client may hang up as soon as it has `data: [DONE]`, before this generator resumes (it is then
+                # closed at its `yield`): the answer was whole, so it is kept. A stream cut before [DONE] is not.
+                if complete:
+                    pieces.append(_stream_delta(pending))
+                    self.record(route, body, "".join(pieces))
 
         response.body_iterator = relay()
         return response

@@ -187,6 +187,34 @@ def test_capture_keeps_200_answers_streamed_or_not_up_to_the_bound_then_merges_i
     assert merge_parts(tmp_path / "cap", out) == 3
 
 
+def test_a_stream_the_client_leaves_after_done_is_kept_and_one_cut_before_done_is_not(tmp_path):
+    cap = Capture(CaptureSettings(dir=str(tmp_path / "cap"), sample_rate=1, flush_rows=1, seed=0))
+
+    async def sse(done: bool):
+        yield f"data: {json.dumps({'choices': [{'delta': {'content': 'Red'}}]})}\n\n".encode()
+        if done:
+            yield b"data: [DONE]\n\n"
+        yield b": keep-alive\n\n"  # something after the last chunk the client reads
+
+    async def read_until_done_then_hang_up(response, chunks: int):
+        iterator = response.body_iterator
+        for _ in range(chunks):
+            await iterator.__anext__()
+        await iterator.aclose()  # what Starlette does when the client disconnects mid-stream
+
+    whole = _observe(cap, "/v1/chat/completions", {"messages": CHAT, "stream": True},
+                     StreamingResponse(sse(done=True), status_code=200))
+    asyncio.run(read_until_done_then_hang_up(whole, 2))
+    cut = _observe(cap, "/v1/chat/completions", {"messages": CHAT + [{"role": "user", "content": "again"}],
+                                                 "stream": True}, StreamingResponse(sse(done=False), status_code=200))
+    asyncio.run(read_until_done_then_hang_up(cut, 1))
+    cap.flush()
+    out = tmp_path / "captured.parquet"
+    assert merge_parts(tmp_path / "cap", out) == 1
+    prompts, _ = read_prompts(out)
+    assert [p.output for p in prompts] == ["Red"]
+
+
 def test_sampling_keeps_about_the_rate(tmp_path):
     cap = Capture(CaptureSettings(dir=str(tmp_path), sample_rate=0.25, flush_rows=1000, seed=1))
     for i in range(400):
