@@ -1,5 +1,5 @@
-"""The scheduler's FIFO admission, round-robin turns, max_running_requests bound, counters and flush rule, with a
-decoder stand-in that only records the order of steps (no model)."""
+"""The scheduler's FIFO admission, one step per running request per round, max_running_requests bound, counters and
+flush rule, with a decoder stand-in that only records the order of steps (no model)."""
 
 from __future__ import annotations
 
