@@ -236,8 +236,8 @@ class PromotionPolicy(FrozenModel):
 
     finalists: int = Field(1, ge=0, description="best trials re-measured against the baseline; 0 = search only: "
                                                "nothing is re-measured, so the study keeps the baseline")
-    runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (fresh replica each); a MAD of "
-                                           "fewer than 3 runs is meaningless")
+    runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (a freshly started engine "
+                                           "each); a MAD of fewer than 3 runs is meaningless")
     margin: float = Field(0.03, ge=0, description="score must beat the baseline's median by this fraction")
     tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction of the best tie: fewer drafts "
                                                          "win")

@@ -1,8 +1,8 @@
 """The promotion decision: should a finalist replace the baseline? Pure and unit-tested (DESIGN §8).
 
-Every finalist and the baseline are re-measured (>= `policy.runs` runs each, fresh replica, flush + warm-up each
-time). A finalist's score = median - 1.4826 x MAD of its throughputs: a noise-penalized centre, so a config whose
-runs scatter is not trusted with its median.
+Every finalist and the baseline are re-measured (>= `policy.runs` runs each, a freshly started engine, flush +
+warm-up each time). A finalist's score = median - 1.4826 x MAD of its throughputs: a noise-penalized centre, so a
+config whose runs scatter is not trusted with its median.
 
 The bar a finalist must beat (strictly) is the baseline's MEDIAN raised by the larger of the policy margin
 (`margin` x median) and the baseline's own noise (1.4826 x MAD): never the baseline's noise-lowered score, which would

@@ -1,4 +1,4 @@
-"""End of a study: the table of trials, finalists re-measured on fresh replicas at every concurrency level, the
+"""End of a study: the table of trials, finalists re-measured on freshly started engines at every concurrency level, the
 per-level promotion decision and action.
 
 Finalists: the best trials by the objective, or the Pareto front when `objective.metrics` has several
