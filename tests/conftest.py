@@ -34,3 +34,14 @@ def finished_study(tmp_path_factory):
                               "budget.max_trials": 3})
     code = run_study(study, load_space(space))
     return study, out, code
+
+
+@pytest.fixture
+def one_thread():
+    """torch on 1 thread for the test (tiny matmuls: OpenMP sync costs more than it saves on a shared CPU)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -32,12 +32,7 @@ def _tiny(kind: str):
     return Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=4, layer_types=layer_types)).eval()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

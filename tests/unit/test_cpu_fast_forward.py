@@ -34,12 +34,7 @@ def _tiny(kind: str, seed: int = 0):
     return model.eval()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _reference(model, ids: list[int], n: int) -> list[int]:

@@ -35,12 +35,7 @@ def tiny_dir(tmp_path):
     return path
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_probe_is_measured_once_then_read_from_disk(cache_dir, tiny_dir):

@@ -31,6 +31,9 @@ class _Decoder:
             req.finish_reason = {"type": "length", "length": req.rules.max_new_tokens}
         return StepStats(verify=verify, emitted=2 if verify else 1, proposed=3 if verify else 0)
 
+    def step_many(self, reqs: list[Request]) -> list[StepStats]:
+        return [self.step(req) for req in reqs]  # the log keeps the order of steps within a round
+
     def release(self, req: Request) -> None:
         self.released.append(req.rid)
 

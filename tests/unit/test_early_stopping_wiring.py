@@ -179,7 +179,7 @@ def test_slow_steps_parses_and_rejects_a_factor_that_would_not_slow_down():
         parse_fault("slow-steps=1")
 
 
-def test_slow_steps_sleeps_factor_minus_one_times_each_steps_own_time(monkeypatch):
+def test_slow_steps_sleeps_factor_minus_one_times_each_rounds_own_time(monkeypatch):
     clock = iter([10.0, 10.5])  # the inner step takes 0.5 s on this clock
     slept = []
     monkeypatch.setattr("serve.engines.cpu.faults.time.perf_counter", lambda: next(clock))
@@ -188,11 +188,11 @@ def test_slow_steps_sleeps_factor_minus_one_times_each_steps_own_time(monkeypatc
     class Inner:
         speculator = "kept"
 
-        def step(self, req):
-            return ("stats", req)
+        def step_many(self, reqs):
+            return [("stats", req) for req in reqs]
 
     slow = _SlowSteps(Inner(), 4.0)
-    assert slow.step("r") == ("stats", "r") and slow.speculator == "kept"
+    assert slow.step_many(["r"]) == [("stats", "r")] and slow.speculator == "kept"
     assert slept == [pytest.approx(1.5)]
 
 

@@ -180,6 +180,9 @@ def test_the_scheduler_begins_every_round_before_its_steps() -> None:
                 req.finish_reason = {"type": "length", "length": 2}
             return StepStats(verify=len(req.output_ids) > 1, emitted=1, proposed=0)
 
+        def step_many(self, reqs: list[Request]) -> list[StepStats]:
+            return [self.step(req) for req in reqs]
+
         def release(self, req: Request) -> None:
             pass
 

@@ -144,10 +144,7 @@ class Decoder:
                     drafted.append((i, req, self._draft(req)))
             except Exception as err:  # noqa: BLE001 - handed to the caller per request
                 results[i] = err
-        if len(drafted) == 1:
-            i, req, step = drafted[0]
-            results[i] = self._forward_alone(req, step)
-        elif drafted:
+        if drafted:
             try:
                 hiddens = self.runner.forward_many(
                     [(req.cache, step.tokens, step.positions, step.visible) for _, req, step in drafted])
@@ -171,8 +168,7 @@ class Decoder:
 
     def _forward_alone(self, req: Request, step: _Drafted) -> StepStats | Exception:
         try:
-            hidden = self.runner.forward(req.cache, step.tokens, step.positions, step.visible)
-            return self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, first=step.first))
+            return self._verify_drafted(req, step)
         except Exception as err:  # noqa: BLE001
             return err
 
@@ -198,7 +194,9 @@ class Decoder:
         return StepStats(verify=False, emitted=1, proposed=0)
 
     def _verify(self, req: Request) -> StepStats:
-        step = self._draft(req)
+        return self._verify_drafted(req, self._draft(req))
+
+    def _verify_drafted(self, req: Request, step: _Drafted) -> StepStats:
         hidden = self.runner.forward(req.cache, step.tokens, step.positions, step.visible)
         return self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, first=step.first))
 

@@ -9,8 +9,8 @@ SPEC is `KIND[=VALUE][@speculative]`:
 - `slow-start=SECONDS`    sleep SECONDS before loading the model, so `/health` answers that much later.
 - `crash-after=N`         the process exits (code 70) when generation request N+1 arrives.
 - `hang-after=N`          generation requests after the first N are accepted and never answered.
-- `slow-steps=FACTOR`     every decoder step takes FACTOR (> 1) times as long: after each step the worker sleeps
-                          (FACTOR - 1) x the step's own time. Outputs and accept lengths are unchanged, so the engine
+- `slow-steps=FACTOR`     every scheduler round takes FACTOR (> 1) times as long: after each round the worker sleeps
+                          (FACTOR - 1) x the round's own time. Outputs and accept lengths are unchanged, so the engine
                           is a correct but uniformly slower one (a config that cannot beat the baseline).
 - `wrong-tokens`          the first output token of every answer is replaced by the next token id (the engine decodes
                           on from the true token, so only what the client sees is wrong).
@@ -211,11 +211,6 @@ class _WrongFirstToken:
         self._inner = inner
         self._vocab_size = vocab_size
 
-    def step(self, req: Request) -> StepStats:
-        stats = self._inner.step(req)
-        self._corrupt(req, stats)
-        return stats
-
     def step_many(self, reqs: Sequence[Request]) -> list[StepStats | Exception]:
         results = self._inner.step_many(reqs)
         for req, result in zip(reqs, results):
@@ -232,18 +227,12 @@ class _WrongFirstToken:
 
 
 class _SlowSteps:
-    """Decoder stand-in: each step is followed by a sleep of (factor - 1) x its own duration, in the worker thread
+    """Decoder stand-in: each round is followed by a sleep of (factor - 1) x its own duration, in the worker thread
     (the HTTP server keeps answering). Wraps whatever decoder the scheduler holds, so it combines with wrong-tokens."""
 
     def __init__(self, inner: Any, factor: float) -> None:
         self._inner = inner
         self._factor = factor
-
-    def step(self, req: Request) -> StepStats:
-        started = time.perf_counter()
-        stats = self._inner.step(req)
-        time.sleep((self._factor - 1) * (time.perf_counter() - started))
-        return stats
 
     def step_many(self, reqs: Sequence[Request]) -> list[Any]:
         # a round is one batched step: slowing the round slows every request in it by the same factor

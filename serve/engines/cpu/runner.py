@@ -49,6 +49,11 @@ def chain_visibility(prefix_len: int, n: int) -> torch.Tensor:
     return tree_visibility(prefix_len, [i - 1 for i in range(n)])
 
 
+def _check_visible(visible: torch.Tensor, n: int, prefix_len: int) -> None:
+    if tuple(visible.shape) != (n, prefix_len + n):
+        raise ValueError(f"visible must have shape ({n}, {prefix_len + n}), got {tuple(visible.shape)}")
+
+
 class ModelRunner:
     """Owns a causal LM in eval mode: an HF module (`ModelRunner(model)`) or, for Llama-family models, the fast
     forward (`ModelRunner(model)` re-points the module's weights to fused ones; `ModelRunner.from_dir` skips HF's
@@ -158,8 +163,7 @@ class ModelRunner:
         window. Returns the hidden states [N, d]; get logits with `logits()`."""
         prefix_len = self.cache_len(cache)
         n = len(token_ids)
-        if tuple(visible.shape) != (n, prefix_len + n):
-            raise ValueError(f"visible must have shape ({n}, {prefix_len + n}), got {tuple(visible.shape)}")
+        _check_visible(visible, n, prefix_len)
         ids = torch.tensor(list(token_ids), dtype=torch.long)
         pos = torch.tensor(list(positions), dtype=torch.long)
         if self.fast is not None:
@@ -192,9 +196,7 @@ class ModelRunner:
             return [self.forward(cache, ids, pos, visible) for cache, ids, pos, visible in items]
         queries = []
         for cache, token_ids, positions, visible in items:
-            n = len(token_ids)
-            if tuple(visible.shape) != (n, cache.length + n):
-                raise ValueError(f"visible must have shape ({n}, {cache.length + n}), got {tuple(visible.shape)}")
+            _check_visible(visible, len(token_ids), cache.length)
             queries.append(Query(cache, torch.tensor(list(token_ids), dtype=torch.long),
                                  torch.tensor(list(positions), dtype=torch.long), self._additive(visible)))
         return self.fast.forward_many(queries)

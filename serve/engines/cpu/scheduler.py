@@ -252,26 +252,13 @@ class Scheduler:
                 else:
                     live.append(ticket)
             verify = emitted = 0
-            for ticket, result in zip(live, self._step_all([t.req for t in live])):
+            for ticket, result in zip(live, self.decoder.step_many([t.req for t in live])):
                 stats = self._settle(ticket, result)
                 if stats is not None and stats.verify and self.decoder.speculator is not None:
                     verify += 1
                     emitted += stats.emitted
             with self._cond:
                 self.counters.end_round(verify, emitted)
-
-    def _step_all(self, reqs: list[Request]) -> list[StepStats | Exception]:
-        # getattr: decoders that only step one request (test doubles) need not define step_many
-        step_many = getattr(self.decoder, "step_many", None)
-        if step_many is not None:
-            return step_many(reqs)
-        results: list[StepStats | Exception] = []
-        for req in reqs:
-            try:
-                results.append(self.decoder.step(req))
-            except Exception as err:  # noqa: BLE001 - settled per request
-                results.append(err)
-        return results
 
     def _settle(self, ticket: Ticket, result: StepStats | Exception) -> StepStats | None:
         req, sink = ticket.req, ticket.sink
