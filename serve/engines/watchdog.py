@@ -20,7 +20,8 @@ GRACE_S = 10.0
 
 
 def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
-    """SIGTERM to the group (the engine and its children), SIGKILL after `grace_s`."""
+    """SIGTERM to the group (the engine and its children), SIGKILL after `grace_s` (or at once when the engine is
+    gone: its children may ignore SIGTERM). The SIGKILL ends this wrapper too."""
     group = os.getpgrp()
     try:
         os.killpg(group, signal.SIGTERM)  # reaches us too: our handler only records it
@@ -29,9 +30,6 @@ def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
         pass
     except ProcessLookupError:
         return
-    finally:
-        if threading.current_thread() is threading.main_thread():  # signal.signal raises in any other thread
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         os.killpg(group, signal.SIGKILL)  # ends us as well, which is the point
     except ProcessLookupError:
@@ -45,25 +43,25 @@ def main(argv: list[str]) -> int:
         print("usage: python -m serve.engines.watchdog -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     parent = os.getppid()
+    requested = threading.Event()
+    # The handler only records the request; the stop runs below in the main thread, so it always finishes (a stop
+    # thread died with the wrapper when the engine exited first). Installed before the engine starts: a SIGTERM in
+    # between must not kill the wrapper alone and orphan the engine.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: requested.set())
+    signal.signal(signal.SIGINT, lambda _signum, _frame: requested.set())
     child = subprocess.Popen(argv)
-    stopping = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=_stop_group, args=(child,), daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     while child.poll() is None:
-        if os.getppid() != parent and not stopping.is_set():
+        if requested.is_set():
+            _stop_group(child)
+        if os.getppid() != parent:
             print(f"[watchdog] owner process {parent} is gone: stopping the engine", file=sys.stderr, flush=True)
-            stopping.set()
             _stop_group(child)
         try:  # not a sleep: the wrapper exits as soon as the engine does (a teardown waits for the wrapper)
             child.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
+    if requested.is_set():  # the engine went first (the group got the SIGTERM too): its children must not outlive it
+        _stop_group(child)
     return child.returncode if child.returncode >= 0 else 128 - child.returncode
 
 
