@@ -95,6 +95,14 @@ class Tracker:
                                       trials_view_tag(int(time.time() * 1000)))
         return self._experiment_id
 
+    def warm_up(self) -> None:
+        """Import MLflow and open the store now (a fresh process spends ~1.5 s on it), for a caller that has other
+        waiting to do meanwhile; errors are left for the real call to raise."""
+        try:
+            self.experiment_id()
+        except Exception:  # noqa: BLE001 - a warm-up only; the trial's own MLflow call reports the problem
+            pass
+
     def log_vs_baseline(self, ratios: dict[str, float]) -> None:
         """`vs_baseline` (throughput / the baseline's) on each trial run, so the runs table can show the ratio."""
         client = self.client()

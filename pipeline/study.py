@@ -6,6 +6,8 @@ Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` a
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +37,8 @@ SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst v
 
 def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                recorded: dict[str, dict[str, Any]] | None = None) -> None:
+    if "mlflow" not in sys.modules:  # a fresh Tune worker: MLflow loads while the trial waits for its replica
+        threading.Thread(target=ctx.tracker.warm_up, name="mlflow-warm-up", daemon=True).start()
     from ray import tune
 
     # This runs in Tune's worker process, whose Serve client logs one "Deleting app"/"Connecting" INFO line per

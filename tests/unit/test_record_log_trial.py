@@ -36,3 +36,15 @@ def test_a_completed_new_record_replaces_the_old_one(tracker):
     log(tracker, parent, {"engine.log": "first"})
     second = log(tracker, parent, {"engine.log": "second"})
     assert [r.info.run_id for r in active_trial_runs(tracker, parent)] == [second]
+
+
+def test_warm_up_opens_the_store_and_never_raises(tmp_path):
+    good = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "warm", artifact_dir=tmp_path / "artifacts")
+    good.warm_up()
+    assert good._experiment_id is not None  # the experiment exists now: the trial's first MLflow call finds it
+    (tmp_path / "a-file").write_text("")
+    bad = Tracker(f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}", "warm")
+    bad.warm_up()  # the store's folder is a file: it cannot open, and the warm-up leaves that to the real call
+    assert bad._experiment_id is None
+    with pytest.raises(Exception):
+        bad.experiment_id()

@@ -94,3 +94,21 @@ def test_sigterm_to_the_wrapper_alone_ends_a_child_that_ignores_it_without_a_tra
             os.killpg(watchdog.pid, signal.SIGKILL)  # the group this test started, if anything of it is left
         except ProcessLookupError:
             pass
+
+
+def test_stop_group_without_grace_kills_a_group_that_ignores_sigterm():
+    """A replica stops an engine that holds no GPU this way between trials: no SIGTERM round, the group is gone."""
+    from serve.replica import stop_group
+
+    stubborn = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); time.sleep(600)")
+    leader = subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True, env=child_env())
+    deadline = time.monotonic() + 30
+    while len(psutil.Process(leader.pid).children()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    members = [leader.pid] + [c.pid for c in psutil.Process(leader.pid).children(recursive=True)]
+    assert len(members) == 2
+    stop_group(leader, 0.0)
+    assert leader.returncode == -signal.SIGKILL  # killed, not asked: SIGTERM would have been ignored
+    assert wait_gone(members) == []
