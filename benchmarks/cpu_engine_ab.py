@@ -19,6 +19,11 @@ tables give medians over --repeats and the new/old ratio. The worker uses only A
   default probe budget; also the CPU seconds the server process used by then (less sensitive to a shared machine).
   The new engine reads the verify-cost curve from its on-disk cache; "new, re-measured" passes
   `--verify-probe-refresh` (the first start on a machine, or after a code change).
+
+`--old-weights` / `--new-weights` (fp32, gguf, auto) make that side's workers load the model as the engine does,
+`ModelRunner.from_dir(dir, "float32", weights)` (the GGUF decode kernel, serve/engines/cpu/gguf_linear.py), and its
+engine starts pass `--weights`; `--old .` with `--old-weights fp32 --new-weights gguf` compares the two weight modes
+of one checkout. Without them a side loads HF's module (`load_model`), which any checkout has.
 """
 
 from __future__ import annotations
@@ -66,9 +71,15 @@ def _worker(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads[0])
     model_dir = resolve_model(args.model)
-    model, tokenizer = load_model(model_dir, "float32")
-    runner = ModelRunner(model)
-    result: dict = {"root": os.environ.get("PYTHONPATH", ""), "backend": getattr(runner, "backend", "hf")}
+    if args.weights:
+        from serve.engines.cpu.convert import load_tokenizer
+
+        runner, tokenizer = ModelRunner.from_dir(model_dir, "float32", args.weights), load_tokenizer(model_dir)
+    else:
+        model, tokenizer = load_model(model_dir, "float32")
+        runner = ModelRunner(model)
+    result: dict = {"root": os.environ.get("PYTHONPATH", ""), "backend": getattr(runner, "backend", "hf"),
+                    "weights": getattr(getattr(runner, "weights", None), "mode", "fp32")}
     if args.worker == "decode":
         decoder = Decoder(runner, tokenizer, None)
         tokens = 0
@@ -105,10 +116,10 @@ def _env(root: Path, threads: int) -> dict:
     return env
 
 
-def _run_worker(root: Path, mode: str, args: argparse.Namespace, threads: int) -> dict:
+def _run_worker(root: Path, mode: str, args: argparse.Namespace, threads: int, weights: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--model", args.model,
            "--threads", str(threads), "--new-tokens", str(args.new_tokens), "--prompts", str(args.prompts),
-           "--verify-seconds", str(args.verify_seconds)]
+           "--verify-seconds", str(args.verify_seconds)] + (["--weights", weights] if weights else [])
     proc = subprocess.run(cmd, cwd=root, env=_env(root, threads), capture_output=True, text=True, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -188,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=("identity", "decode", "verify", "start"),
                    default=["decode", "verify", "start"],
                    help="identity: one decode pass per side and thread count, outputs compared token for token")
+    p.add_argument("--old-weights", choices=("fp32", "gguf", "auto"), default=None,
+                   help="the old side loads as the engine does with this --weights (default: HF's module)")
+    p.add_argument("--new-weights", choices=("fp32", "gguf", "auto"), default=None,
+                   help="the new side loads as the engine does with this --weights (default: HF's module)")
     p.add_argument("--worker", choices=("decode", "verify"), help=argparse.SUPPRESS)
+    p.add_argument("--weights", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args)
@@ -197,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (medians)")
     sides = {"old": args.old.resolve(), "new": args.new.resolve()}
+    weights = {"old": args.old_weights, "new": args.new_weights}
     print("# CPU engine, old vs new (alternating passes)\n")
     print(f"- command: `python benchmarks/cpu_engine_ab.py {' '.join(sys.argv[1:] if argv is None else argv)}`")
-    print(f"- old: {sides['old']}, new: {sides['new']}")
+    print(f"- old: {sides['old']} (weights {args.old_weights or 'HF module'}), new: {sides['new']} "
+          f"(weights {args.new_weights or 'HF module'})")
     print(f"- machine: {_cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"load average at the start {os.getloadavg()[0]:.2f}\n", flush=True)
 
@@ -208,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         print("| threads | identical prompts | first divergence (prompt, token index) |")
         print("|---|---|---|")
         for threads in args.threads:
-            old, new = (_run_worker(root, "decode", args, threads)["outputs"] for root in sides.values())
+            old, new = (_run_worker(root, "decode", args, threads, weights[side])["outputs"]
+                        for side, root in sides.items())
             same = sum(a == b for a, b in zip(old, new))
             diverge = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y))
                        for i, (a, b) in enumerate(zip(old, new)) if a != b]
@@ -227,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 outs = {}
                 for side, root in sides.items():
-                    res = _run_worker(root, "decode", args, threads)
+                    res = _run_worker(root, "decode", args, threads, weights[side])
                     rates[side].append(res["tok_s"])
                     cpu[side].append(res["cpu_ms_per_token"])
                     outs[side] = res["outputs"]
@@ -245,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         curves: dict[str, list[dict]] = {"old": [], "new": []}
         for _ in range(args.repeats):
             for side, root in sides.items():
-                curves[side].append(_run_worker(root, "verify", args, 2)["curve"])
+                curves[side].append(_run_worker(root, "verify", args, 2, weights[side])["curve"])
         sizes = curves["new"][0]["sizes"]
         print("| side | " + " | ".join(f"N={n}" for n in sizes) + " |")
         print("|---" * (len(sizes) + 1) + "|")
@@ -257,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if "start" in args.only:
         print(f"## Engine start (`python -m serve.engines.cpu --model-path {args.model}`, spawn to /health 200)\n")
-        variants = [("old", sides["old"], []), ("new", sides["new"], []),
-                    ("new, probe re-measured", sides["new"], ["--verify-probe-refresh"])]
-        _start_once(sides["new"], args, [])  # fills the new engine's probe cache if it is empty
+        flags = {side: ["--weights", w] if w else [] for side, w in weights.items()}
+        variants = [("old", sides["old"], flags["old"]), ("new", sides["new"], flags["new"]),
+                    ("new, probe re-measured", sides["new"], flags["new"] + ["--verify-probe-refresh"])]
+        _start_once(sides["new"], args, flags["new"])  # fills the new engine's probe cache if it is empty
         starts: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
         for _ in range(args.repeats):
             for name, root, extra in variants:

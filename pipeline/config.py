@@ -85,6 +85,7 @@ class EngineSettings(FrozenModel):
     replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
                                                 "needs, e.g. {specdec_engine: 1} to keep replicas on engine nodes")
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads; None = all cores")
+    weights: Literal["auto", "fp32", "gguf"] = Field("auto", description="cpu engine --weights (decode kernel)")
     start_timeout_s: float = Field(600.0, gt=0, description="readiness timeout; minutes for big models")
     request_timeout_s: float = Field(300.0, gt=0)
     extra_flags: list[str] = Field(default_factory=list, description="passed to the engine after validation")
@@ -101,6 +102,13 @@ class EngineSettings(FrozenModel):
             raise ValueError("; ".join(problems) + ". Fix: remove it from engine.extra_flags and set the study key "
                              "or search-space parameter that renders it")
         return value
+
+    @model_validator(mode="after")
+    def _weights_cpu_only(self) -> EngineSettings:
+        if self.weights != "auto" and self.kind != "cpu":
+            raise ValueError(f"engine.weights={self.weights!r} applies to the cpu engine only (engine.kind is "
+                             f"{self.kind!r}). Fix: remove engine.weights")
+        return self
 
 
 class ArrivalSettings(FrozenModel):

@@ -49,8 +49,10 @@ def study_identity(study: StudyConfig, space_dump: dict[str, Any], workload: str
         "search space": f"{study.search_space} (sha256 {digest(space_dump)})",
         "workload": f"{study.workload.source} (sha256 {workload})",
         "model": json.dumps(study.model.model_dump(mode="json"), sort_keys=True),
+        # weights only when set: "auto" (the default) leaves the identity of studies recorded before it existed
         "engine": json.dumps({"kind": engine.kind, "tp_size": engine.tp_size, "extra_flags": engine.extra_flags,
-                              "env": sorted(engine.env)}, sort_keys=True),
+                              "env": sorted(engine.env),
+                              **({"weights": engine.weights} if engine.weights != "auto" else {})}, sort_keys=True),
         "objective": json.dumps(study.objective.model_dump(mode="json"), sort_keys=True),
         "concurrency": str(study.concurrency[0]),
         # closed loop vs an arrival rate: trials measured under both would not compare

@@ -101,7 +101,8 @@ def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> Rep
     engine = study.engine
     return ReplicaConfig(
         engine=engine.kind, model=study.model.target, dtype=study.model.dtype, spec=trial.spec,
-        max_running_requests=trial.max_running_requests, threads=engine.threads, tp_size=engine.tp_size,
+        max_running_requests=trial.max_running_requests, threads=engine.threads, weights=engine.weights,
+        tp_size=engine.tp_size,
         replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
         env=engine.env, start_timeout_s=engine.start_timeout_s, log_dir=str(log_dir))
 
@@ -305,6 +306,9 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
                                  "trial_node_id": _node_id(), "early_stopping": stopping_note,
                                  "replica_node_id": str(m.server_info.get("replica_node_id") or ""),
+                                 # the cpu engine's resolved decode weights (fp32, gguf-avx512, gguf-avx2)
+                                 "engine_weights": "-".join(str(m.server_info[k]) for k in ("weights_mode", "weights_isa")
+                                                           if m.server_info.get(k)),
                                  # engine restarted in the process's live replica, or a fresh Serve app deployed
                                  "serve_replica": {True: "reused", False: "new", None: ""}[m.replica_reused],
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},

@@ -66,6 +66,8 @@ class ReplicaConfig(FrozenModel):
     spec: SpecConfig = Field(default_factory=NoSpec)
     max_running_requests: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
+    weights: Literal["auto", "fp32", "gguf"] = Field("auto", description="cpu engine --weights (serve/engines/cpu/"
+                                                     "gguf_linear.py): decode matmuls on the GGUF blocks or fp32")
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
     replica_cpus: float | None = Field(None, ge=0, description="CPUs Ray reserves per replica; None = engine default")
     replica_resources: dict[str, float] = Field(

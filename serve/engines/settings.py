@@ -56,7 +56,8 @@ BY_FIELD = {s.field: s for s in SETTINGS}
 
 # Flags the tuner renders itself, from the study and the trial: a user's `engine.extra_flags` must not set them, or
 # the engine would run something other than what is recorded. Launch flags first, then every table row.
-LAUNCH_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tp", "--dtype", "--threads")
+LAUNCH_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tp", "--dtype", "--threads",
+                "--weights")
 ENGINE_OWNED_FLAGS: frozenset[str] = frozenset(LAUNCH_FLAGS) | {s.flag for s in SETTINGS}
 
 

@@ -108,6 +108,9 @@ def test_output_path_defaults_under_runs(tmp_path, monkeypatch):
     ({"engine.extra_flags": ["--speculative-num-draft-tokens=3"]},
      ["'--speculative-num-draft-tokens=3' sets --speculative-num-draft-tokens"]),
     ({"engine.extra_flags": ["--spec", "NGRAM"]}, ["'--spec' is a prefix of --speculative-"]),
+    ({"engine.kind": "sglang", "engine.weights": "gguf"},
+     ["engine.weights='gguf'", "cpu engine only", "Fix: remove engine.weights"]),
+    ({"engine.extra_flags": ["--weights", "fp32"]}, ["'--weights' sets --weights"]),
 ])
 def test_values_that_would_fail_mid_study_fail_at_load(override, fragments):
     with pytest.raises(ConfigError) as err:

@@ -32,6 +32,7 @@ def test_the_same_study_has_the_same_identity():
     ({"model.dtype": "bfloat16"}, "model"),
     ({"engine.kind": "sglang"}, "engine"),
     ({"engine.extra_flags": ["--mem-fraction-static", "0.8"]}, "engine"),
+    ({"engine.weights": "fp32"}, "engine"),  # fp32 decode is half the gguf kernel's speed on the cpu engine
     ({"search_space": "ngram.yaml"}, "search space"),
     ({"workload.source": "code-edit"}, "workload"),
     ({"concurrency": [4]}, "concurrency"),

@@ -5,6 +5,8 @@ Modules (torch is imported lazily, only by the ones that run a model):
 - `convert`: GGUF -> dequantized HF safetensors dir, and loading a model dir.
 - `runner`: one causal LM driven by hand: prefill, tree forward with a 4D mask, KV pruning, logits on demand.
 - `llama`: the fast forward `runner` uses for Llama-family models (fused weights, preallocated KV cache).
+- `gguf_linear`: decode/verify matmuls on the model's GGUF Q4_1/Q8_0 blocks (a C++ kernel in `csrc/`, built once per
+  machine; `--weights`), exact to the fp32 weights.
 - `verify`: tree acceptance (greedy and target-only sampling) and the sampling transforms.
 - `speculators`: draft sources producing `ngram.DraftTree`s (the shared n-gram trie, a standalone draft model).
 - `decode`: one request's state machine (prefill, draft+verify steps, stop rules, SGLang meta_info counters).

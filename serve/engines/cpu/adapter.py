@@ -20,7 +20,8 @@ class CpuEngine(Engine):
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
         argv = python_module_argv("serve.engines.cpu") + [
-            "--model-path", config.model, "--host", host, "--port", str(port), "--dtype", config.dtype]
+            "--model-path", config.model, "--host", host, "--port", str(port), "--dtype", config.dtype,
+            "--weights", config.weights]
         if config.threads is not None:
             argv += ["--threads", str(config.threads)]
         return argv + render_spec(config.spec, config.max_running_requests) + list(config.extra_flags)

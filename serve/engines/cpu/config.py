@@ -49,6 +49,7 @@ class EngineConfig(FrozenModel):
     max_total_tokens: int | None = Field(None, ge=1)  # token budget of the running requests; None: 4 x context
     random_seed: int = 0
     threads: int | None = Field(None, ge=1)
+    weights: Literal["auto", "fp32", "gguf"] = "auto"  # decode matmuls on the GGUF kernel (cpu/gguf_linear.py)
     verify_probe_seconds: float = Field(1.5, ge=0)
     verify_probe_refresh: bool = False  # measure the curve even if probe.py has it cached for this key
     log_level: str = "info"
@@ -74,7 +75,7 @@ class EngineConfig(FrozenModel):
             "port": self.port, "dtype": self.dtype, "context_length": self.context_length,
             "max_running_requests": self.max_running_requests, "random_seed": self.random_seed,
             "max_queued_requests": self.max_queued_requests, "max_total_tokens": self.max_total_tokens,
-            "device": "cpu", "threads": self.threads,
+            "device": "cpu", "threads": self.threads, "weights": self.weights,
             **speculative,
             "speculative_algorithm": self.algorithm,
             "speculative_num_steps": self.speculative_num_steps,
@@ -120,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=info.description)
     e = p.add_argument_group("engine-only")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    e.add_argument("--weights", choices=("auto", "fp32", "gguf"), default="auto",
+                   help="decode/verify matmuls (<= 24 rows) on the model's GGUF Q4_1/Q8_0 blocks through a C++ kernel "
+                        "(same weights bit for bit, ~2x plain decode), prefill on the fp32 tensors: gguf = required "
+                        "(the start fails if this model or machine cannot), fp32 = never, auto (default) = gguf where "
+                        "possible, else fp32 with the reason in the log and /server_info. The kernel is built once "
+                        "per machine (~30 s; `python -m serve.engines.cpu.models fetch` builds it too)")
     e.add_argument("--verify-probe-seconds", type=float, default=1.5,
                    help="time budget of the start-up verify-cost probe (N = 1..16 query tokens, 8 sizes); 0 turns it off")
     e.add_argument("--verify-probe-refresh", action="store_true",
@@ -202,7 +209,7 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
                               else args.max_running_requests),
         max_queued_requests=args.max_queued_requests, max_total_tokens=args.max_total_tokens,
         random_seed=args.random_seed if args.random_seed is not None else random.randrange(2**31),
-        threads=args.threads, verify_probe_seconds=args.verify_probe_seconds,
+        threads=args.threads, weights=args.weights, verify_probe_seconds=args.verify_probe_seconds,
         verify_probe_refresh=args.verify_probe_refresh, log_level=args.log_level, spec=spec,
         speculative_num_steps=steps, speculative_eagle_topk=topk, warnings=tuple(warnings),
         test_faults=test_faults)

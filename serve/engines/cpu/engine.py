@@ -52,6 +52,14 @@ class Engine:
     def speculative(self) -> bool:
         return self.decoder.speculator is not None
 
+    def _draft_weights(self) -> dict:
+        speculator = self.decoder.speculator
+        if not isinstance(speculator, StandaloneSpeculator):
+            return {}
+        choice = speculator.runner.weights
+        return {"draft_weights_mode": choice.mode, "draft_weights_isa": choice.isa,
+                "draft_weights_reason": choice.reason}
+
     def server_info(self) -> dict:
         """SGLang-shaped /server_info: resolved args at the top level, plus `internal_states[0]`."""
         info = self.config.server_args()
@@ -72,6 +80,9 @@ class Engine:
         info.update({
             "version": ENGINE_VERSION, "engine": "cpu", "model_dir": self.model_dir, "draft_model_dir": self.draft_dir,
             "torch_threads": torch.get_num_threads(), "forward": self.runner.backend, "verify_cost": self.verify_cost,
+            # what --weights resolved to (the target's; a draft model resolves its own, reported as draft_weights_*)
+            "weights_mode": self.runner.weights.mode, "weights_isa": self.runner.weights.isa,
+            "weights_reason": self.runner.weights.reason, **self._draft_weights(),
             "startup_time": self.startup_time, "warnings": list(self.config.warnings),
             "internal_states": [state],
         })
@@ -131,8 +142,9 @@ def build_engine(config: EngineConfig) -> Engine:
     timings["resolve_model"] = time.monotonic() - t0
     t0 = time.monotonic()
     # Llama-family models load straight from safetensors into the fast forward (no HF modules): see runner.py
-    runner = ModelRunner.from_dir(model_dir, config.dtype)
-    timings["load_weight"] = time.monotonic() - t0
+    runner = ModelRunner.from_dir(model_dir, config.dtype, config.weights)
+    timings["load_weight"] = time.monotonic() - t0  # includes the GGUF kernel's one-time build (~30 s) if it ran
+    log.info("weights: %s (%s)", runner.weights.mode, runner.weights.reason)
     t0 = time.monotonic()
     tokenizer = load_tokenizer(model_dir)
     timings["load_tokenizer"] = time.monotonic() - t0
@@ -144,7 +156,8 @@ def build_engine(config: EngineConfig) -> Engine:
             raise EngineError("--speculative-draft-model-path: STANDALONE needs a draft model")
         draft_dir = resolve_model(config.spec.draft_model)
         _check_same_vocab(tokenizer, load_tokenizer(draft_dir), config.spec.draft_model, config)
-        draft_runner = ModelRunner.from_dir(draft_dir, config.dtype)
+        draft_runner = ModelRunner.from_dir(draft_dir, config.dtype, config.weights)
+        log.info("draft weights: %s (%s)", draft_runner.weights.mode, draft_runner.weights.reason)
         timings["load_draft_weight"] = time.monotonic() - t0
     model_max = int(getattr(runner.config, "max_position_embeddings", 0) or 0) or 4096
     context_length = config.context_length or model_max

@@ -25,14 +25,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FORWARD_VERSION", "LlamaShape", "LlamaForward", "KVCache", "Query", "unsupported_reason"]
+__all__ = ["FORWARD_VERSION", "KERNEL_MAX_ROWS", "BlockWeight", "LlamaShape", "LlamaForward", "KVCache", "Query",
+           "unsupported_reason"]
 
-FORWARD_VERSION = 1  # part of the verify-cost cache key (probe.py): bump when the forward's cost profile changes
+FORWARD_VERSION = 2  # part of the verify-cost cache key (probe.py): bump when the forward's cost profile changes
+# (2: small products may run on the GGUF kernel, `use_gguf`; the weights mode is in the key as well)
+
+# Products of at most this many rows run on the GGUF kernel once `use_gguf` ran; larger ones (prefill) on F.linear
+# over the fp32 tensors. Measured on the 2-core AVX-512 box (docs/benchmarks.md, "GGUF kernel in the engine"), with
+# both kernel builds: the kernel is 1.5-3.4x MKL's fp32 up to 16 rows, ~1.0x at 24, 0.8-0.95x at 32.
+KERNEL_MAX_ROWS = 24
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 _MIN_CAPACITY = 256  # KV columns allocated at least: a prompt plus a few hundred tokens without a regrow
@@ -161,6 +168,36 @@ class LlamaForward:
         self.final_norm = weights["model.norm.weight"]
         self.layers = [_layer(weights, f"model.layers.{i}.", s) for i in range(s.num_layers)]
         self._rope_tables(_MIN_CAPACITY * 8)
+        # GGUF blocks per layer (qkv, o, gate_up, down) and of the head, used for products of <= KERNEL_MAX_ROWS
+        # rows once `use_gguf` ran; the fp32 tensors stay for prefill (the kernel is compute-bound at large M).
+        self.kernel: Any = None
+        self._gguf: list[tuple[BlockWeight, BlockWeight, BlockWeight, BlockWeight]] = []
+        self._gguf_head: BlockWeight | None = None
+
+    def use_gguf(self, weights: Mapping[str, BlockWeight], kernel: Any) -> None:
+        """Run small products on `kernel` over `weights` (`gguf_linear.model_weights`: the same values as the fp32
+        tensors, bit for bit). Checks that every weight has its tensor's shape."""
+        if self.dtype != torch.float32:
+            raise ValueError(f"use_gguf: the kernel computes in float32, the forward is {self.dtype}")
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                want = tuple(getattr(layer, name).shape)
+                if weights[f"{i}.{name}"].shape != want:
+                    raise ValueError(f"use_gguf: {i}.{name} is {weights[f'{i}.{name}'].shape} in the GGUF, {want} "
+                                     "in the model dir (not the same model)")
+        if weights["head"].shape != tuple(self.head.shape):
+            raise ValueError(f"use_gguf: head is {weights['head'].shape} in the GGUF, {tuple(self.head.shape)} here")
+        self._gguf = [tuple(weights[f"{i}.{n}"] for n in ("qkv", "o", "gate_up", "down"))  # type: ignore[misc]
+                      for i in range(len(self.layers))]
+        self._gguf_head = weights["head"]
+        self.kernel = kernel
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, q: BlockWeight | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if q is None or x.shape[0] > KERNEL_MAX_ROWS:
+            return F.linear(x, w, bias)
+        y = q.matmul(self.kernel, x)
+        return y if bias is None else y + bias
 
     # ------------------------------------------------------------------ construction
 
@@ -253,8 +290,9 @@ class LlamaForward:
         x = F.embedding(token_ids, self.embed)
         attn_out = torch.empty(total, self.q_size, dtype=self.dtype)
         for i, layer in enumerate(self.layers):
+            qw, ow, guw, dw = self._gguf[i] if self._gguf else (None, None, None, None)
             h = torch.rms_norm(x, (s.hidden_size,), layer.in_norm, s.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(total, heads_qk + s.num_kv_heads, s.head_dim)
+            qkv = self._linear(h, layer.qkv, qw, layer.qkv_bias).view(total, heads_qk + s.num_kv_heads, s.head_dim)
             qk = qkv[:, :heads_qk]
             qk = qk * cos + torch.roll(qk, half, -1) * sin
             for j, query in enumerate(queries):
@@ -268,17 +306,27 @@ class LlamaForward:
                     qk[a:b, :s.num_heads].transpose(0, 1)[None], keys[i, :, :end][None], values[i, :, :end][None],
                     attn_mask=masks[j], is_causal=masks[j] is None and n > 1, scale=self.scale, enable_gqa=True)
                 attn_out[a:b] = attn[0].transpose(0, 1).reshape(n, self.q_size)
-            x = x + F.linear(attn_out, layer.o)
+            x = x + self._linear(attn_out, layer.o, ow)
             h = torch.rms_norm(x, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
-            gate_up = F.linear(h, layer.gate_up)
-            x = x + F.linear(F.silu(gate_up[:, :s.intermediate_size]) * gate_up[:, s.intermediate_size:], layer.down)
+            gate_up = self._linear(h, layer.gate_up, guw)
+            x = x + self._linear(F.silu(gate_up[:, :s.intermediate_size]) * gate_up[:, s.intermediate_size:],
+                                 layer.down, dw)
         for query, n in zip(queries, sizes):
             query.cache.length += n
         out = torch.rms_norm(x, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
         return [out[bounds[j]:bounds[j + 1]] for j in range(len(queries))]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head)
+        return self._linear(hidden, self.head, self._gguf_head)
+
+
+class BlockWeight(Protocol):
+    """A weight [N, K] the GGUF kernel multiplies by (`gguf_linear.GgufWeight`)."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    def matmul(self, kernel: Any, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

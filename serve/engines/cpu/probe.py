@@ -72,9 +72,12 @@ def measure_verify_cost(runner: ModelRunner, budget_s: float, sizes: tuple[int, 
     }
 
 
-def probe_key(model_dir: Path, dtype: str, backend: str, sizes: tuple[int, ...]) -> dict:
+def probe_key(model_dir: Path, dtype: str, backend: str, sizes: tuple[int, ...],
+              weights_mode: str = "fp32") -> dict:
     """What the curve depends on. The model is identified by its dir and its weight files' sizes and mtimes (a
-    re-conversion changes them); the machine by its CPU model, flags and count, and the torch build."""
+    re-conversion changes them); the machine by its CPU model, flags and count, and the torch build; `weights_mode` is
+    the runner's resolved weights mode with its kernel ISA ("fp32", "gguf-avx512", ...): the kernel changes the
+    curve's shape."""
     weights = sorted(Path(model_dir).glob("*.safetensors"))
     return {
         "probe_version": PROBE_VERSION,
@@ -83,6 +86,7 @@ def probe_key(model_dir: Path, dtype: str, backend: str, sizes: tuple[int, ...])
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "backend": backend,
+        "weights_mode": weights_mode,
         "forward_version": FORWARD_VERSION,
         "sizes": list(sizes),
         "context_tokens": CONTEXT_TOKENS,
@@ -93,10 +97,11 @@ def probe_key(model_dir: Path, dtype: str, backend: str, sizes: tuple[int, ...])
 
 def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_s: float,
                        sizes: tuple[int, ...] = STARTUP_PROBE_SIZES, refresh: bool = False) -> dict:
-    """The curve for this (model, dtype, threads, forward, machine): from the on-disk cache when present (and not
-    `refresh`), else measured now and stored. The result carries `source` ("cache" or "measured") and `measured_at`
-    (unix time of the measurement)."""
-    key = probe_key(model_dir, dtype, runner.backend, sizes)
+    """The curve for this (model, dtype, threads, forward, weights mode, machine): from the on-disk cache when present
+    (and not `refresh`), else measured now and stored. The result carries `source` ("cache" or "measured") and
+    `measured_at` (unix time of the measurement)."""
+    choice = runner.weights
+    key = probe_key(model_dir, dtype, runner.backend, sizes, choice.mode + (f"-{choice.isa}" if choice.isa else ""))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_root() / "probe" / f"{digest}.json"
     if not refresh:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from serve.engines.cpu.gguf_linear import WeightsChoice, choose_weights, resolve_weights
 from serve.engines.cpu.llama import KVCache, LlamaForward, Query, unsupported_reason
 
 __all__ = ["ModelRunner", "chain_visibility", "tree_visibility"]
@@ -63,6 +64,7 @@ class ModelRunner:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self.weights: WeightsChoice = choose_weights("fp32", None)  # `from_dir` may switch the fast forward to gguf
         if isinstance(model, LlamaForward):
             self.fast: LlamaForward | None = model
             self.config: Any = model.shape
@@ -85,15 +87,27 @@ class ModelRunner:
         self._min = torch.finfo(self.dtype).min
 
     @classmethod
-    def from_dir(cls, model_dir: Path, dtype: str) -> ModelRunner:
+    def from_dir(cls, model_dir: Path, dtype: str, weights: str = "fp32") -> ModelRunner:
         """The runner of an HF model dir: the fast forward straight from its safetensors where the architecture
-        allows (no transformers modeling import, no `from_pretrained`), else HF's `from_pretrained`."""
+        allows (no transformers modeling import, no `from_pretrained`), else HF's `from_pretrained`.
+
+        `weights` (the engine's `--weights`): "fp32" runs every matmul on the dir's tensors; "gguf" runs the fast
+        forward's small products on the GGUF kernel (`gguf_linear`), WeightsError where it cannot; "auto" does
+        that where it can and falls back to fp32 otherwise. `runner.weights` says what was chosen and why."""
         from serve.engines.cpu.convert import load_hf_model, torch_dtype
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
         if unsupported_reason(config) is None and any(Path(model_dir).glob("*.safetensors")):
-            return cls(LlamaForward.from_dir(Path(model_dir), torch_dtype(dtype)))
-        return cls(load_hf_model(Path(model_dir), dtype))
+            forward = LlamaForward.from_dir(Path(model_dir), torch_dtype(dtype))
+            choice, blocks, kernel = resolve_weights(weights, Path(model_dir), forward.shape, dtype)
+            if blocks is not None:
+                forward.use_gguf(blocks, kernel)
+            runner = cls(forward)
+        else:
+            choice = resolve_weights(weights, Path(model_dir), None, dtype)[0]  # fails early for "gguf"
+            runner = cls(load_hf_model(Path(model_dir), dtype))
+        runner.weights = choice
+        return runner
 
     @property
     def backend(self) -> str:
