@@ -9,7 +9,9 @@ tags `outcome` and `reason`.
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,14 @@ def flatten_trial(config: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in params.items() if v is not None}
 
 
+_WARM_UP: threading.Thread | None = None  # this process's MLflow warm-up (`Tracker.warm_up_in_background`)
+
+
+def _wait_for_warm_up() -> None:
+    if _WARM_UP is not None and _WARM_UP is not threading.current_thread():
+        _WARM_UP.join()
+
+
 class Tracker:
     """Thin wrapper over MlflowClient for one study. Picklable: it holds only strings."""
 
@@ -75,6 +85,7 @@ class Tracker:
         self._experiment_id: str | None = None
 
     def client(self) -> Any:
+        _wait_for_warm_up()
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
@@ -96,12 +107,22 @@ class Tracker:
         return self._experiment_id
 
     def warm_up(self) -> None:
-        """Import MLflow and open the store now (a fresh process spends ~1.5 s on it), for a caller that has other
-        waiting to do meanwhile; errors are left for the real call to raise."""
+        """Import MLflow and open the store now (a fresh process spends ~1.5 s on it); errors are left for the real
+        call to raise."""
         try:
             self.experiment_id()
         except Exception:  # noqa: BLE001 - a warm-up only; the trial's own MLflow call reports the problem
             pass
+
+    def warm_up_in_background(self) -> None:
+        """`warm_up` on a thread, in a process that has not imported MLflow yet (else nothing to gain). Every MLflow
+        use of this module waits for it first: two threads importing MLflow at once break its protobuf registry
+        ("Depends on file 'databricks.proto', but it has not been loaded")."""
+        global _WARM_UP
+        if "mlflow" in sys.modules or _WARM_UP is not None:
+            return
+        _WARM_UP = threading.Thread(target=self.warm_up, name="mlflow-warm-up", daemon=True)
+        _WARM_UP.start()
 
     def log_vs_baseline(self, ratios: dict[str, float]) -> None:
         """`vs_baseline` (throughput / the baseline's) on each trial run, so the runs table can show the ratio."""
@@ -151,9 +172,9 @@ class Tracker:
                   started_at: float | None = None) -> str:
         """One child run with everything about a trial; returns its run id. `started_at` (a time.time()) makes the
         run's duration in the MLflow UI the trial's, not just the logging's."""
+        client = self.client()  # first: it waits for a warm-up still importing MLflow
         from mlflow.entities import Metric, Param
 
-        client = self.client()
         # A trial interrupted after logging and then resumed logs again: keep only the newest record of it. The old
         # records are looked up now but deleted only once the new one is complete, so a crash in between leaves two
         # records of the trial, never none.

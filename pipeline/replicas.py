@@ -7,7 +7,12 @@ app alive after a trial, and the next trial only restarts the engine process ins
 (`POST /replica/engine`, serve/replica.py): the old engine's process group is stopped and waited for (on a GPU it holds
 memory), the new one started and waited for. Every trial still measures a fresh engine process.
 
-A fresh app is deployed instead when the process holds none, when the trial needs other `ray_actor_options` than the
+A study's first trial would also pay a fresh replica, after a fresh Tune worker's start (~2 s): so before the search
+the driver deploys a standby replica without an engine (`start_standby`, only where replicas hold no GPU: an idle
+replica must not keep GPUs from a trial), and a trial process holding no app claims it (`claim_standby`, one claimant
+wins) and starts its engine there; its `serve_replica` tag says `standby`.
+
+A fresh app is deployed instead when the process holds none (and no standby is left), when the trial needs other `ray_actor_options` than the
 live replica has (resources and node placement belong to the actor), and when the live replica does not answer as
 expected. After any failure of the engine or the replica the app is deleted (`release`), so one broken trial never
 breaks the next. A study's apps are deleted by its driver when the search ends and again when the study ends
@@ -61,6 +66,53 @@ def study_apps(study_name: str, names: Any) -> list[str]:
     return [n for n in names if n.startswith(f"{study_name}~trial-")]
 
 
+def standby_name(study_name: str) -> str:
+    return app_name(study_name, "standby")
+
+
+def start_standby(study_name: str, config: ReplicaConfig) -> bool:
+    """Deploy the study's standby replica (no engine) without waiting; False where replicas hold GPUs (none is
+    deployed). The study's apps are deleted at the end of the search, the standby with them if nobody claimed it."""
+    from ray import serve
+
+    from serve.replica import EngineReplica, actor_options
+
+    options = actor_options(config)
+    if options.get("num_gpus"):
+        return False
+    target = EngineReplica.options(ray_actor_options=options).bind(  # type: ignore[attr-defined]
+        config.to_replica(), standby=True)
+    name = standby_name(study_name)
+    serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
+    return True
+
+
+def claim_standby(study_name: str, serve_url: str, options: dict[str, Any], timeout_s: float) -> LiveApp | None:
+    """The study's standby replica, claimed for this process (waiting while it deploys), or None: there is none, it
+    failed, another process claimed it, or it has other `ray_actor_options` (then it is deleted: nobody can use it)."""
+    from ray import serve
+
+    name = standby_name(study_name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(name)
+        status = str(app.status) if app else "MISSING"
+        if status.endswith("RUNNING"):
+            break
+        if not (status.endswith("DEPLOYING") or status.endswith("NOT_STARTED")) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    try:
+        answer = httpx.post(f"{serve_url}/{name}/replica/claim", json=options, timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(answer, dict) or not answer.get("ok"):
+        if isinstance(answer, dict) and "ray_actor_options" in str(answer.get("error")):
+            teardown(name, wait=False)
+        return None
+    return LiveApp(name, serve_url, options)
+
+
 def can_reuse(live: LiveApp | None, serve_url: str, options: dict[str, Any]) -> bool:
     """Whether the next trial may restart the engine in `live` rather than deploy a fresh app. Pure."""
     return live is not None and live.serve_url == serve_url and live.options == options
@@ -71,19 +123,25 @@ def live_app(study_name: str) -> LiveApp | None:
 
 
 def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaConfig,
-                 timeout_s: float) -> tuple[LiveApp, bool]:
-    """This trial's engine running and healthy, in this process's live app of the study (restarted: True) or in a
-    fresh app named after `label` (False). Raises like `deploy`: TimeoutError, RuntimeError with the engine's reason
-    (ConfigRejected's marker when the engine refused the config). On a raise the app tried stays `live_app`, so the
-    caller can fetch its engine log before `release`."""
+                 timeout_s: float) -> tuple[LiveApp, str]:
+    """This trial's engine running and healthy, in this process's live app of the study ("reused"), in the study's
+    standby replica ("standby") or in a fresh app named after `label` ("new"). Raises like `deploy`: TimeoutError,
+    RuntimeError with the engine's reason (ConfigRejected's marker when the engine refused the config). On a raise
+    the app tried stays `live_app`, so the caller can fetch its engine log before `release`."""
     from serve.replica import actor_options
 
     options = actor_options(config)
     live = LIVE.get(study_name)
+    how = "reused"
+    if live is None:
+        live = claim_standby(study_name, serve_url, options, timeout_s)
+        how = "standby"
+        if live is not None:
+            LIVE[study_name] = live
     if live is not None and can_reuse(live, serve_url, options):
         try:
             restart(live, config, timeout_s)
-            return live, True
+            return live, how
         except ReplicaUnusable:
             release(study_name)
     elif live is not None:
@@ -91,7 +149,7 @@ def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaCon
     fresh = LiveApp(app_name(study_name, label), serve_url, options)
     LIVE[study_name] = fresh
     deploy(fresh.name, config, timeout_s)
-    return fresh, False
+    return fresh, "new"
 
 
 def restart(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:

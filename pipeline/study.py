@@ -6,8 +6,6 @@ Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` a
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +24,7 @@ from pipeline.resume import (
 from pipeline.sla import constraint_user_attrs
 from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
 from pipeline.space.sampler import constrained_search_class
-from pipeline.replicas import delete_study_apps, study_apps
+from pipeline.replicas import delete_study_apps, start_standby, study_apps
 from pipeline.trial import Outcome, TrialContext, replica_config, run_trial
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
@@ -37,8 +35,7 @@ SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst v
 
 def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                recorded: dict[str, dict[str, Any]] | None = None) -> None:
-    if "mlflow" not in sys.modules:  # a fresh Tune worker: MLflow loads while the trial waits for its replica
-        threading.Thread(target=ctx.tracker.warm_up, name="mlflow-warm-up", daemon=True).start()
+    ctx.tracker.warm_up_in_background()  # a fresh Tune worker: MLflow loads while the trial waits for its replica
     from ray import tune
 
     # This runs in Tune's worker process, whose Serve client logs one "Deleting app"/"Connecting" INFO line per
@@ -247,6 +244,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         restored = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space, recorded=recorded),
                                        tune.PlacementGroupFactory([{"CPU": 0.25}]))  # as `trainable`
         try:
+            start_standby(study.name, replica_config(study, TrialConfig(), out / "trials"))
             tune.Tuner.restore(str(tune_path), restored, resume_unfinished=True, resume_errored=True).fit()
         finally:
             delete_study_apps(study.name)  # as after the search below
@@ -261,6 +259,8 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     remaining = study.budget.max_trials - finished_trials(ot_study)
     if remaining > 0:
         try:
+            # the first trial's replica deploys while Tune starts its worker (pipeline/replicas.py)
+            start_standby(study.name, replica_config(study, TrialConfig(), out / "trials"))
             tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
                 search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
                 time_budget_s=study.budget.time_budget_s,

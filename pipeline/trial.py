@@ -70,7 +70,7 @@ class Measurement:
     failure: tuple[Outcome, str] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     corpus: dict[str, float] = field(default_factory=dict)  # corpus documents/bytes/tokens/load seconds
-    replica_reused: bool | None = None  # engine restarted in the live replica (True) or a fresh app (False)
+    replica: str = ""  # where the engine started: "reused" live replica, the study's "standby", a "new" app
 
 
 @dataclass
@@ -168,7 +168,7 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     clean = False  # measured without an engine or replica failure: the app may serve the next trial
     try:
         try:
-            live, out.replica_reused = start_engine(study.name, label, ctx.serve_url, config,
+            live, out.replica = start_engine(study.name, label, ctx.serve_url, config,
                                                     study.engine.start_timeout_s + 60)
         except TimeoutError as exc:
             out.failure = (Outcome.TIMEOUT, str(exc))
@@ -309,8 +309,9 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
                                  # the cpu engine's resolved decode weights (fp32, gguf-avx512, gguf-avx2)
                                  "engine_weights": "-".join(str(m.server_info[k]) for k in ("weights_mode", "weights_isa")
                                                            if m.server_info.get(k)),
-                                 # engine restarted in the process's live replica, or a fresh Serve app deployed
-                                 "serve_replica": {True: "reused", False: "new", None: ""}[m.replica_reused],
+                                 # engine restarted in the process's live replica, in the study's standby
+                                 # replica, or in a fresh Serve app
+                                 "serve_replica": m.replica,
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},
         started_at=started_at)
     return TrialResult(outcome, reason, config, summary, equivalence, run_id)

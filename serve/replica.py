@@ -191,18 +191,30 @@ _DEPLOYMENT_OPTIONS: dict[str, Any] = dict(
 class _EngineOwner:
     """One engine process owned by a Serve replica: start in the constructor, health, handle calls, kill on exit."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], standby: bool = False) -> None:
+        """`standby`: start no engine; the replica waits for a `POST /replica/engine` (a study's first trial, which
+        claims it through `POST /replica/claim`). Its actor is up, so that trial skips a fresh replica's start."""
         self.config = ReplicaConfig.model_validate(config)
-        self.engine = EngineProcess(self.config)
-        self.engine.wait_ready()
-        self.client = httpx.AsyncClient(base_url=self.engine.url, timeout=httpx.Timeout(None, connect=10))
         self.replacing = False  # an engine restart is under way: no engine to check
         self.refused: str | None = None  # why the last restart started no engine (its old one is stopped)
+        self.claimed = False
+        self.engine: EngineProcess | None = None
+        if standby:
+            self.refused = "standby replica: no engine started yet (a trial's POST /replica/engine starts one)"
+        else:
+            self.engine = EngineProcess(self.config)
+            self.engine.wait_ready()
+        self.client = self._engine_client()
+
+    def _engine_client(self) -> httpx.AsyncClient:
+        # a standby has no engine yet: its client points nowhere, and the proxy answers "connection refused"
+        url = self.engine.url if self.engine is not None else "http://127.0.0.1:9"
+        return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10))
 
     async def check_health(self) -> None:
         # During a restart (it has its own deadline, start_timeout_s) or after one that started nothing, there is no
         # engine to check, and the caller deletes or restarts the replica: Serve must not replace the actor meanwhile.
-        if self.replacing or self.refused:
+        if self.replacing or self.refused or self.engine is None:
             return
         if not self.engine.alive():
             raise RuntimeError(f"engine exited with code {self.engine.process.returncode}")
@@ -247,8 +259,8 @@ class EngineReplica(_EngineOwner):
     async def engine_log(self) -> PlainTextResponse:
         """The engine log's tail: trials attach it to their MLflow run. 404 when the last restart started no engine
         (the previous engine's log is not this config's)."""
-        if self.refused:
-            return PlainTextResponse(self.refused, status_code=404)
+        if self.refused or self.engine is None:
+            return PlainTextResponse(self.refused or "no engine", status_code=404)
         return PlainTextResponse(log_tail(self.engine.log_path, 200_000))
 
     @app.get("/replica/argv")
@@ -257,6 +269,9 @@ class EngineReplica(_EngineOwner):
         replica actor's own pid (the same across engine restarts)."""
         import ray
 
+        if self.engine is None:
+            return {"argv": None, "pid": None, "startup_s": None, "prepared": {}, "replica_pid": os.getpid(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
         return {"argv": self.engine.argv, "pid": self.engine.process.pid, "startup_s": self.engine.startup_s,
                 "prepared": self.engine.prepared, "node_id": ray.get_runtime_context().get_node_id(),
                 "replica_pid": os.getpid()}
@@ -278,7 +293,7 @@ class EngineReplica(_EngineOwner):
             # check and the log route keep answering.
             error = await asyncio.to_thread(self._replace, config)
         finally:
-            self.client = httpx.AsyncClient(base_url=self.engine.url, timeout=httpx.Timeout(None, connect=10))
+            self.client = self._engine_client()
             self.replacing = False
         return JSONResponse({"ok": error is None, "error": error})
 
@@ -287,7 +302,8 @@ class EngineReplica(_EngineOwner):
         A new engine that fails to start stays `self.engine` (dead), so `/replica/log` shows its log.
         An engine without GPUs is killed at once (its log was read, it serves nothing, and a graceful exit cost
         ~0.25 s of every trial); one with GPUs gets SIGTERM first, as its own shutdown frees device memory."""
-        self.engine.stop(STOP_GRACE_S if actor_options(self.config).get("num_gpus") else 0.0)
+        if self.engine is not None:
+            self.engine.stop(STOP_GRACE_S if actor_options(self.config).get("num_gpus") else 0.0)
         try:
             engine = EngineProcess(config)
         except Exception as exc:  # noqa: BLE001 - as the constructor's would: prepare refused it, or the node cannot
@@ -300,6 +316,19 @@ class EngineReplica(_EngineOwner):
             engine.stop()
             return str(exc)
         return None
+
+    @app.post("/replica/claim")
+    async def claim(self, request: Request) -> JSONResponse:
+        """Hand this replica to one caller: {"ok": true} to the first whose posted `ray_actor_options` are this
+        replica's, {"ok": false, "error": ...} to any other (several trial processes may ask for one standby)."""
+        options = await request.json()
+        if options != actor_options(self.config):
+            return JSONResponse({"ok": False, "error": f"this replica has ray_actor_options "
+                                 f"{actor_options(self.config)}, the caller needs {options}"})
+        if self.claimed:
+            return JSONResponse({"ok": False, "error": "claimed already"})
+        self.claimed = True  # no await since the check: one claim wins
+        return JSONResponse({"ok": True})
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(self, path: str, request: Request) -> Response:

@@ -1,6 +1,7 @@
 """A trial process keeps its Serve app: the next trial restarts only the engine inside the same replica actor
-(pipeline/replicas.py). A failed start leaves its log readable, and the next trial then gets a fresh app; a trial that
-needs other actor options gets a fresh app too. Real local Ray and Serve, the real CPU engine (smallest model)."""
+(pipeline/replicas.py). The study's first trial takes the standby replica the driver deployed, and only one claimant
+gets it. A failed start leaves its log readable, and the next trial then gets a fresh app; a trial that needs other
+actor options gets a fresh app too. Real local Ray and Serve, the real CPU engine (smallest model)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.replicas import app_name, delete_study_apps, live_app, release, start_engine
+from pipeline.replicas import (
+    app_name, claim_standby, delete_study_apps, live_app, release, standby_name, start_engine, start_standby,
+)
 from pipeline.study import connect_ray
 from serve.engines.base import ReplicaConfig
+from serve.replica import actor_options
 from tests.integration.conftest import SMOL, TEST_THREADS
 
 pytestmark = pytest.mark.integration
@@ -57,15 +61,20 @@ def generate(url: str) -> str:
 def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fresh_app(serve_url, tmp_path):
     from ray import serve
 
-    first, reused = start_engine(STUDY, "a", serve_url, config(tmp_path, "a"), TIMEOUT_S)
-    assert not reused and first.name == app_name(STUDY, "a")
+    # The driver's standby (no engine): the first trial process claims it and starts its engine there; nobody else
+    # gets it.
+    assert start_standby(STUDY, config(tmp_path, "standby"))
+    first, how = start_engine(STUDY, "a", serve_url, config(tmp_path, "a"), TIMEOUT_S)
+    assert how == "standby" and first.name == standby_name(STUDY)
+    assert claim_standby(STUDY, serve_url, actor_options(config(tmp_path, "x")), TIMEOUT_S) is None
     before = replica_of(first.url)
+    assert before["argv"] and list((tmp_path / "a").glob("engine-*.log"))  # the trial's engine, its own log
     generate(first.url)
 
     ngram = {"algorithm": "ngram", "num_draft_tokens": 3, "max_bfs_breadth": 1}
-    second, reused = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), TIMEOUT_S)
+    second, how = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), TIMEOUT_S)
     after = replica_of(second.url)
-    assert reused and second == first  # same app, same route
+    assert how == "reused" and second == first  # same app, same route
     assert after["replica_pid"] == before["replica_pid"]  # the same actor: no new Ray worker
     assert after["pid"] != before["pid"] and not group_alive(before["pid"])  # old engine group gone first
     assert "NGRAM" in after["argv"] and list((tmp_path / "b").glob("engine-*.log"))  # the new config, its own log
@@ -81,17 +90,25 @@ def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fre
     assert log.status_code == 200 and "TEST FAULT exit-at-start" in log.text
     release(STUDY)  # what a trial does after any failure
 
-    third, reused = start_engine(STUDY, "d", serve_url, config(tmp_path, "d"), TIMEOUT_S)
-    assert not reused and third.name == app_name(STUDY, "d")
+    third, how = start_engine(STUDY, "d", serve_url, config(tmp_path, "d"), TIMEOUT_S)
+    assert how == "new" and third.name == app_name(STUDY, "d")
     assert replica_of(third.url)["replica_pid"] != before["replica_pid"]
     generate(third.url)
 
     # Other ray_actor_options (resources, placement are the actor's): a fresh app, the old one deleted.
-    fourth, reused = start_engine(STUDY, "e", serve_url, config(tmp_path, "e", replica_cpus=0.2), TIMEOUT_S)
-    assert not reused and fourth.name == app_name(STUDY, "e")
+    fourth, how = start_engine(STUDY, "e", serve_url, config(tmp_path, "e", replica_cpus=0.2), TIMEOUT_S)
+    assert how == "new" and fourth.name == app_name(STUDY, "e")
     generate(fourth.url)
     deadline = time.monotonic() + 120  # the delete did not wait (no GPU): the controller finishes it
     while third.name in serve.status().applications and time.monotonic() < deadline:
         time.sleep(0.5)
     assert third.name not in serve.status().applications
     assert set(a for a in serve.status().applications if a.startswith(f"{STUDY}~")) == {fourth.name}
+
+    # A standby with other actor options than the claimant needs is of no use to anyone: deleted.
+    assert start_standby(STUDY, config(tmp_path, "standby", replica_cpus=0.3))
+    assert claim_standby(STUDY, serve_url, actor_options(config(tmp_path, "f")), TIMEOUT_S) is None
+    deadline = time.monotonic() + 120
+    while standby_name(STUDY) in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert standby_name(STUDY) not in serve.status().applications

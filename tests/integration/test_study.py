@@ -58,6 +58,9 @@ def test_study_runs_baseline_first_and_logs_every_trial(happy):
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     tracker, runs = child_runs(study, out)
     assert len(runs) == 3
+    # The first trial started its engine in the standby replica the driver deployed, the others in that same replica.
+    by_start = sorted(runs, key=lambda r: r.info.start_time)
+    assert [r.data.tags["serve_replica"] for r in by_start] == ["standby", "reused", "reused"]
     client = tracker.client()
     for run in runs:
         assert run.data.tags["outcome"] == "COMPLETE", run.data.tags.get("reason")

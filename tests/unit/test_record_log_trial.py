@@ -48,3 +48,24 @@ def test_warm_up_opens_the_store_and_never_raises(tmp_path):
     assert bad._experiment_id is None
     with pytest.raises(Exception):
         bad.experiment_id()
+
+
+def test_mlflow_use_waits_for_a_warm_up_still_under_way(tmp_path, monkeypatch):
+    """While a warm-up thread is under way (in a fresh Tune worker: importing MLflow), every MLflow use of the
+    tracker waits for it: two concurrent first imports of MLflow break its protobuf registry ("Depends on file
+    'databricks.proto', but it has not been loaded", seen in a study). The stand-in warm-up finishes only when a
+    timer lets it, so a use that did not wait would see it unfinished."""
+    import threading
+
+    import pipeline.record as record
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "s", artifact_dir=tmp_path)
+    tracker.warm_up()  # the store exists and is open: a use that does not wait returns at once
+    finished = threading.Event()
+    go = threading.Timer(0.5, finished.set)
+    warm_up = threading.Thread(target=finished.wait)
+    monkeypatch.setattr(record, "_WARM_UP", warm_up)
+    warm_up.start()
+    go.start()
+    tracker.client()
+    assert finished.is_set() and not warm_up.is_alive()
