@@ -5,7 +5,8 @@ bound that stopped it in the reason, its requests and engine log recorded like a
 
 Why it is deterministic: 10x slower is ~0.1-0.2x the baseline (an accept length of 1-2 on a cold trie cannot make up
 for it), while the statistical bound at 3-5 requests allows at most ~2.2x the measured figure plus the run noise
-(pipeline/stopping.py); the last of 6 measured requests is never needed."""
+(pipeline/stopping.py); the last of 6 measured requests is never needed. 4 new tokens a request: each slowed
+request costs ~10x its baseline time in wall clock, and the rule needs no longer outputs."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_a_config_that_cannot_beat_the_baseline_is_pruned_in_optuna_and_mlflow(t
     space.write_text(SPACE)
     study = load_study(None, {
         "name": "it-early-stop", "output_dir": str(tmp_path), "search_space": str(space), "seed": 0,
-        "workload.warmup_prompts": 0, "workload.measure_prompts": MEASURED, "workload.max_new_tokens": 8,
+        "workload.warmup_prompts": 0, "workload.measure_prompts": MEASURED, "workload.max_new_tokens": 4,
         "budget.max_trials": 2, "promotion.finalists": 1, "engine.start_timeout_s": 300,
         "engine.threads": TEST_THREADS,
         "engine.extra_flags": ["--verify-probe-seconds", "0", "--test-fault", "slow-steps=10@speculative"]})
