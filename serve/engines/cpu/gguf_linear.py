@@ -20,6 +20,7 @@ kernel (as on a machine without it), `avx2` / `avx512` force a build.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -240,9 +241,12 @@ _LOAD_LOCK = threading.Lock()
 
 
 def build_dir(isa: str) -> Path:
-    """Per ISA, Python and torch build: a home shared between machines or venvs never mixes builds."""
+    """Per ISA, Python, torch build and environment: a home shared between machines or venvs never mixes builds.
+    The environment (sys.prefix) is in the key because torch's build file names the venv's include paths: two venvs
+    sharing one build dir would rebuild it (~25 s) whenever the other one ran, even under an engine loading it."""
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_root() / "kernels" / f"{py}-torch{torch.__version__.replace('+', '_')}" / f"gguf_mm_{isa}"
+    env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
+    return cache_root() / "kernels" / f"{py}-torch{torch.__version__.replace('+', '_')}-{env}" / f"gguf_mm_{isa}"
 
 
 def load_kernel(verbose: bool = False) -> tuple[Any, str]:
