@@ -1,17 +1,18 @@
-"""Prototype (issue #16): can plain decode of SmolLM2-135M read the GGUF's Q4_1 blocks instead of fp32 weights and
-keep the fp32 engine's greedy tokens? Standalone; the engine is not changed (the decode harness swaps
-`serve.engines.cpu.llama.F` for a shim whose `linear` routes each known weight to a candidate). Not a test.
+"""The candidates compared before the engine got its GGUF kernel (issue #16): can plain decode of SmolLM2-135M read
+the GGUF's Q4_1 blocks instead of fp32 weights and keep the fp32 engine's greedy tokens? The decode harness swaps
+`serve.engines.cpu.llama.F` for a shim whose `linear` routes each known weight to a candidate (with the engine's own
+weights setting off: fp32 tensors). Not a test.
 
     python benchmarks/q4_linear.py exact                     # every weight reproduced bit for bit?
     python benchmarks/q4_linear.py linear --threads 1 2      # per-linear time, real shapes, M = 1, 4, 16, 64
     python benchmarks/q4_linear.py decode --threads 1 2      # greedy tokens vs fp32, tok/s, alternating
 
 Candidates (`--candidates`):
-- fp32: `F.linear` on the engine's fp32 weights (the reference: what the engine runs today).
-- gguf: a small AVX-512 C++ kernel (built here with `torch.utils.cpp_extension.load_inline`, ~1 min once, cached)
-  that reads the GGUF blocks as they are in the file (Q4_1 for the 210 layer linears, Q8_0 for the tied lm_head),
-  forms each weight exactly (q * d + m in fp32: q * d is exact, so the one rounding of the FMA is the rounding of
-  fp32 `d * q + m`, which is how the converted safetensors were made) and accumulates x * w in fp32.
+- fp32: `F.linear` on the engine's fp32 weights (the reference: the engine with `--weights fp32`).
+- gguf: the engine's kernel (`serve/engines/cpu/gguf_linear.py`, this machine's build, compiled once and cached)
+  over the GGUF blocks as they are in the file (Q4_1 for the 210 layer linears, Q8_0 for the tied lm_head): it forms
+  each weight exactly (q * d + m in fp32: q * d is exact, so the one rounding of the FMA is the rounding of fp32
+  `d * q + m`, which is how the converted safetensors were made) and accumulates x * w in fp32.
 - int4pack / int4pack_bf16: torch's `_weight_int4pack_mm_for_cpu` (group 32, q' = q - 8, zero = m + 8 d, as its
   kernel dequantizes `(q - 8) * scale + zero`). fp32 activations/scales take its scalar reference loop (its AVX-512
   loop is bf16-only in torch 2.13); bf16 rounds scales, zeros, activations and outputs. Q4_1 linears only.
@@ -37,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cpu_engine_ab import PROMPTS  # noqa: E402
 from serve.engines.cpu import llama  # noqa: E402
 from serve.engines.cpu.convert import load_tokenizer  # noqa: E402
+from serve.engines.cpu.gguf_linear import GgufWeight, load_kernel, model_weights, read_gguf_weights  # noqa: E402
 from serve.engines.cpu.models import fetch_gguf, resolve_model  # noqa: E402
 
 ALL = ("fp32", "gguf", "int4pack", "int4pack_bf16", "int8pack", "inductor")
@@ -53,93 +54,31 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Blocks:
-    """One weight [N, K] as GGUF blocks of 32 along K: qs [N, K/32, 16 (Q4_1) or 32 (Q8_0)], d and m [N, K/32]
-    fp16 (m is None for Q8_0)."""
-
-    qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None
-
-    @property
-    def q8(self) -> bool:
-        return self.m is None
-
-    def nibbles(self) -> torch.Tensor:
-        """Q4_1 values q [N, K] in 0..15 (GGUF: byte j of a block holds q_j low, q_{j+16} high)."""
-        q = torch.cat([self.qs & 15, self.qs >> 4], -1)
-        return q.reshape(q.shape[0], -1)
-
-
-def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
-    # llama.cpp stores q/k rows permuted for its RoPE; HF's GGUF loader undoes it (rows move, blocks stay whole).
-    half = a.shape[0] // heads // 2
-    return a.reshape(heads, half, 2, *a.shape[1:]).swapaxes(2, 1).reshape(a.shape)
-
-
-def read_blocks(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Blocks]:
-    """GGUF tensor name -> Blocks in HF row order, for every Q4_1 / Q8_0 tensor."""
-    import gguf
-
-    out: dict[str, Blocks] = {}
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
-        kind = t.tensor_type.name
-        if kind not in ("Q4_1", "Q8_0"):
-            continue
-        raw = np.asarray(t.data).reshape(t.data.shape[0], -1, 20 if kind == "Q4_1" else 34)
-        if ".attn_q." in t.name or ".attn_k." in t.name:
-            raw = _unpermute(raw, heads if ".attn_q." in t.name else kv_heads)
-        d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0])
-        if kind == "Q4_1":
-            out[t.name] = Blocks(torch.from_numpy(raw[..., 4:].copy()), d,
-                                 torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0]))
-        else:
-            out[t.name] = Blocks(torch.from_numpy(raw[..., 2:].copy()), d, None)
-    return out
-
-
-def _cat(parts: list[Blocks]) -> Blocks:
-    m = [p.m for p in parts]
-    return Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                  None if m[0] is None else torch.cat([x for x in m if x is not None]))
-
-
-@dataclass(frozen=True)
 class Weight:
     shape: str  # qkv, o, gate_up, down, lm_head
     layer: int
     w: torch.Tensor  # the engine's own fp32 tensor (LlamaForward)
-    blocks: Blocks
+    blocks: GgufWeight
 
 
-def model_weights(fwd: llama.LlamaForward, blocks: dict[str, Blocks]) -> list[Weight]:
-    """Every matmul weight of the forward, paired with its GGUF blocks in the forward's fused row order."""
-    out = []
-    for i, layer in enumerate(fwd.layers):
-        b = f"blk.{i}."
-        out += [Weight("qkv", i, layer.qkv, _cat([blocks[b + f"attn_{x}.weight"] for x in "qkv"])),
-                Weight("o", i, layer.o, blocks[b + "attn_output.weight"]),
-                Weight("gate_up", i, layer.gate_up, _cat([blocks[b + "ffn_gate.weight"], blocks[b + "ffn_up.weight"]])),
-                Weight("down", i, layer.down, blocks[b + "ffn_down.weight"])]
-    out.append(Weight("lm_head", 0, fwd.head, blocks["token_embd.weight"]))
+def pair_weights(fwd: llama.LlamaForward, gguf_path: Path) -> list[Weight]:
+    """Every matmul weight of the forward, paired with its GGUF blocks in the forward's fused row order (read and
+    fused as the engine does: `gguf_linear.read_gguf_weights` / `model_weights`)."""
+    s = fwd.shape
+    blocks, others = read_gguf_weights(gguf_path, s.num_heads, s.num_kv_heads)
+    fused = model_weights(blocks, others, len(fwd.layers), tied=True)
+    out = [Weight(name, i, getattr(layer, name), fused[f"{i}.{name}"])
+           for i, layer in enumerate(fwd.layers) for name in ("qkv", "o", "gate_up", "down")]
+    out.append(Weight("lm_head", 0, fwd.head, fused["head"]))
     return out
 
 
 # ---------------------------------------------------------------------------------------------------- candidates
 
-_EXT = None
-
-
-def gguf_ext():
-    global _EXT
-    if _EXT is None:
-        from torch.utils.cpp_extension import load_inline
-
-        _EXT = load_inline("specdec_gguf_mm", cpp_sources=[KERNEL], functions=["q4_1_mm", "q8_0_mm"],
-                           # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, serial without it
-                           extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"])
-    return _EXT
+def nibbles(b: GgufWeight) -> torch.Tensor:
+    """Q4_1 values q [N, K] in 0..15 (GGUF: byte j of a block holds q_j low, q_{j+16} high)."""
+    q = torch.cat([b.qs & 15, b.qs >> 4], -1)
+    return q.reshape(q.shape[0], -1)
 
 
 def make(candidate: str, wt: Weight) -> Linear:
@@ -147,21 +86,19 @@ def make(candidate: str, wt: Weight) -> Linear:
     fp32: Linear = lambda x: F.linear(x, w)  # noqa: E731
     if candidate == "fp32":
         return fp32
-    if candidate == "gguf":
-        ext = gguf_ext()
-        if b.q8:
-            return lambda x: ext.q8_0_mm(x.contiguous(), b.qs, b.d)
-        return lambda x: ext.q4_1_mm(x.contiguous(), b.qs, b.d, b.m)
+    if candidate == "gguf":  # the engine's kernel, this machine's build (gguf_linear.load_kernel)
+        kernel = load_kernel()[0]
+        return lambda x: b.matmul(kernel, x)
     if candidate == "int8pack":
         scale = w.abs().amax(1) / 127.0
         q8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.contiguous(), q8, scale)
-    if b.q8:
+    if b.m is None:  # Q8_0 (the head): no int4 form
         return fp32
     d, m = b.d.float(), b.m.float() if b.m is not None else None
     assert m is not None
     if candidate in ("int4pack", "int4pack_bf16"):
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.nibbles().to(torch.int32), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles(b).to(torch.int32), 1)
         sz = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous()  # [K/32, N, 2]: scale, zero
         if candidate == "int4pack":
             return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, sz)
@@ -191,8 +128,7 @@ def _inductor_q4(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
 def load(model: str) -> tuple[llama.LlamaForward, list[Weight], Path]:
     model_dir = resolve_model(model)
     fwd = llama.LlamaForward.from_dir(model_dir, torch.float32)
-    s = fwd.shape
-    return fwd, model_weights(fwd, read_blocks(fetch_gguf(model), s.num_heads, s.num_kv_heads)), model_dir
+    return fwd, pair_weights(fwd, fetch_gguf(model)), model_dir
 
 
 def _load() -> str:
@@ -211,7 +147,7 @@ def cmd_exact(weights: list[Weight], candidates: list[str], layers: int) -> None
         worst = 0.0
         slow = c in ("int4pack", "inductor")  # scalar / generated loops: layer 0 only (identity is K rows)
         for wt in weights:
-            if (slow and wt.layer >= 1) or (wt.layer >= layers) or (wt.blocks.q8 and c not in ("gguf", "int8pack")):
+            if (slow and wt.layer >= 1) or (wt.layer >= layers) or (wt.blocks.m is None and c not in ("gguf", "int8pack")):
                 continue
             k = wt.w.shape[1]
             got = torch.cat([make(c, wt)(torch.eye(k)[i:i + 256]) for i in range(0, k, 256)]).t()
@@ -382,9 +318,6 @@ def main(argv: list[str] | None = None) -> int:
         cmd_decode(fwd, weights, model_dir, candidates, args.threads, args.rounds, args.prompts, args.new_tokens)
     return 0
 
-
-
-KERNEL = (Path(__file__).with_name("q4_linear_kernel.cpp")).read_text()  # the AVX-512 kernel, C++
 
 
 if __name__ == "__main__":

@@ -103,12 +103,14 @@ def claim_standby(study_name: str, serve_url: str, options: dict[str, Any], time
             return None
         time.sleep(0.05)
     try:
-        answer = httpx.post(f"{serve_url}/{name}/replica/claim", json=options, timeout=30).json()
+        response = httpx.post(f"{serve_url}/{name}/replica/claim", json=options, timeout=30)
+        answer = response.json()
     except (httpx.HTTPError, ValueError):
         return None
-    if not isinstance(answer, dict) or not answer.get("ok"):
-        if isinstance(answer, dict) and "ray_actor_options" in str(answer.get("error")):
-            teardown(name, wait=False)
+    if response.status_code == 409:  # other actor options: of no use to this study's trials
+        teardown(name, wait=False)
+        return None
+    if response.status_code != 200 or not isinstance(answer, dict) or not answer.get("ok"):
         return None
     return LiveApp(name, serve_url, options)
 

@@ -320,11 +320,12 @@ class EngineReplica(_EngineOwner):
     @app.post("/replica/claim")
     async def claim(self, request: Request) -> JSONResponse:
         """Hand this replica to one caller: {"ok": true} to the first whose posted `ray_actor_options` are this
-        replica's, {"ok": false, "error": ...} to any other (several trial processes may ask for one standby)."""
+        replica's, {"ok": false, "error": ...} to a later one (several trial processes may ask for one standby), and
+        409 when the options differ (as `POST /replica/engine`: nobody with those options can use it)."""
         options = await request.json()
         if options != actor_options(self.config):
             return JSONResponse({"ok": False, "error": f"this replica has ray_actor_options "
-                                 f"{actor_options(self.config)}, the caller needs {options}"})
+                                 f"{actor_options(self.config)}, the caller needs {options}"}, status_code=409)
         if self.claimed:
             return JSONResponse({"ok": False, "error": "claimed already"})
         self.claimed = True  # no await since the check: one claim wins
