@@ -8,8 +8,8 @@ vanish? Not a test: numbers depend on the machine and on what else runs on it (t
 Two real engine servers (`python -m serve.engines.cpu`, started under the engines' watchdog as a replica starts
 them): the baseline and the speculative config. Per run and level each server is flushed (`/flush_cache`: the n-gram
 trie starts empty, as on a trial's fresh replica), warmed up with --warmup-requests of the default workload's warm-up
-split at that level, then measured closed loop at that level on the measurement split (`pipeline.load.run_phase`,
-the study's load generator; `pipeline.measure.summarize`, the study's figures). Runs alternate baseline, spec,
+split at that level, then measured closed loop at that level on the measurement split (`pipeline.measure.load.run_phase`,
+the study's load generator; `pipeline.measure.summary.summarize`, the study's figures). Runs alternate baseline, spec,
 baseline, spec, ... so drift of a shared machine hits both alike. The tables give medians over --runs; speed-up =
 median spec tok/s / median baseline tok/s, and the range of the per-run (paired) ratios.
 
@@ -39,8 +39,8 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 
 from pipeline.config import StudyConfig, TrialConfig, validate_trial  # noqa: E402
-from pipeline.load import LoadRequest, requests_of, run_phase  # noqa: E402
-from pipeline.measure import Summary, summarize  # noqa: E402
+from pipeline.measure.load import LoadRequest, requests_of, run_phase  # noqa: E402
+from pipeline.measure.summary import Summary, summarize  # noqa: E402
 from pipeline.workloads import load_workload  # noqa: E402
 from serve.engines.base import ReplicaConfig, child_env  # noqa: E402
 from serve.engines.cpu.adapter import CpuEngine  # noqa: E402

@@ -53,7 +53,7 @@ def summary(output: Path) -> dict[str, Any]:
     import yaml
 
     from pipeline.compare import rows_from_runs
-    from pipeline.record import Tracker
+    from pipeline.records.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{output / 'mlflow.db'}", output.name)
     rows = rows_from_runs(tracker.client().search_runs([tracker.experiment_id()], max_results=1000))

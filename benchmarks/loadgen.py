@@ -1,4 +1,4 @@
-"""Benchmark: the load generator (`pipeline/load.py`) against a minimal streaming server, so we know its limits.
+"""Benchmark: the load generator (`pipeline/measure/load.py`) against a minimal streaming server, so we know its limits.
 
 The server (a child process, raw asyncio HTTP/1.1, no framework) answers `POST /generate` with an SSE stream shaped
 like the engines' (`output_ids`, `meta_info`), one token per event, after `--ttft-ms` and then every
@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.load import LoadRequest, run_phase  # noqa: E402
+from pipeline.measure.load import LoadRequest, run_phase  # noqa: E402
 
 
 # --- the minimal server (runs in its own process) ------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Benchmark: how fast our search finds a near-best config, and whether it ever deploys a slower one.
 
 Two steps. `record` measures every point of an enumerable search space (default `search_spaces/grid-small.yaml`)
-on the CPU engine with the normal trial protocol (`pipeline.trial.run_trial`: Serve replica, flush, warm-up,
+on the CPU engine with the normal trial protocol (`pipeline.trial.lifecycle.run_trial`: Serve replica, flush, warm-up,
 measure, equivalence against the baseline, MLflow), repeats a few points to measure run-to-run noise, and writes
 one Parquet row per measurement to `benchmarks/data/`. `replay` then treats that grid as a response surface with
 the measured noise (`benchmarks/search_replay.py`) and compares, over many seeds: our Optuna configuration, random
@@ -13,7 +13,7 @@ measurements, and is deterministic for a seed.
     python benchmarks/search_efficiency.py replay --quick   # 20 seeds, ~1 min
 
 `replay` prints a second table: trials and engine-seconds to within 2% of the best, early stopping
-(`pipeline.stopping`) off and on, and the rule's stop rates on the grid (false stops: points within 2% of the best).
+(`pipeline.search.stopping`) off and on, and the rule's stop rates on the grid (false stops: points within 2% of the best).
     python benchmarks/search_efficiency.py replay           # 100 seeds
 """
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote,  # noqa: E402
                                       run_method, stop_rates, trials_to_reach, warmup_requests)
-from pipeline.stopping import StoppingPolicy, VerifyCost  # noqa: E402
+from pipeline.search.stopping import StoppingPolicy, VerifyCost  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 # --quick measures with the default study's workload (templated, 4 prompts x 24 tokens); the full record doubles the
@@ -55,10 +55,10 @@ def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
     import torch
 
     from pipeline.config import load_study
-    from pipeline.record import Tracker, default_tracking_uri
-    from pipeline.space import grid_points, load_space, resolve
-    from pipeline.study import build_context, connect_ray
-    from pipeline.trial import run_trial
+    from pipeline.records.tracking import Tracker, default_tracking_uri
+    from pipeline.search.space import grid_points, load_space, resolve
+    from pipeline.study.driver import build_context, connect_ray
+    from pipeline.trial.lifecycle import run_trial
     from serve.spec import draft_token_count
 
     overrides = {"name": "grid", "search_space": space_name, **({} if quick else FULL_WORKLOAD)}
@@ -106,7 +106,7 @@ def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
 def load_surface(path: Path) -> tuple[Surface, dict[str, str]]:
     import pyarrow.parquet as pq
 
-    from pipeline.space import load_space
+    from pipeline.search.space import load_space
 
     table = pq.read_table(path)
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
@@ -141,7 +141,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def replay(path: Path, seeds: int, budget: int | None, startup: int | None) -> None:
     from pipeline.config import load_study
-    from pipeline.space import startup_trials
+    from pipeline.search.space import startup_trials
 
     policy = load_study(None, {}).promotion  # the default study's promotion policy
     surface, meta = load_surface(path)
@@ -209,7 +209,7 @@ def replay_early_stopping(path: Path, seeds: int, budget: int | None, startup: i
     base_mean = surface.mean[surface.baseline]
     grid_total = sum(start_s + (warmup_requests(p) + on.requests) * on.tokens / (v or base_mean)
                      for p, v in surface.mean.items())
-    print(f"\n- early stopping: `pipeline.stopping` (alpha {on.policy.alpha}, >= {on.policy.min_requests} requests, "
+    print(f"\n- early stopping: `pipeline.search.stopping` (alpha {on.policy.alpha}, >= {on.policy.min_requests} requests, "
           f"per-request spread floor {on.policy.request_spread_floor}), checked after each of the first "
           f"{on.requests - 1} of {on.requests} measured requests x {on.tokens} tokens; per-request spread "
           f"{request_sigma} (assumed: the grid has no per-request traces); verify cost "
@@ -268,7 +268,7 @@ def main() -> None:
     rep.add_argument("--budget", type=int, help="the study's trial budget: the sampler's configuration and the "
                      "trials before promotion (default: 25%% of the grid)")
     rep.add_argument("--startup-trials", type=int, help="random trials before TPE models (default: the pipeline's "
-                     "rule, pipeline.space.startup_trials; Optuna's own default is 10)")
+                     "rule, pipeline.search.space.startup_trials; Optuna's own default is 10)")
     rep.add_argument("--request-sigma", type=float, default=0.15, help="early-stopping table: sd of per-request log "
                      "throughput within a run (the grid has none; default 0.15)")
     rep.add_argument("--engine-start-s", type=float, default=12.1, help="early-stopping table: engine start per "
@@ -278,7 +278,7 @@ def main() -> None:
     rep.add_argument("--measure-requests", type=int, help="early-stopping table: measured requests per trial "
                      "(default: the recorded workload's measure_prompts); more requests give the rule more looks")
     rep.add_argument("--alpha", type=float, help="early-stopping table: the rule's one-sided miss probability per "
-                     "bound and look (default: pipeline.stopping.StoppingPolicy's)")
+                     "bound and look (default: pipeline.search.stopping.StoppingPolicy's)")
     rep.add_argument("--stop-repeats", type=int, default=200, help="fresh trials per point for the stop rates")
     args = parser.parse_args()
     if args.step == "record":

@@ -6,13 +6,13 @@ the run-to-run noise measured on repeated points; a point whose measurement fail
 as a failed trial reports to Optuna in the pipeline. Everything is seeded: the same seed gives the same numbers.
 
 Methods, each starting with the baseline as trial 0, as the pipeline does:
-- `optuna`: the pipeline's searcher (`pipeline.space.tpe_sampler`) over `define_by_run(space)`, baseline enqueued;
+- `optuna`: the pipeline's searcher (`pipeline.search.space.tpe_sampler`) over `define_by_run(space)`, baseline enqueued;
 - `random`: Optuna's RandomSampler over the same define-by-run space;
 - `grid`: every point once, in the file's order;
 - `tier`: one knob at a time (SGLang auto_benchmark's tier 1, run to convergence): from the space's defaults, sweep
   each knob with the others at the incumbent, move to the best observed, repeat passes until nothing is new.
 
-Early stopping (`EarlyStop`, the rule in `pipeline.stopping`): the recorded grid holds per-point means, the noise and
+Early stopping (`EarlyStop`, the rule in `pipeline.search.stopping`): the recorded grid holds per-point means, the noise and
 accept lengths, not per-request traces. So a replayed trial's requests are modelled: the trial's run-level value v
 is drawn as above, then each of `requests` requests gets throughput v * exp(request_sigma * e), e ~ N(0, 1), and
 the point's recorded accept length (the same for every request: the grid has no per-request figure). The rule is
@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import PromotionPolicy
-from pipeline.decision import Finalist, decide
-from pipeline.measure import RequestRecord
-from pipeline.stopping import BaselineFigures, StoppingPolicy, VerifyCost, check
-from pipeline.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points, tpe_sampler
+from pipeline.decide.decision import Finalist, decide
+from pipeline.measure.summary import RequestRecord
+from pipeline.search.stopping import BaselineFigures, StoppingPolicy, VerifyCost, check
+from pipeline.search.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points, tpe_sampler
 
 METHODS = ("optuna", "random", "grid", "tier")
 Point = tuple[tuple[str, Any], ...]  # a canonical, hashable point: sorted resolve-params items
@@ -295,7 +295,7 @@ class Promotion:
 def promote(surface: Surface, run: Run, budget: int, seed: int, finalists: int = 2, runs: int = 3,
             policy: PromotionPolicy | None = None) -> Promotion:
     """The pipeline's end of study on the first `budget` trials: the best `finalists` distinct completed configs and
-    the baseline re-measured `runs` times each (fresh noise), then `pipeline.decision.decide`."""
+    the baseline re-measured `runs` times each (fresh noise), then `pipeline.decide.decision.decide`."""
     rng = np.random.default_rng([seed, 99, METHODS.index(run.method)])
     trials = run.trials[:budget]
     base = surface.baseline

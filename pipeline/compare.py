@@ -3,7 +3,7 @@
 Rows: the baseline first (marked), then the other trials by throughput, best first; outcome, key metrics, the ratio
 to the baseline's throughput and the trial's settings. The same rows are printed at the end of every study.
 With SLA limits (`objective.constraints`) each row gets its verdicts at the search level and infeasible trials are
-marked; when the study's parent run holds a per-level decision (`pipeline.levels.LEVELS_ARTIFACT`), its level table
+marked; when the study's parent run holds a per-level decision (`pipeline.decide.levels.LEVELS_ARTIFACT`), its level table
 (winner, speed-up, latencies and verdicts per concurrency level, and the serving policy) follows the rows.
 """
 
@@ -20,7 +20,7 @@ from pipeline.errors import PipelineError, UserError
 
 METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high",
            "ttft_p90_ms", "ttft_p99_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p90_ms", "e2e_p99_ms",
-           "corpus_tokens", "corpus_load_s")  # corpus: only trials with an external corpus (pipeline/corpus.py)
+           "corpus_tokens", "corpus_load_s")  # corpus: only trials with an external corpus (pipeline/trial/corpus.py)
 
 
 def rows_from_runs(runs: Sequence[Any], kind: str = "trial") -> list[dict[str, Any]]:
@@ -56,7 +56,7 @@ def order_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def mark_constraints(rows: list[dict[str, Any]], constraints: Sequence[Any], level: int) -> list[dict[str, Any]]:
     """Add each row's SLA verdicts at the search `level` (`sla`: verdict texts) and `feasible` (False when a COMPLETE
     trial breaks a limit; None when no limit holds at that level). Pure; returns the same rows."""
-    from pipeline.sla import limits_at, row_verdicts
+    from pipeline.decide.sla import limits_at, row_verdicts
 
     checkable = limits_at(constraints, level)
     for row in rows:
@@ -96,7 +96,7 @@ def read_levels(client: Any, runs: Sequence[Any]) -> Any:
     or a study from before per-level promotion)."""
     import tempfile
 
-    from pipeline.levels import LEVELS_ARTIFACT, LevelsDecision
+    from pipeline.decide.levels import LEVELS_ARTIFACT, LevelsDecision
 
     parents = [r for r in runs if r.data.tags.get("specdec.kind") == "study"]
     for parent in sorted(parents, key=lambda r: r.info.start_time or 0, reverse=True):
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--levels", action="store_true", help="show only the per-concurrency decision (table or json)")
     args = parser.parse_args(argv)
     from pipeline.config import load_study
-    from pipeline.record import Tracker, default_tracking_uri
+    from pipeline.records.tracking import Tracker, default_tracking_uri
 
     overrides = {k: v for k, v in {"name": args.name, "output_dir": args.output,
                                    "tracking.uri": args.tracking_uri}.items() if v}
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from pipeline.levels import format_level_table
+    from pipeline.decide.levels import format_level_table
 
     levels = read_levels(tracker.client(), runs)
     if args.levels:

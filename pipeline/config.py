@@ -13,7 +13,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from pipeline.errors import ConfigError, format_validation_error
-from pipeline.measure import Summary
+from pipeline.measure.summary import Summary
 from pipeline.redact import mask_study_dict
 from serve.engines.settings import ENGINE_OWNED_FLAGS
 from serve.engines import algorithms_of, engine_for
@@ -113,8 +113,8 @@ class EngineSettings(FrozenModel):
 
 class ArrivalSettings(FrozenModel):
     """How measured requests arrive (`workload.arrival`). `closed` (the default): `concurrency` requests in flight,
-    each client sends its next prompt when its previous one finished (pipeline/load.py). `poisson`: open loop, seeded
-    Poisson arrivals at `rate_per_s` whether or not earlier requests finished (pipeline/openloop.py), bounded in count
+    each client sends its next prompt when its previous one finished (pipeline/measure/load.py). `poisson`: open loop, seeded
+    Poisson arrivals at `rate_per_s` whether or not earlier requests finished (pipeline/measure/openloop.py), bounded in count
     (the measured prompts) and in time (no request starts after `max_duration_s`). Warm-up stays closed loop."""
 
     model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)
@@ -177,13 +177,13 @@ class BudgetSettings(FrozenModel):
     # On by default: on the recorded grid's replay it never stopped a point within 2% of the best nor one faster than
     # the baseline (docs/configuration.md "Early stopping").
     early_stopping: bool = Field(True, description="measure trials request by request and stop (PRUNED) one that "
-                                 "provably cannot beat the baseline (pipeline/stopping.py); search concurrency 1")
+                                 "provably cannot beat the baseline (pipeline/search/stopping.py); search concurrency 1")
     early_stopping_sigma: float = Field(0.05, ge=0, le=1, description="run-to-run sd of log throughput the rule "
                                         "allows for (the recorded grid's pooled figure is 0.034)")
 
 
 # Latency figures an SLA limit may name, and every numeric figure an objective may name: taken from what
-# `pipeline.measure.Summary` reports, so a misspelt name is an error at load, not a silent None per trial.
+# `pipeline.measure.summary.Summary` reports, so a misspelt name is an error at load, not a silent None per trial.
 SLA_METRICS: tuple[str, ...] = tuple(
     name for name in Summary.model_fields if name.endswith("_ms") and name.split("_")[0] in ("ttft", "itl", "e2e"))
 OBJECTIVE_METRICS: tuple[str, ...] = tuple(
@@ -207,7 +207,7 @@ class SlaConstraint(FrozenModel):
     def _known_metric(cls, value: str) -> str:
         if value not in SLA_METRICS:
             raise ValueError(f"unknown SLA metric {value!r}. Fix: use one of {list(SLA_METRICS)} (latency "
-                             "percentiles in milliseconds, as pipeline.measure.Summary reports them)")
+                             "percentiles in milliseconds, as pipeline.measure.summary.Summary reports them)")
         return value
 
 
@@ -223,7 +223,7 @@ class ObjectiveSettings(FrozenModel):
     def _known_metrics(cls, value: list[str]) -> list[str]:
         bad = [m for m in value if m not in OBJECTIVE_METRICS]
         if bad:
-            raise ValueError(f"unknown objective metric(s) {bad}. Fix: use names pipeline.measure.Summary reports: "
+            raise ValueError(f"unknown objective metric(s) {bad}. Fix: use names pipeline.measure.summary.Summary reports: "
                              f"{list(OBJECTIVE_METRICS)}")
         if len(set(value)) != len(value):
             raise ValueError(f"each objective metric may appear once, got {value}")
@@ -238,7 +238,7 @@ class ObjectiveSettings(FrozenModel):
 
 class PromotionPolicy(FrozenModel):
     """How sure the tuner must be before replacing the baseline: the study file's `promotion:` section and the input
-    of the pure decision (`pipeline.decision.decide`). One type for both, so the file and the rule cannot drift."""
+    of the pure decision (`pipeline.decide.decision.decide`). One type for both, so the file and the rule cannot drift."""
 
     model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)  # an infinite margin decides nothing
 

@@ -2,8 +2,8 @@
 line), roll production back to `previous`, or point it at a registered version, and optionally wait until the
 production endpoint serves it.
 
-The promotion decision itself is pure and lives in `pipeline/decision.py`; the MLflow registry action in
-`pipeline/registry.py`. This module is only the command line and the HTTP polling of the endpoint.
+The promotion decision itself is pure and lives in `pipeline/decide/decision.py`; the MLflow registry action in
+`pipeline/records/registry.py`. This module is only the command line and the HTTP polling of the endpoint.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def wait_for_endpoint(url: str, version: str, api_key: str | None, timeout_s: fl
 def show(tracker: Any, name: str) -> str:
     """What production would serve: `models:/<name>@production`, validated as production validates it, and the
     engine command line it runs (the same text as the study's deploy/engine_command.sh)."""
-    from pipeline.registry import PRODUCTION, load_serving_config, production_version
+    from pipeline.records.registry import PRODUCTION, load_serving_config, production_version
     from serve.serving import engine_command
 
     serving = load_serving_config(tracker.tracking_uri, f"models:/{name}@{PRODUCTION}")
@@ -72,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from pipeline.config import load_study
     from pipeline.errors import PipelineError, UserError
-    from pipeline.record import Tracker, default_tracking_uri
+    from pipeline.records.tracking import Tracker, default_tracking_uri
     from pipeline.redact import mask_in_text
-    from pipeline.registry import PRODUCTION, production_version, rollback, set_production
+    from pipeline.records.registry import PRODUCTION, production_version, rollback, set_production
 
     args = _parser().parse_args(argv)
     uri: str | None = None

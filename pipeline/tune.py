@@ -17,7 +17,7 @@ import yaml
 
 from pipeline.config import StudyConfig, load_study, study_to_yaml
 from pipeline.errors import PipelineError, UserError
-from pipeline.space import (
+from pipeline.search.space import (
     Resolution, SearchSpace, define_by_run, enqueue_baseline, load_space, resolve, startup_trials, tpe_sampler,
 )
 
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             dry_run(study, space, args.samples)
             return 0
-        from pipeline.study import run_study  # heavy imports (Ray, MLflow) only for a real run
+        from pipeline.study.driver import run_study  # heavy imports (Ray, MLflow) only for a real run
 
         quiet_serve()
         return run_study(study, space, resume=args.resume, resume_command=resume_command(argv))

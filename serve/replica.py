@@ -9,7 +9,7 @@ the log tail, so Serve marks the app DEPLOY_FAILED and the trial can record LAUN
 route is proxied to the engine (streaming included). Serve's health check asks the process and `/health`. Shutdown
 kills the whole process group.
 
-A trial replica is reused from trial to trial (pipeline/replicas.py): `POST /replica/engine` with the next trial's
+A trial replica is reused from trial to trial (pipeline/trial/replicas.py): `POST /replica/engine` with the next trial's
 config stops this replica's engine (its whole process group, waited for: on a GPU it holds memory) and starts the new
 one in the same actor, which saves a new replica actor (a Ray worker importing Serve and FastAPI) and Serve's
 deploy/delete round trip. Serve's own `reconfigure`/`user_config` cannot do this from `serve.run`: Ray 2.60 deploys

@@ -1,8 +1,8 @@
 """The serving config: exactly the replica a winning trial measured, plus where it came from.
 
-One typed object (`ServingConfig`) travels from the end of a study (pipeline/finalize.py) through the registry
-(pipeline/registry.py) to the production endpoint (serve/production.py) and its `/v1/config` (serve/ingress.py). Its
-`replica` is the `ReplicaConfig` the trial's replica ran, built by the same function (`pipeline.trial.replica_config`),
+One typed object (`ServingConfig`) travels from the end of a study (pipeline/study/finalize.py) through the registry
+(pipeline/records/registry.py) to the production endpoint (serve/production.py) and its `/v1/config` (serve/ingress.py). Its
+`replica` is the `ReplicaConfig` the trial's replica ran, built by the same function (`pipeline.trial.lifecycle.replica_config`),
 so tp_size, extra_flags, start_timeout_s and the engine environment reach production unchanged. What differs:
 `log_dir` (a trial folder) is dropped, and secrets travel as references: every `env` name moves to `env_from`, and
 the engine reads its value from the production replica's own environment (`Engine.start_env`). An NGRAM external
@@ -42,7 +42,7 @@ class Provenance(FrozenModel):
     source: str = Field(description="'baseline' or the finalist id that won")
     trial_run_id: str | None = Field(None, description="MLflow run id of the trial that measured this config")
     workload: str = Field(description="workload source (bundled name or file)")
-    workload_digest: str = Field(description="sha256 prefix of the prompts + temperature (pipeline.resume)")
+    workload_digest: str = Field(description="sha256 prefix of the prompts + temperature (pipeline.study.resume)")
     medians: dict[str, float] = Field(default_factory=dict, description="re-measured medians, e.g. tput_tok_s")
 
 
@@ -51,7 +51,7 @@ ENGINE_DEPLOYMENTS = {LOW: "EngineBackend", HIGH: "EngineBackendHigh"}  # Serve 
 
 
 class RoutingPolicy(FrozenModel):
-    """The per-concurrency answer in the form production serves (`pipeline.levels.ServingPolicy` resolved to
+    """The per-concurrency answer in the form production serves (`pipeline.decide.levels.ServingPolicy` resolved to
     engines): the ServingConfig's `replica` while at most `switch_above` requests are in flight at the ingress,
     `high` (the baseline when the policy says "speculation off above N", else the second config) above that.
     `switch_above` None = one config at every level (a single-level study, or one config that wins everywhere)."""

@@ -24,8 +24,8 @@ def finished_study(tmp_path_factory):
     """(StudyConfig, output folder, exit code) of a 3-trial search-only study (no re-runs) that ran to its
     keep-baseline decision, the baseline registered as production."""
     from pipeline.config import load_study
-    from pipeline.space import load_space
-    from pipeline.study import run_study
+    from pipeline.search.space import load_space
+    from pipeline.study.driver import run_study
 
     out: Path = tmp_path_factory.mktemp("finished-study")
     space = out / "space.yaml"

@@ -10,7 +10,7 @@ A workload is a bundled name (`code-edit`, `free-text`, `templated`) or a user f
   Parquet file of this schema, so `--workload captured.parquet` replays production traffic.
 
 Chat prompts are sent so the engine applies the model's chat template exactly as production does
-(`pipeline/load.py`); `Prompt.text` of a chat prompt is only a readable view.
+(`pipeline/measure/load.py`); `Prompt.text` of a chat prompt is only a readable view.
 
 Splits (`split_prompts`, pure): the prompt list is shuffled once with `random.Random(seed)`; the measurement split
 is the first `n_measure` prompts of that order and the warm-up split the next `n_warmup`. So the measurement split
@@ -51,7 +51,7 @@ class Prompt:
     id: str
     text: str
     max_new_tokens: int
-    messages: Messages | None = None  # a chat prompt: sent through the chat template (see pipeline/load.py)
+    messages: Messages | None = None  # a chat prompt: sent through the chat template (see pipeline/measure/load.py)
     output: str | None = None  # a recorded answer (captures, ShareGPT): corpus material, never sent
 
 

@@ -31,7 +31,7 @@ def algorithms_of(kind: str) -> frozenset[str]:
 
 
 def tokenizer_for(model: str) -> Any:
-    """The tokenizer an engine loads for `model` (clients render chat templates with it: `pipeline.load`): a CPU-engine
+    """The tokenizer an engine loads for `model` (clients render chat templates with it: `pipeline.measure.load`): a CPU-engine
     id, .gguf or HF dir through the CPU engine's own resolution (the same files), else an HF hub id via transformers
     (what SGLang and llama.cpp's HF-sourced models use)."""
     from pathlib import Path

@@ -12,11 +12,11 @@ import openai
 import pytest
 
 from pipeline.config import load_study
-from pipeline.corpus import main as corpus_main
-from pipeline.record import Tracker
-from pipeline.registry import register_config, set_production
-from pipeline.space import load_space
-from pipeline.study import connect_ray, run_study
+from pipeline.trial.corpus import main as corpus_main
+from pipeline.records.tracking import Tracker
+from pipeline.records.registry import register_config, set_production
+from pipeline.search.space import load_space
+from pipeline.study.driver import connect_ray, run_study
 from pipeline.workloads import read_prompts
 from serve.capture import CaptureSettings, merge_parts
 from serve.engines.base import ReplicaConfig

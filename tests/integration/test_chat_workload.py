@@ -1,4 +1,4 @@
-"""Chat workloads reach the engine as production's chat route would send them: `pipeline.load` renders the messages
+"""Chat workloads reach the engine as production's chat route would send them: `pipeline.measure.load` renders the messages
 with the model's chat template into `input_ids` for `/generate` (which keeps per-request spec counters); the engine's
 `/v1/chat/completions` (under the real `openai` client) must see the same prompt tokens and answer the same text."""
 
@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from pipeline.load import requests_of, run_phase
+from pipeline.measure.load import requests_of, run_phase
 from pipeline.workloads import read_prompts
 
 pytestmark = pytest.mark.integration

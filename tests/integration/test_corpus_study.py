@@ -21,9 +21,9 @@ from typing import Any
 import optuna
 import pytest
 
-from pipeline.load import requests_of, target_tokenizer
-from pipeline.record import Tracker
-from pipeline.space import enqueue_baseline, load_space
+from pipeline.measure.load import requests_of, target_tokenizer
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import enqueue_baseline, load_space
 from pipeline.workloads import load_workload
 
 from tests.conftest import TINY_STUDY

@@ -5,7 +5,7 @@ bound that stopped it in the reason, its requests and engine log recorded like a
 
 Why it is deterministic: 10x slower is ~0.1-0.2x the baseline (an accept length of 1-2 on a cold trie cannot make up
 for it), while the statistical bound at 3-5 requests allows at most ~2.2x the measured figure plus the run noise
-(pipeline/stopping.py); the last of 6 measured requests is never needed. 4 new tokens a request: each slowed
+(pipeline/search/stopping.py); the last of 6 measured requests is never needed. 4 new tokens a request: each slowed
 request costs ~10x its baseline time in wall clock, and the rule needs no longer outputs."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import optuna
 import pytest
 
 from pipeline.config import load_study
-from pipeline.measure import to_records
-from pipeline.record import Tracker
-from pipeline.space import load_space
-from pipeline.study import run_study
+from pipeline.measure.summary import to_records
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import load_space
+from pipeline.study.driver import run_study
 from tests.integration.conftest import TEST_THREADS
 
 pytestmark = pytest.mark.integration

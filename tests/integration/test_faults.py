@@ -15,9 +15,9 @@ import optuna
 import pytest
 
 from pipeline.config import load_study
-from pipeline.record import Tracker
-from pipeline.space import load_space
-from pipeline.study import run_study
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import load_space
+from pipeline.study.driver import run_study
 from tests.integration.conftest import TEST_THREADS
 
 pytestmark = pytest.mark.integration

@@ -16,9 +16,9 @@ import optuna
 import pytest
 import yaml
 
-from pipeline.levels import LEVELS_ARTIFACT, LevelsDecision
-from pipeline.record import Tracker
-from pipeline.study import connect_ray
+from pipeline.decide.levels import LEVELS_ARTIFACT, LevelsDecision
+from pipeline.records.tracking import Tracker
+from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
 from serve.production import ProductionSettings, deploy, load_serving_config
 from serve.serving import HIGH, LOW, Provenance, RoutingPolicy, ServingConfig

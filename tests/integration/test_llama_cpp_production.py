@@ -20,10 +20,10 @@ import openai
 import pytest
 
 from pipeline.config import TrialConfig, load_study
-from pipeline.record import Tracker
-from pipeline.space import load_space
-from pipeline.study import connect_ray, run_study
-from pipeline.trial import replica_config
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import load_space
+from pipeline.study.driver import connect_ray, run_study
+from pipeline.trial.lifecycle import replica_config
 from serve.production import ProductionSettings, deploy, load_serving_config
 from serve.replica import free_port
 from serve.engines.llama_cpp.adapter import LLAMA_SERVER_COMMAND_FILE

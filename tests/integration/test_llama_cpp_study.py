@@ -10,9 +10,9 @@ import json
 import pytest
 
 from pipeline.config import load_study
-from pipeline.record import Tracker
-from pipeline.space import load_space
-from pipeline.study import run_study
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import load_space
+from pipeline.study.driver import run_study
 from serve.production import load_serving_config
 from tests.conftest import TINY_STUDY
 from tests.integration.llama_cpp_helpers import require_llama_server

@@ -8,7 +8,7 @@ table under "Model training", not the GenAI overview, and that every trial run i
 the app's own "Compare" button and checks the compare view shows both runs and their `tput_tok_s`.
 
 A bare experiment URL is not the path checked: MLflow 3.17's UI ignores the experiment's kind tag and opens a new
-browser on the GenAI overview for every experiment (see `pipeline.record.WORKFLOW_PARAM`), so the printed link is
+browser on the GenAI overview for every experiment (see `pipeline.records.tracking.WORKFLOW_PARAM`), so the printed link is
 where a user starts.
 Screenshots go to `$SPECDEC_TEST_ARTIFACTS/test_mlflow_ui/` (default `<repo>/test-artifacts/test_mlflow_ui/`).
 """

@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_study
-from pipeline.measure import to_records
-from pipeline.openloop import poisson_schedule
-from pipeline.record import Tracker
-from pipeline.space import load_space
-from pipeline.study import run_study
+from pipeline.measure.summary import to_records
+from pipeline.measure.openloop import poisson_schedule
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import load_space
+from pipeline.study.driver import run_study
 from tests.conftest import TINY_SPACE, TINY_STUDY
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from pipeline.record import Tracker
-from pipeline.registry import register_config, set_production
-from pipeline.study import connect_ray
+from pipeline.records.tracking import Tracker
+from pipeline.records.registry import register_config, set_production
+from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
 from serve.production import ProductionSettings, deploy, load_serving_config
 from serve.replica import EngineProcess

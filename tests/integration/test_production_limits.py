@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from pipeline.study import connect_ray
+from pipeline.study.driver import connect_ray
 from serve.production import ProductionSettings, deploy
 from tests.integration.test_production import BASELINE, KEY, MODEL, client, serving
 

@@ -1,5 +1,5 @@
 """A trial process keeps its Serve app: the next trial restarts only the engine inside the same replica actor
-(pipeline/replicas.py). The study's first trial takes the standby replica the driver deployed, and only one claimant
+(pipeline/trial/replicas.py). The study's first trial takes the standby replica the driver deployed, and only one claimant
 gets it. A failed start leaves its log readable, and the next trial then gets a fresh app; a trial that needs other
 actor options gets a fresh app too. Real local Ray and Serve, the real CPU engine (smallest model)."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.replicas import (
+from pipeline.trial.replicas import (
     app_name, claim_standby, delete_study_apps, live_app, release, standby_name, start_engine, start_standby,
 )
-from pipeline.study import connect_ray
+from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
 from serve.replica import actor_options
 from tests.integration.conftest import SMOL, TEST_THREADS

@@ -12,8 +12,8 @@ from optuna.trial import TrialState
 
 from pipeline.config import load_study
 from pipeline.errors import PipelineError
-from pipeline.space import load_space
-from pipeline.study import run_study
+from pipeline.search.space import load_space
+from pipeline.study.driver import run_study
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ import optuna
 import pytest
 
 from pipeline.config import load_study
-from pipeline.record import Tracker
-from pipeline.registry import load_serving_config
-from pipeline.replicas import study_apps
-from pipeline.space import BASELINE_ATTR, load_space
-from pipeline.study import run_study
+from pipeline.records.tracking import Tracker
+from pipeline.records.registry import load_serving_config
+from pipeline.trial.replicas import study_apps
+from pipeline.search.space import BASELINE_ATTR, load_space
+from pipeline.study.driver import run_study
 
 from tests.conftest import TINY_STUDY as TINY
 

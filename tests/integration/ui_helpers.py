@@ -115,9 +115,9 @@ STEP_TIMEOUT_MS = 30_000
 
 
 def open_trials_view(page: Any, base_url: str, study: StudyRuns) -> None:
-    """The link a study prints at its end (`pipeline.record.runs_link`), as a user opens it, until the first trial row
+    """The link a study prints at its end (`pipeline.records.tracking.runs_link`), as a user opens it, until the first trial row
     is rendered. Nothing is clicked: the assistant side panel a new browser gets stays open, as the user sees it."""
-    from pipeline.record import runs_link
+    from pipeline.records.tracking import runs_link
 
     page.goto(runs_link(base_url, study.experiment_id))
     page.locator(f'[row-id="{study.trials[0].run_id}"]').first.wait_for(timeout=PAGE_TIMEOUT_MS)

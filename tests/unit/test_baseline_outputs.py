@@ -5,9 +5,9 @@ same outputs (issue #20); a baseline that lost a request is not COMPLETE (issue 
 import pytest
 
 from pipeline.config import TrialConfig, load_study
-from pipeline.measure import RequestRecord, to_table
-from pipeline.record import Tracker
-from pipeline.trial import Outcome, TrialContext, _compare, baseline_outputs, lost_requests
+from pipeline.measure.summary import RequestRecord, to_table
+from pipeline.records.tracking import Tracker
+from pipeline.trial.lifecycle import Outcome, TrialContext, _compare, baseline_outputs, lost_requests
 from serve.spec import NgramSpec
 
 

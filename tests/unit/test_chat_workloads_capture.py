@@ -11,8 +11,8 @@ import pytest
 from fastapi.responses import Response, StreamingResponse
 
 from pipeline.config import TrialConfig
-from pipeline.corpus import WARMUP_CORPUS, corpus_documents, corpus_for_trial, corpus_record, write_corpus
-from pipeline.load import LoadRequest, requests_of
+from pipeline.trial.corpus import WARMUP_CORPUS, corpus_documents, corpus_for_trial, corpus_record, write_corpus
+from pipeline.measure.load import LoadRequest, requests_of
 from pipeline.workloads import WorkloadError, load_workload, read_prompts
 from serve.capture import Capture, CaptureSettings, merge_parts, row_of
 from serve.production_settings import ProductionSettings

@@ -61,7 +61,7 @@ def test_no_baseline_means_no_ratios():
 
 
 def test_a_config_sampled_twice_is_one_finalist():
-    from pipeline.finalize import distinct_configs
+    from pipeline.study.finalize import distinct_configs
 
     rows = rows_from_runs([*RUNS, run("trial-d", "ngram", "COMPLETE", 35.0, **{"spec.num_draft_tokens": "4"})])
     names = [r["name"] for r in distinct_configs([r for r in rows if r["algorithm"] == "ngram"])]

@@ -131,7 +131,7 @@ def test_bounds_at_their_edges_are_accepted():
 
 
 def test_zero_finalists_means_search_only_and_the_decision_says_nothing_was_re_measured():
-    from pipeline.finalize import no_finalist_reason
+    from pipeline.study.finalize import no_finalist_reason
 
     search_only = no_finalist_reason(0, infeasible=False)
     assert search_only.startswith("keep baseline: promotion.finalists is 0")

@@ -7,8 +7,8 @@ import pytest
 
 from pipeline.config import SlaConstraint, load_study
 from pipeline.errors import ConfigError
-from pipeline.sla import check, constraint_attr, constraint_user_attrs, constraints_func
-from pipeline.space import tpe_sampler
+from pipeline.decide.sla import check, constraint_attr, constraint_user_attrs, constraints_func
+from pipeline.search.space import tpe_sampler
 
 
 def test_config_accepts_limits_and_rejects_unknown_names() -> None:
@@ -64,7 +64,7 @@ def test_study_sampler_marks_infeasible_trials() -> None:
 
 
 def test_ray_search_hands_sla_figures_to_the_sampler() -> None:
-    from pipeline.space.sampler import constrained_search_class
+    from pipeline.search.space.sampler import constrained_search_class
 
     limits = [SlaConstraint(metric="ttft_p99_ms", max_ms=200)]
     def space(trial: optuna.Trial) -> None:

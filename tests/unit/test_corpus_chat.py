@@ -5,8 +5,8 @@ import json
 import pytest
 
 from pipeline.config import TrialConfig
-from pipeline.corpus import WARMUP_CORPUS, corpus_for_trial
-from pipeline.load import requests_of, target_tokenizer
+from pipeline.trial.corpus import WARMUP_CORPUS, corpus_for_trial
+from pipeline.measure.load import requests_of, target_tokenizer
 from pipeline.workloads import Prompt
 from serve.engines.cpu.models import hf_dir_for
 from serve.spec import NgramSpec

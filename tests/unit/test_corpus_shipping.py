@@ -16,9 +16,9 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.config import TrialConfig, load_study
-from pipeline.corpus import SHARED_PREFIX, WARMUP_CORPUS, corpus_for_trial, ship_corpus, write_corpus
-from pipeline.load import LoadRequest
-from pipeline.trial import shipped_replica_config
+from pipeline.trial.corpus import SHARED_PREFIX, WARMUP_CORPUS, corpus_for_trial, ship_corpus, write_corpus
+from pipeline.measure.load import LoadRequest
+from pipeline.trial.lifecycle import shipped_replica_config
 from serve.engines import engine_for
 from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, REDACTED, ReplicaConfig
 from serve.engines.settings import effective_diff

@@ -10,11 +10,11 @@ import optuna
 import pytest
 
 from pipeline.config import TrialConfig, load_study
-from pipeline.load import LoadRequest
-from pipeline.measure import RequestRecord, chunks, continue_records, summarize, to_table
-from pipeline.pruning import MEASURING, Watch, baseline_run, intermediate_report, stop_metrics, trial_watch
-from pipeline.record import Tracker
-from pipeline.stopping import BaselineFigures, StoppingPolicy, baseline_figures, decode_step_s, rule_off
+from pipeline.measure.load import LoadRequest
+from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize, to_table
+from pipeline.search.pruning import MEASURING, Watch, baseline_run, intermediate_report, stop_metrics, trial_watch
+from pipeline.records.tracking import Tracker
+from pipeline.search.stopping import BaselineFigures, StoppingPolicy, baseline_figures, decode_step_s, rule_off
 from serve.engines.cpu.faults import FaultSpecError, _SlowSteps, parse_fault
 from serve.spec import NgramSpec
 
@@ -199,7 +199,7 @@ def test_slow_steps_sleeps_factor_minus_one_times_each_rounds_own_time(monkeypat
 # --- PRUNED in Optuna through Ray's OptunaSearch ------------------------------------------------------------------
 
 def optuna_search(storage):
-    from pipeline.searcher import PruningOptunaSearch
+    from pipeline.search.searcher import PruningOptunaSearch
 
     return PruningOptunaSearch({"x": __import__("ray.tune", fromlist=["uniform"]).uniform(0, 1)},
                                metric="tput_tok_s", mode="max", storage=storage, study_name="s", seed=0)

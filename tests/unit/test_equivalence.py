@@ -1,11 +1,11 @@
-"""pipeline.equivalence: greedy outputs of a trial against the baseline, matched by prompt_index."""
+"""pipeline.decide.equivalence: greedy outputs of a trial against the baseline, matched by prompt_index."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.equivalence import check_equivalence, common_prefix
-from pipeline.measure import RequestRecord, to_table
+from pipeline.decide.equivalence import check_equivalence, common_prefix
+from pipeline.measure.summary import RequestRecord, to_table
 
 
 def out(prompt: int, ids, *, phase="measure", error=None, n=0) -> RequestRecord:

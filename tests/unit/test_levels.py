@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import PromotionPolicy, SlaConstraint
-from pipeline.levels import Candidate, LevelInput, RunFigures, decide_levels, format_level_table
+from pipeline.decide.levels import Candidate, LevelInput, RunFigures, decide_levels, format_level_table
 
 
 def runs(*tputs: float, ttft: float = 100.0) -> tuple[RunFigures, ...]:

@@ -8,9 +8,9 @@ import pytest
 
 from pipeline.compare import format_rows, main, mark_constraints
 from pipeline.config import SlaConstraint
-from pipeline.levels import LEVELS_ARTIFACT, Candidate, LevelInput, RunFigures, decide_levels
-from pipeline.record import Tracker, default_tracking_uri
-from pipeline.report import plot_pareto
+from pipeline.decide.levels import LEVELS_ARTIFACT, Candidate, LevelInput, RunFigures, decide_levels
+from pipeline.records.tracking import Tracker, default_tracking_uri
+from pipeline.records.report import plot_pareto
 
 
 def rows() -> list[dict]:

@@ -129,7 +129,7 @@ def test_missing_binary_names_the_install_command(tmp_path, monkeypatch):
 
 
 def test_bundled_llama_spaces_load_and_cover_every_type():
-    from pipeline.space import load_space
+    from pipeline.search.space import load_space
 
     files = sorted((REPO / "search_spaces").glob("llama-cpp-*.yaml"))
     assert files

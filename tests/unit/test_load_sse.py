@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.load import LoadRequest, SseDecoder, SseEvent, StreamState, run_phase
+from pipeline.measure.load import LoadRequest, SseDecoder, SseEvent, StreamState, run_phase
 
 
 def sse(obj: object) -> bytes:

@@ -1,4 +1,4 @@
-"""pipeline.measure: the per-request record, its Arrow table, and the summary. Expectations are hand-computed."""
+"""pipeline.measure.summary: the per-request record, its Arrow table, and the summary. Expectations are hand-computed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.measure import REQUEST_SCHEMA, RequestRecord, Summary, output_sha1, summarize, to_records, to_table
+from pipeline.measure.summary import REQUEST_SCHEMA, RequestRecord, Summary, output_sha1, summarize, to_records, to_table
 
 
 def rec(i: int = 0, **kw) -> RequestRecord:

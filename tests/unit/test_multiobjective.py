@@ -5,7 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from pipeline.pareto import choose_finalists, pareto_front
+from pipeline.decide.pareto import choose_finalists, pareto_front
 
 
 def row(name: str, tput: float, ttft: float, outcome: str = "COMPLETE", **extra: object) -> dict:
@@ -56,7 +56,7 @@ def test_single_objective_is_top_n_and_bad_input_is_refused() -> None:
 
 
 def test_levels_decision_carries_the_pick_explanation() -> None:
-    from pipeline.levels import Candidate, LevelInput, RunFigures, decide_levels
+    from pipeline.decide.levels import Candidate, LevelInput, RunFigures, decide_levels
 
     choice = choose_finalists(ROWS, ["tput_tok_s", "ttft_p50_ms"], ["max", "min"], count=2, exclude=["baseline"])
     figs = lambda t: tuple(RunFigures(tput_tok_s=t) for _ in range(3))  # noqa: E731

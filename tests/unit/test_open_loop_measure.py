@@ -13,11 +13,11 @@ import pytest
 
 from pipeline.config import OBJECTIVE_METRICS, ArrivalSettings, StudyConfig, load_study, study_to_yaml
 from pipeline.errors import ConfigError
-from pipeline.load import LoadRequest
-from pipeline.measure import RequestRecord, summarize
-from pipeline.openloop import poisson_schedule
-from pipeline.pruning import Watch, measure_phase, trial_watch
-from pipeline.stopping import StoppingPolicy
+from pipeline.measure.load import LoadRequest
+from pipeline.measure.summary import RequestRecord, summarize
+from pipeline.measure.openloop import poisson_schedule
+from pipeline.search.pruning import Watch, measure_phase, trial_watch
+from pipeline.search.stopping import StoppingPolicy
 
 POISSON = {"workload.arrival": {"mode": "poisson", "rate_per_s": 20.0, "max_duration_s": 30.0}}
 
@@ -182,7 +182,7 @@ def test_open_loop_switches_early_stopping_off():
 
 
 def test_resume_refuses_a_changed_arrival_mode():
-    from pipeline.resume import identity_changes, study_identity
+    from pipeline.study.resume import identity_changes, study_identity
 
     closed = study_identity(StudyConfig(), {}, "w")
     changes = identity_changes(closed, study_identity(load_study(None, POISSON), {}, "w"))

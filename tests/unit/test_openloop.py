@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.load import LoadRequest
-from pipeline.measure import summarize
-from pipeline.openloop import poisson_schedule, run_open_loop
+from pipeline.measure.load import LoadRequest
+from pipeline.measure.summary import summarize
+from pipeline.measure.openloop import poisson_schedule, run_open_loop
 
 
 def test_schedule_is_seeded_poisson_and_bounded() -> None:

@@ -1,4 +1,4 @@
-"""pipeline.decision (DESIGN §8). Scores are hand-computed: score = median - 1.4826 * MAD; the bar is the baseline
+"""pipeline.decide.decision (DESIGN §8). Scores are hand-computed: score = median - 1.4826 * MAD; the bar is the baseline
 MEDIAN + max(margin x median, 1.4826 x MAD)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.config import PromotionPolicy
-from pipeline.decision import Finalist, decide, run_stats
+from pipeline.decide.decision import Finalist, decide, run_stats
 from serve.spec import NgramSpec
 
 BASE = [100.0, 100.0, 100.0]  # median 100, MAD 0; default bar = 100 + 3% = 103

@@ -4,8 +4,8 @@ Real MLflow on SQLite, the CLI's own `main`."""
 from __future__ import annotations
 
 from pipeline.promote import main
-from pipeline.record import Tracker, default_tracking_uri
-from pipeline.registry import register_config
+from pipeline.records.tracking import Tracker, default_tracking_uri
+from pipeline.records.registry import register_config
 from serve.engines.base import ReplicaConfig
 from serve.serving import Provenance, ServingConfig
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.record import Tracker
+from pipeline.records.tracking import Tracker
 
 
 def log(tracker, parent, texts, reason=""):
@@ -57,7 +57,7 @@ def test_mlflow_use_waits_for_a_warm_up_still_under_way(tmp_path, monkeypatch):
     timer lets it, so a use that did not wait would see it unfinished."""
     import threading
 
-    import pipeline.record as record
+    import pipeline.records.tracking as record
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "s", artifact_dir=tmp_path)
     tracker.warm_up()  # the store exists and is open: a use that does not wait returns at once

@@ -3,7 +3,7 @@ shared view the printed link names shows the comparison columns. Real MLflow on 
 
 import json
 
-from pipeline.record import EXPERIMENT_KIND, Tracker, runs_link
+from pipeline.records.tracking import EXPERIMENT_KIND, Tracker, runs_link
 
 
 def test_the_experiment_lands_on_runs_and_the_link_shows_the_comparison_columns(tmp_path):

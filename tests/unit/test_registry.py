@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.record import Tracker
-from pipeline.registry import PREVIOUS, PRODUCTION, load_serving_config, register_config, rollback, set_production
+from pipeline.records.tracking import Tracker
+from pipeline.records.registry import PREVIOUS, PRODUCTION, load_serving_config, register_config, rollback, set_production
 from serve.engines.base import ReplicaConfig
 from serve.serving import Provenance, ServingConfig
 

@@ -3,7 +3,7 @@
 import optuna
 import pytest
 
-from pipeline.report import write_report
+from pipeline.records.report import write_report
 
 
 def row(name, algorithm, outcome, tput=None, accept=None, **params):

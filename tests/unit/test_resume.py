@@ -6,12 +6,12 @@ from optuna.trial import TrialState
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.errors import PipelineError
-from pipeline.pruning import MEASURING
-from pipeline.resume import (
+from pipeline.search.pruning import MEASURING
+from pipeline.study.resume import (
     SavedTrial, budget_note, check_resume, finished_trials, identity_changes, read_identity, recorded_reports,
     settle_running, study_identity, tune_unfinished, workload_digest, write_identity,
 )
-from pipeline.space import load_space
+from pipeline.search.space import load_space
 
 SPACE = load_space(SEARCH_SPACES_DIR / "default.yaml").model_dump(mode="json")
 PROMPTS = [(0, "Write a haiku", 24), (1, "Fix this code", 24)]

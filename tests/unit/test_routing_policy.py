@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pipeline.finalists import run_label
-from pipeline.levels import BASELINE, Candidate, LevelInput, RunFigures, decide_levels, routing_policy
+from pipeline.study.finalists import run_label
+from pipeline.decide.levels import BASELINE, Candidate, LevelInput, RunFigures, decide_levels, routing_policy
 from serve.engines.base import ReplicaConfig
 from serve.serving import (HIGH, HIGH_COMMAND_FILE, LOW, Provenance, RoutingPolicy, ServingConfig, deploy_files,
                            serve_app, serving_config)

@@ -6,7 +6,7 @@ import pytest
 from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote, run_method,
                                       stop_rates, trials_to_reach)
 from pipeline.config import SEARCH_SPACES_DIR
-from pipeline.space import grid_points, load_space
+from pipeline.search.space import grid_points, load_space
 
 SPACE = load_space(SEARCH_SPACES_DIR / "grid-small.yaml")
 POINTS = grid_points(SPACE)

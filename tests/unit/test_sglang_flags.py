@@ -19,7 +19,7 @@ import optuna
 import pytest
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
-from pipeline.space import (CategoricalParam, FixedParam, IntParam, default_value, define_by_run, evaluate_bound,
+from pipeline.search.space import (CategoricalParam, FixedParam, IntParam, default_value, define_by_run, evaluate_bound,
                             load_space, resolve)
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.settings import SETTINGS, UnsupportedSetting, render_spec

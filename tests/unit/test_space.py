@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.errors import ConfigError
-from pipeline.space import (
+from pipeline.search.space import (
     BASELINE_ATTR, baseline_point, define_by_run, enqueue_baseline, grid_points, load_space, resolve,
 )
 from pipeline.tune import sample_configs
@@ -228,7 +228,7 @@ def test_a_bound_dividing_by_a_parameter_that_can_be_zero_fails_at_load(tmp_path
 
 
 def test_bound_evaluation_errors_are_config_errors_not_tracebacks():
-    from pipeline.space import evaluate_bound
+    from pipeline.search.space import evaluate_bound
 
     with pytest.raises(ConfigError, match=r"ngram.x.high: 'a // b' cannot be evaluated .* with \{'a': 4, 'b': 0\}"):
         evaluate_bound("a // b", {"a": 4, "b": 0}, "ngram.x.high")
@@ -239,7 +239,7 @@ def test_bound_evaluation_errors_are_config_errors_not_tracebacks():
 
 def test_a_conditional_parameter_exists_only_where_its_condition_holds(tmp_path):
     # PROB ignores min_bfs_breadth (SGLang's trie.cpp): sampling it there would only add noise to the search.
-    from pipeline.space import grid_points
+    from pipeline.search.space import grid_points
 
     path = tmp_path / "s.yaml"
     path.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n"

@@ -1,4 +1,4 @@
-"""The early-stopping rule (pipeline/stopping.py) on synthetic surfaces: a clearly slow config stops early, a noisy
+"""The early-stopping rule (pipeline/search/stopping.py) on synthetic surfaces: a clearly slow config stops early, a noisy
 winner never stops, and the edge cases (too few requests, zero spread, failed requests, bad input)."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.measure import RequestRecord
-from pipeline.stopping import BaselineFigures, Decision, Rule, StoppingPolicy, VerifyCost, check, t_quantile
+from pipeline.measure.summary import RequestRecord
+from pipeline.search.stopping import BaselineFigures, Decision, Rule, StoppingPolicy, VerifyCost, check, t_quantile
 
 TOKENS = 24
 # The CPU engine's verify-cost curve on this machine ("old x N=1", docs/benchmarks.md, 2 threads).

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from pipeline.config import load_study, study_to_yaml
-from pipeline.replicas import app_name, study_apps
-from pipeline.trial import flush, replica_config
+from pipeline.trial.replicas import app_name, study_apps
+from pipeline.trial.lifecycle import flush, replica_config
 from pipeline.config import TrialConfig
 
 SGLANG_REFUSAL = "Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 1"
@@ -66,7 +66,7 @@ def test_app_names_are_per_study_and_cleanup_touches_only_its_own():
 
 
 def test_the_next_trial_restarts_in_the_live_replica_only_when_the_actor_would_be_the_same():
-    from pipeline.replicas import LiveApp, can_reuse
+    from pipeline.trial.replicas import LiveApp, can_reuse
 
     options = {"num_cpus": 0.1, "num_gpus": 0, "resources": {}}
     live = LiveApp("a~trial-x1", "http://127.0.0.1:8000", options)

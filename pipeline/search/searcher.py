@@ -2,7 +2,7 @@
 
 Ray 2.60's `OptunaSearch.on_trial_complete` marks a trial PRUNED only when its last result has no objective value and
 no error, but Tune refuses a result without the objective metric (strict metric checking), so a trial that reported
-can only end COMPLETE or FAIL there. Early stopping (pipeline/pruning.py) ends a trial with outcome PRUNED; this
+can only end COMPLETE or FAIL there. Early stopping (pipeline/search/pruning.py) ends a trial with outcome PRUNED; this
 subclass hands such a trial to OptunaSearch as "no value, no error", which Optuna records as PRUNED (with the last
 intermediate value, the partial throughput, for a single objective). A trial whose last result is still an
 intermediate one (it ended without its final report, e.g. stopped by `time_budget_s`) is a FAIL, never a COMPLETE
@@ -16,9 +16,9 @@ from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
-from pipeline.pruning import MEASURING
+from pipeline.search.pruning import MEASURING
 
-PRUNED = "PRUNED"  # pipeline.trial.Outcome.PRUNED's value
+PRUNED = "PRUNED"  # pipeline.trial.lifecycle.Outcome.PRUNED's value
 
 
 def completion(result: dict[str, Any] | None, error: bool) -> tuple[dict[str, Any] | None, bool]:

@@ -16,7 +16,7 @@ A fresh app is deployed instead when the process holds none (and no standby is l
 live replica has (resources and node placement belong to the actor), and when the live replica does not answer as
 expected. After any failure of the engine or the replica the app is deleted (`release`), so one broken trial never
 breaks the next. A study's apps are deleted by its driver when the search ends and again when the study ends
-(`delete_study_apps`), and a driver deletes leftovers of its own study at start (`pipeline.study.connect_ray`).
+(`delete_study_apps`), and a driver deletes leftovers of its own study at start (`pipeline.study.driver.connect_ray`).
 
 Serve's `reconfigure`/`user_config` is not used: Ray 2.60's `serve.run` deploys each call under a random version,
 which replaces the replica (a user_config change keeps the actor only through `serve deploy`).

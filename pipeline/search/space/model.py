@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from pipeline.space.bounds import Bound, evaluate_bound
+from pipeline.search.space.bounds import Bound, evaluate_bound
 from serve.spec import Algorithm, FrozenModel
 
 TRIAL_FIELDS = ("warmup_requests", "max_running_requests")  # TrialConfig fields a space may search

@@ -5,7 +5,7 @@ per algorithm, warm-up length vs accept length for NGRAM, NGRAM with an external
 and the Pareto front when the study has several objectives (the promoted trial starred, trials that broke an SLA
 limit drawn as crosses and kept off the front). Every plot has an empty state (a study with one trial, or with every
 trial failed, still gets a complete report). With a per-level decision the page shows its level table; when NGRAM
-trials searched an external corpus, the corpus-vs-none table at equal draft tokens (`pipeline.corpus`).
+trials searched an external corpus, the corpus-vs-none table at equal draft tokens (`pipeline.trial.corpus`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.compare import format_table
-from pipeline.corpus import corpus_comparison, corpus_label, format_corpus_table
+from pipeline.trial.corpus import corpus_comparison, corpus_label, format_corpus_table
 
 ALGO_COLORS = {"none": "#555555", "ngram": "#1f77b4", "eagle": "#2ca02c", "eagle3": "#d62728",
                "standalone": "#9467bd"}
@@ -169,9 +169,9 @@ def _optuna_plot(fig: Any, ax: Any, study: Any, kind: str) -> Any:
 
 def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: list[str],
                 promoted: str | None = None) -> None:
-    """Trials in the plane of the first two objectives; the front (pipeline.pareto, feasible trials only) joined;
+    """Trials in the plane of the first two objectives; the front (pipeline.decide.pareto, feasible trials only) joined;
     infeasible trials (row `feasible` False) as red crosses; the promoted trial (row `name`) as a star."""
-    from pipeline.pareto import pareto_front
+    from pipeline.decide.pareto import pareto_front
 
     done = [r for r in _complete(rows) if all(r.get(m) is not None for m in metrics[:2])]
     if len(metrics) < 2:
@@ -204,7 +204,7 @@ def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decis
                  metrics: list[str] | None = None, modes: list[str] | None = None, promoted: str | None = None,
                  levels: Any = None) -> list[Path]:
     """Write report.html and the PNGs into out_dir; returns every file written (HTML last). `promoted` = the
-    promoted trial's row name (starred on the Pareto plot); `levels` = a `pipeline.levels.LevelsDecision`."""
+    promoted trial's row name (starred on the Pareto plot); `levels` = a `pipeline.decide.levels.LevelsDecision`."""
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +235,7 @@ def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decis
     table = format_table(rows) if rows else "(no trials recorded)"
     level_html = ""
     if levels is not None:
-        from pipeline.levels import format_level_table
+        from pipeline.decide.levels import format_level_table
 
         level_html = f"<h2>Per-concurrency decision</h2><pre>{html.escape(format_level_table(levels))}</pre>"
     corpus_cells = corpus_comparison(rows)  # only when the study searched a corpus

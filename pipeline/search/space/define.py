@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.space.bounds import evaluate_bound
-from pipeline.space.model import (CategoricalParam, FloatParam, IntParam, Param, SearchSpace, applies,
+from pipeline.search.space.bounds import evaluate_bound
+from pipeline.search.space.model import (CategoricalParam, FloatParam, IntParam, Param, SearchSpace, applies,
                                   baseline_point)
 
 BASELINE_ATTR = "baseline"  # user attribute that marks the enqueued baseline trial in the Optuna study

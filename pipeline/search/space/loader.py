@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from pipeline.config import TrialConfig, read_yaml
 from pipeline.errors import ConfigError, format_validation_error
-from pipeline.space.bounds import evaluate_bound, literal_zero_divisor, names_in
-from pipeline.space.model import TRIAL_FIELDS, CategoricalParam, FixedParam, FloatParam, IntParam, Param, SearchSpace
+from pipeline.search.space.bounds import evaluate_bound, literal_zero_divisor, names_in
+from pipeline.search.space.model import TRIAL_FIELDS, CategoricalParam, FixedParam, FloatParam, IntParam, Param, SearchSpace
 from serve.spec import SPEC_TYPES
 
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.measure import RequestRecord, to_records
+from pipeline.measure.summary import RequestRecord, to_records
 
 
 class EquivalenceReport(BaseModel):

@@ -1,5 +1,5 @@
 """The baseline and the finalists re-measured at every concurrency level of the study, through the trial's own
-measure+check path, gathered into the per-level input of the promotion rule (`pipeline.levels.decide_levels`).
+measure+check path, gathered into the per-level input of the promotion rule (`pipeline.decide.levels.decide_levels`).
 
 The search measures at the first level only (`StudyConfig.search_concurrency`): a level as a search dimension would
 spread a small budget over a product of spaces, and TPE would compare throughputs that differ by level, not by
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import TrialConfig
-from pipeline.levels import Candidate, LevelInput, RunFigures
-from pipeline.measure import to_table
-from pipeline.trial import Outcome, TrialContext, measure_and_check
+from pipeline.decide.levels import Candidate, LevelInput, RunFigures
+from pipeline.measure.summary import to_table
+from pipeline.trial.lifecycle import Outcome, TrialContext, measure_and_check
 
 
 @dataclass

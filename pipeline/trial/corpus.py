@@ -19,7 +19,7 @@ paid at every restart. Documents are what the engine sees: a plain prompt's text
 chat template (decoded from its rendered ids, special tokens kept, so the engine tokenizes them back to the same ids)
 followed by its recorded answer when the workload has one (`output`, e.g. in a capture).
 
-`python -m pipeline.corpus WORKLOAD OUT.jsonl [--target MODEL]` writes a whole workload (e.g. a merged capture) as a
+`python -m pipeline.trial.corpus WORKLOAD OUT.jsonl [--target MODEL]` writes a whole workload (e.g. a merged capture) as a
 corpus, for the search space's corpus choices or `--speculative-ngram-external-corpus-path`.
 
 `corpus_comparison` / `format_corpus_table` (pure, over `pipeline.compare` rows): the study's "corpus vs no corpus"
@@ -66,14 +66,14 @@ class CorpusFile:
 def corpus_documents(items: Iterable[Any], tokenizer: Any = None) -> list[str]:
     """One document per distinct warm-up item, in order (a cycled split repeats prompts: the corpus need not).
 
-    `items` are `pipeline.load.LoadRequest`s or `pipeline.workloads.Prompt`s. Chat items (`input_ids` set) need the
+    `items` are `pipeline.measure.load.LoadRequest`s or `pipeline.workloads.Prompt`s. Chat items (`input_ids` set) need the
     tokenizer to turn the rendered ids back into text; without one their readable text is used."""
     docs: list[str] = []
     seen: set[str] = set()
     for item in items:
         ids = getattr(item, "input_ids", None)
         if ids is None and getattr(item, "messages", None) and tokenizer is not None:
-            from pipeline.load import chat_input_ids
+            from pipeline.measure.load import chat_input_ids
 
             ids = chat_input_ids(item.messages, tokenizer)
         text = tokenizer.decode(list(ids)) if ids is not None and tokenizer is not None else item.text
@@ -159,7 +159,7 @@ def corpus_for_trial(trial: Any, warmup: Sequence[Any], out_dir: str | Path,
     if corpus == WARMUP_CORPUS:
         if tokenizer is None and target is not None and any(getattr(i, "input_ids", None) is not None
                                                              for i in warmup):
-            from pipeline.load import target_tokenizer
+            from pipeline.measure.load import target_tokenizer
 
             # Without it a chat prompt's document would be its readable view ("user: ..."), not what the engine sees.
             tokenizer = target_tokenizer(target)
@@ -277,13 +277,13 @@ def format_corpus_table(cells: Sequence[CorpusCell]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.corpus",
+    parser = argparse.ArgumentParser(prog="python -m pipeline.trial.corpus",
                                      description="write a workload (e.g. a merged traffic capture) as a corpus JSONL")
     parser.add_argument("workload", help="bundled name or JSONL/Parquet/JSON workload file")
     parser.add_argument("out", help="corpus JSONL to write")
     parser.add_argument("--target", default="smollm2-135m", help="model whose chat template renders chat prompts")
     args = parser.parse_args(argv)
-    from pipeline.load import target_tokenizer
+    from pipeline.measure.load import target_tokenizer
     from pipeline.workloads import WorkloadError, read_prompts
 
     try:

@@ -2,7 +2,7 @@
 
 A limit holds at one concurrency level (or at every level). During the search trials are measured at the search
 level only (`StudyConfig.search_concurrency`), so the search can check only the limits that hold there; the others
-are checked when finalists are re-measured at every level (`pipeline.levels.decide_levels`).
+are checked when finalists are re-measured at every level (`pipeline.decide.levels.decide_levels`).
 
 Optuna's contract: `constraints_func(frozen_trial)` returns one float per limit, <= 0 meaning satisfied. The trial
 must store each figure as a user attribute named `constraint_attr(limit)` (see `constraint_user_attrs`); a figure

@@ -1,8 +1,8 @@
 """Early stopping wired into a search trial: after each measured chunk the trial reports its partial result to Tune and
-asks the rule (`pipeline.stopping.check`, pure) whether it can still beat the baseline; a trial that cannot is PRUNED.
+asks the rule (`pipeline.search.stopping.check`, pure) whether it can still beat the baseline; a trial that cannot is PRUNED.
 
 I/O here: reading the baseline's figures from its MLflow run (any driver on any node finds them there) and the
-chunked measurement (`measure_phase`, called by `pipeline.trial.measure_config`). Finalist re-runs are never watched.
+chunked measurement (`measure_phase`, called by `pipeline.trial.lifecycle.measure_config`). Finalist re-runs are never watched.
 Chunks are `concurrency` requests (1 at the search level the rule applies to), each one `run_phase`, laid end to end
 in the phase window: the pause between chunks (the rule, Tune's report) is left out of the window, so a watched
 trial's throughput is its requests' own; every trial of the search, the baseline included, is measured this way.
@@ -20,15 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.load import run_phase
-from pipeline.measure import RequestRecord, chunks, continue_records, summarize, to_records
-from pipeline.openloop import run_open_loop
-from pipeline.record import KIND_TAG, Tracker
-from pipeline.stopping import BaselineFigures, StoppingPolicy, StopResult, VerifyCost, baseline_figures, check, rule_off
+from pipeline.measure.load import run_phase
+from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize, to_records
+from pipeline.measure.openloop import run_open_loop
+from pipeline.records.tracking import KIND_TAG, Tracker
+from pipeline.search.stopping import BaselineFigures, StoppingPolicy, StopResult, VerifyCost, baseline_figures, check, rule_off
 from serve.spec import draft_token_count
 
 MEASURING = "MEASURING"  # the `outcome` of an intermediate Tune report: the trial is still measuring
-COMPLETE = "COMPLETE"  # pipeline.trial.Outcome.COMPLETE's value (trial imports this module, not the reverse)
+COMPLETE = "COMPLETE"  # pipeline.trial.lifecycle.Outcome.COMPLETE's value (trial imports this module, not the reverse)
 
 Progress = Callable[[list[RequestRecord], StopResult | None], None]
 

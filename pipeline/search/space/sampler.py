@@ -20,13 +20,13 @@ def tpe_sampler(seed: int, max_trials: int, n_startup_trials: int | None = None,
                 constraints: Sequence[SlaConstraint] = (), search_level: int = 1) -> Any:
     """Multivariate TPE with conditional groups (branches), seeded. `n_startup_trials` overrides
     `startup_trials(max_trials)` (the search-efficiency replay compares the two). SLA limits that hold at
-    `search_level` become Optuna's `constraints_func` (pipeline/sla.py: the trial must set the user attributes
-    `pipeline.sla.constraint_user_attrs` names); without such limits the sampler is unconstrained."""
+    `search_level` become Optuna's `constraints_func` (pipeline/decide/sla.py: the trial must set the user attributes
+    `pipeline.decide.sla.constraint_user_attrs` names); without such limits the sampler is unconstrained."""
     import warnings
 
     import optuna
 
-    from pipeline.sla import constraints_func
+    from pipeline.decide.sla import constraints_func
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -40,9 +40,9 @@ def tpe_sampler(seed: int, max_trials: int, n_startup_trials: int | None = None,
 
 def constrained_search_class() -> Any:
     """Ray Tune's `OptunaSearch` that copies a trial's SLA figures (result keys starting `sla.`, as
-    `pipeline.sla.constraint_user_attrs` names them) into the Optuna trial's user attributes before telling Optuna,
+    `pipeline.decide.sla.constraint_user_attrs` names them) into the Optuna trial's user attributes before telling Optuna,
     so the sampler's `constraints_func` sees them: the trial runs in a Ray worker and cannot touch the driver's study."""
-    from pipeline.searcher import PruningOptunaSearch  # imports Ray: only here; it also maps PRUNED trials
+    from pipeline.search.searcher import PruningOptunaSearch  # imports Ray: only here; it also maps PRUNED trials
 
     class ConstrainedOptunaSearch(PruningOptunaSearch):  # type: ignore[misc]
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,

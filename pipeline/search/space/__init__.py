@@ -8,19 +8,19 @@ One job per module:
 - `resolve`  a sampled point -> a validated `TrialConfig`, or the reasons it is INVALID;
 - `grid`     enumeration of every point (the search-efficiency replay);
 - `sampler`  the study's TPE sampler (the study, `--dry-run` and the replay use the same one).
-The names below are the package's public surface; import them from `pipeline.space`.
+The names below are the package's public surface; import them from `pipeline.search.space`.
 """
 
-from pipeline.space.bounds import Bound, evaluate_bound, names_in
-from pipeline.space.define import BASELINE_ATTR, SpaceSampler, define_by_run, enqueue_baseline, suggest
-from pipeline.space.grid import grid_points
-from pipeline.space.loader import check_space, load_space
-from pipeline.space.model import (
+from pipeline.search.space.bounds import Bound, evaluate_bound, names_in
+from pipeline.search.space.define import BASELINE_ATTR, SpaceSampler, define_by_run, enqueue_baseline, suggest
+from pipeline.search.space.grid import grid_points
+from pipeline.search.space.loader import check_space, load_space
+from pipeline.search.space.model import (
     TRIAL_FIELDS, CategoricalParam, FixedParam, FloatParam, IntParam, Param, SearchSpace, applies, baseline_point,
     default_value,
 )
-from pipeline.space.resolve import Resolution, resolve
-from pipeline.space.sampler import startup_trials, tpe_sampler
+from pipeline.search.space.resolve import Resolution, resolve
+from pipeline.search.space.sampler import startup_trials, tpe_sampler
 
 __all__ = [
     "BASELINE_ATTR", "Bound", "CategoricalParam", "FixedParam", "FloatParam", "IntParam", "Param", "Resolution",

@@ -2,7 +2,7 @@
 
 Every way a trial can end is an `Outcome`, recorded in MLflow with its reason and logs; nothing here raises for a bad
 config or a dead engine. The engine runs behind a Ray Serve app named `<study>~trial-<label>` (route the same), which
-the process keeps for its next trial: that trial restarts only the engine in it (pipeline/replicas.py); after any
+the process keeps for its next trial: that trial restarts only the engine in it (pipeline/trial/replicas.py); after any
 engine or replica failure the app is deleted and the next trial deploys a fresh one.
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 import httpx
 
 from pipeline.config import StudyConfig, TrialConfig
-from pipeline.corpus import CorpusFile, corpus_for_trial, corpus_record, ship_corpus
-from pipeline.equivalence import EquivalenceReport, check_equivalence
-from pipeline.load import LoadRequest, run_phase
-from pipeline.measure import RequestRecord, Summary, summarize, to_table
-from pipeline.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
-from pipeline.record import Tracker
-from pipeline.replicas import cluster_cannot_host, live_app, release, start_engine
-from pipeline.space import Resolution
+from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, ship_corpus
+from pipeline.decide.equivalence import EquivalenceReport, check_equivalence
+from pipeline.measure.load import LoadRequest, run_phase
+from pipeline.measure.summary import RequestRecord, Summary, summarize, to_table
+from pipeline.search.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
+from pipeline.records.tracking import Tracker
+from pipeline.trial.replicas import cluster_cannot_host, live_app, release, start_engine
+from pipeline.search.space import Resolution
 from serve.engines import engine_for
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.settings import effective_diff

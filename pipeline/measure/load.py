@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from pipeline.measure import RequestRecord
+from pipeline.measure.summary import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Per-request records of one trial's traffic and their summary: throughput, accept length, latencies, a bootstrap CI.
 
-Pure: no I/O, no Ray, no MLflow, no torch. The load generator (`pipeline/load.py`) fills one `RequestRecord` per
-request; `pipeline/record.py` writes `to_table(records)` as Parquet and logs `summarize(...).to_metrics()`.
+Pure: no I/O, no Ray, no MLflow, no torch. The load generator (`pipeline/measure/load.py`) fills one `RequestRecord` per
+request; `pipeline/records/tracking.py` writes `to_table(records)` as Parquet and logs `summarize(...).to_metrics()`.
 
 Field meanings follow SGLang 0.5.23 `/generate` `meta_info` (reference/sglang-0.5.23.md §4.1): the `spec_*` counts
 are null when the engine reports none (no speculation, or a request that finished in prefill).
@@ -111,7 +111,7 @@ class RequestRecord:
 
     @staticmethod
     def to_table(records: Iterable[RequestRecord]) -> pa.Table:
-        """Records as an Arrow table with `REQUEST_SCHEMA` (what `pipeline/record.py` writes as Parquet)."""
+        """Records as an Arrow table with `REQUEST_SCHEMA` (what `pipeline/records/tracking.py` writes as Parquet)."""
         return to_table(records)
 
 
@@ -135,7 +135,7 @@ def to_records(table_or_records: pa.Table | Iterable[RequestRecord]) -> list[Req
     missing = [n for n in _FIELD_NAMES if n not in table_or_records.column_names]
     if missing:
         raise ValueError(
-            f"request table lacks column(s) {missing}; it must follow pipeline.measure.REQUEST_SCHEMA "
+            f"request table lacks column(s) {missing}; it must follow pipeline.measure.summary.REQUEST_SCHEMA "
             f"(columns {list(_FIELD_NAMES)})")
     return [RequestRecord(**{n: row[n] for n in _FIELD_NAMES}) for row in table_or_records.to_pylist()]
 

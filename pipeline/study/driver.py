@@ -13,19 +13,19 @@ from typing import Any, Literal
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
 from pipeline.errors import PipelineError
-from pipeline.load import LoadRequest, requests_of
-from pipeline.pruning import MEASURING, intermediate_report
-from pipeline.record import Tracker, default_tracking_uri
+from pipeline.measure.load import LoadRequest, requests_of
+from pipeline.search.pruning import MEASURING, intermediate_report
+from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
-from pipeline.resume import (
+from pipeline.study.resume import (
     IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
     recorded_reports, saved_tune_trials, tune_unfinished, workload_digest, write_identity,
 )
-from pipeline.sla import constraint_user_attrs
-from pipeline.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
-from pipeline.space.sampler import constrained_search_class
-from pipeline.replicas import delete_study_apps, start_standby, study_apps
-from pipeline.trial import Outcome, TrialContext, replica_config, run_trial
+from pipeline.decide.sla import constraint_user_attrs
+from pipeline.search.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
+from pipeline.search.space.sampler import constrained_search_class
+from pipeline.trial.replicas import delete_study_apps, start_standby, study_apps
+from pipeline.trial.lifecycle import Outcome, TrialContext, replica_config, run_trial
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
 
@@ -55,7 +55,7 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
     result = run_trial(ctx, label, resolve(space, config, ctx.study), progress)
     report: dict[str, Any] = {"outcome": result.outcome.value, "mlflow_run_id": result.run_id or ""}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
-        # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/searcher.py)
+        # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/search/searcher.py)
         value = result.objective(metric) if result.outcome in (Outcome.COMPLETE, Outcome.PRUNED) else None
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
@@ -67,7 +67,7 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                                                           ctx.study.search_concurrency, figures).items()
                    if v is not None})
     # The final report, after the measurement; intermediate ones say MEASURING, and a trial that ends on one is a FAIL
-    # in Optuna (pipeline/searcher.py), so a report-then-crash never reaches Optuna as COMPLETE.
+    # in Optuna (pipeline/search/searcher.py), so a report-then-crash never reaches Optuna as COMPLETE.
     tune.report(report)
 
 
@@ -99,7 +99,7 @@ def _progress_callback(study_name: str, total: int, metric: str) -> Any:
                   f"best={self.best or 0:.2f} ({vs})  {params}", flush=True)
 
     # No per-trial teardown here: a worker's Serve app outlives its trial (the next trial restarts only the engine in
-    # it, pipeline/replicas.py); `run_study` deletes the study's apps when the search ends.
+    # it, pipeline/trial/replicas.py); `run_study` deletes the study's apps when the search ends.
     return Progress()
 
 
@@ -169,14 +169,14 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
 
     `resume_command` is what to print for continuing an interrupted study (the CLI passes its own command line).
     A library call: it reads no process state (sys.argv) and leaves environment and logging to the caller.
-    Resume rules (pipeline/resume.py): a changed study is refused; a changed budget is honoured; trials left
+    Resume rules (pipeline/study/resume.py): a changed study is refused; a changed budget is honoured; trials left
     RUNNING in Optuna by a dead driver, or asked by Optuna but never checkpointed by Tune, are failed, so a resume
     never waits on them forever.
     """
     import optuna
     from ray import tune
 
-    from pipeline.finalize import finalize_study
+    from pipeline.study.finalize import finalize_study
 
     started = time.monotonic()
     out = study.output_path().resolve()
@@ -218,7 +218,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
             print(f"trial(s) {settled} were left running by a previous driver: recorded as failed", flush=True)
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
     # SLA limits at the search level steer the sampler (Optuna's constraints_func); the others are checked when the
-    # finalists are re-measured at every level (pipeline/finalists.py).
+    # finalists are re-measured at every level (pipeline/study/finalists.py).
     sampler = tpe_sampler(study.seed, study.budget.max_trials, constraints=study.objective.constraints,
                           search_level=study.search_concurrency)
     single = len(study.objective.metrics) == 1
@@ -259,7 +259,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     remaining = study.budget.max_trials - finished_trials(ot_study)
     if remaining > 0:
         try:
-            # the first trial's replica deploys while Tune starts its worker (pipeline/replicas.py)
+            # the first trial's replica deploys while Tune starts its worker (pipeline/trial/replicas.py)
             start_standby(study.name, replica_config(study, TrialConfig(), out / "trials"))
             tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
                 search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,

@@ -47,7 +47,7 @@ requests are too few for either rule to fire; with 16 requests it stops about a 
 and none of the near-best ones.
 
 Failed requests are left out of both bounds and never stop a trial here: a lost measured request already fails
-the trial (pipeline/trial.py), which is a different outcome from PRUNED.
+the trial (pipeline/trial/lifecycle.py), which is a different outcome from PRUNED.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from statistics import NormalDist
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.measure import RequestRecord
+from pipeline.measure.summary import RequestRecord
 
 __all__ = ["Decision", "Rule", "BaselineFigures", "VerifyCost", "StoppingPolicy", "StopResult", "check",
            "t_quantile", "decode_step_s", "baseline_figures", "rule_off"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.record import Tracker
+from pipeline.records.tracking import Tracker
 from serve.production import CONFIG_FILE, PRODUCTION, load_serving_config  # noqa: F401 - re-exported
 from serve.serving import ServingConfig, spec_params
 

@@ -1,10 +1,10 @@
-"""Per-concurrency promotion: the single-level rule (`pipeline.decision.decide`) at every level, SLA limits, and the
+"""Per-concurrency promotion: the single-level rule (`pipeline.decide.decision.decide`) at every level, SLA limits, and the
 serving policy that follows. Pure and unit-tested.
 
 Speculation pays when the accelerator idles between decode steps (low concurrency) and costs when the batch keeps it
 busy, so one config is rarely the answer at every level. Input: per level, the baseline's and each finalist's
 re-measured runs (throughput and latency percentiles). Per level:
-- each run's latency percentile is reduced to the median over runs (`pipeline.sla.median_figure`);
+- each run's latency percentile is reduced to the median over runs (`pipeline.decide.sla.median_figure`);
 - a finalist that breaks an SLA limit holding at that level is refused there (reason with figure and limit) and the
   single-level rule runs over the others; the baseline is the fallback and is never refused, but its verdicts are
   shown;
@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import SLA_METRICS, PromotionPolicy, SlaConstraint
-from pipeline.decision import Decision, Finalist, decide, run_stats
-from pipeline.sla import Verdict, broken, check, median_figure
+from pipeline.decide.decision import Decision, Finalist, decide, run_stats
+from pipeline.decide.sla import Verdict, broken, check, median_figure
 from serve.engines.base import ReplicaConfig
 from serve.serving import RoutingPolicy
 from serve.spec import SpecConfig
@@ -119,7 +119,7 @@ class ServingPolicy(_Frozen):
 
 class LevelsDecision(_Frozen):
     """Per level, the table and the single-level decision; the serving policy; `finalists` says how the finalists
-    were chosen and which objective made the final pick (`pipeline.pareto.FinalistChoice.explanation`)."""
+    were chosen and which objective made the final pick (`pipeline.decide.pareto.FinalistChoice.explanation`)."""
 
     levels: tuple[LevelResult, ...]
     policy: ServingPolicy

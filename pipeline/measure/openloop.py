@@ -1,13 +1,13 @@
 """Open-loop load: requests arrive at a given rate (Poisson), whether or not earlier ones finished.
 
-Closed-loop load (`pipeline/load.py`) holds `concurrency` requests in flight, so a slow engine slows its own traffic
+Closed-loop load (`pipeline/measure/load.py`) holds `concurrency` requests in flight, so a slow engine slows its own traffic
 down; production traffic does not wait. Here arrivals are a seeded Poisson process (exponential gaps, mean
 1/`rate_per_s`), bounded by a request count (the prompts given) and a time window (`max_duration_s`: no request
 starts after it; started ones run to completion or their timeout). Each request goes through load.py's own
 streaming request path, so records have the same format as `run_phase`'s. `RequestRecord.concurrency` must hold one
-level per window (`pipeline.measure.summarize`), so every record carries `label` there (default 1): open-loop load
+level per window (`pipeline.measure.summary.summarize`), so every record carries `label` there (default 1): open-loop load
 has no fixed concurrency, and the rate is the caller's to record (`summarize(..., offered_rate_per_s=...)`).
-A study uses it when `workload.arrival.mode` is `poisson` (`pipeline.pruning.measure_phase`, for trials and finalist
+A study uses it when `workload.arrival.mode` is `poisson` (`pipeline.search.pruning.measure_phase`, for trials and finalist
 re-runs alike).
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from pipeline.load import LoadRequest, _one  # the one streaming request path (engineer I owns load.py)
-from pipeline.measure import RequestRecord
+from pipeline.measure.load import LoadRequest, _one  # the one streaming request path (engineer I owns load.py)
+from pipeline.measure.summary import RequestRecord
 
 
 def poisson_schedule(count: int, rate_per_s: float, *, seed: int, max_duration_s: float | None = None) -> list[float]:

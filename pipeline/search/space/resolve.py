@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipeline.config import StudyConfig, TrialConfig, validate_trial
-from pipeline.space.model import TRIAL_FIELDS, FixedParam, SearchSpace, applies, default_value
+from pipeline.search.space.model import TRIAL_FIELDS, FixedParam, SearchSpace, applies, default_value
 from serve.spec import DRAFT_MODEL_ALGORITHMS, Violation
 
 

@@ -2,9 +2,9 @@
 per-level promotion decision and action.
 
 Finalists: the best trials by the objective, or the Pareto front when `objective.metrics` has several
-(`pipeline.pareto.choose_finalists`); trials that broke an SLA limit at the search level are not finalists. The
-decision is pure (`pipeline.levels.decide_levels`: the single-level rule at each level, SLA limits, the serving
-policy); this module gathers its inputs by measuring (`pipeline.finalists`), then hands the result to the registry
+(`pipeline.decide.pareto.choose_finalists`); trials that broke an SLA limit at the search level are not finalists. The
+decision is pure (`pipeline.decide.levels.decide_levels`: the single-level rule at each level, SLA limits, the serving
+policy); this module gathers its inputs by measuring (`pipeline.study.finalists`), then hands the result to the registry
 action and writes the deployable winner (`deploy/`, carrying the policy) and `promoted.yaml`.
 """
 
@@ -18,19 +18,19 @@ import yaml
 
 from pipeline.compare import format_table, mark_constraints, rows_from_runs
 from pipeline.config import TrialConfig
-from pipeline.corpus import corpus_comparison, format_corpus_table
+from pipeline.trial.corpus import corpus_comparison, format_corpus_table
 from pipeline.atomic import write_text_atomic
-from pipeline.decision import Decision
-from pipeline.finalists import measure_levels
-from pipeline.levels import (BASELINE, LEVELS_ARTIFACT, LevelsDecision, decide_levels, format_level_table,
+from pipeline.decide.decision import Decision
+from pipeline.study.finalists import measure_levels
+from pipeline.decide.levels import (BASELINE, LEVELS_ARTIFACT, LevelsDecision, decide_levels, format_level_table,
                              routing_policy)
-from pipeline.pareto import choose_finalists
-from pipeline.record import runs_link
+from pipeline.decide.pareto import choose_finalists
+from pipeline.records.tracking import runs_link
 from pipeline.redact import mask_url
-from pipeline.registry import register_config
-from pipeline.report import write_report
-from pipeline.resume import workload_digest
-from pipeline.trial import TrialContext, shipped_replica_config
+from pipeline.records.registry import register_config
+from pipeline.records.report import write_report
+from pipeline.study.resume import workload_digest
+from pipeline.trial.lifecycle import TrialContext, shipped_replica_config
 from serve.engines.base import ReplicaConfig
 from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,
                            RoutingPolicy, deploy_files, engine_command, serving_config)

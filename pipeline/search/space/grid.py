@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.space.bounds import evaluate_bound
-from pipeline.space.model import (CategoricalParam, FixedParam, FloatParam, Param, SearchSpace, applies,
+from pipeline.search.space.bounds import evaluate_bound
+from pipeline.search.space.model import (CategoricalParam, FixedParam, FloatParam, Param, SearchSpace, applies,
                                   baseline_point)
 
 

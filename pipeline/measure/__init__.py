@@ -1,0 +1,5 @@
+"""Measure: traffic and its figures. The closed-loop load generator at a fixed concurrency, streaming, seeded
+(`load`), open-loop arrivals at a rate (`openloop`), and the pure per-request records -> summary (throughput, accept
+length, TTFT/ITL/e2e percentiles, bootstrap CI) that every later stage reads (`summary`)."""
+
+__all__ = ["load", "openloop", "summary"]

@@ -1,0 +1,6 @@
+"""Trial: one configuration's life on an engine. Validate, start (or restart) the engine in the study's reusable Serve
+replica (`replicas`), read its settings back, flush, load a corpus when the config names one (`corpus`), warm up,
+measure, compare with the baseline, record (`lifecycle`). Every ending is an `Outcome` with its reason and logs:
+a failed trial is a recorded result, never a crashed study."""
+
+__all__ = ["corpus", "lifecycle", "replicas"]
