@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from pipeline.space import BASELINE_ATTR
+from pipeline.search.space import BASELINE_ATTR
 from serve.production import load_serving_config
 from serve.replica import free_port
 
@@ -109,9 +109,11 @@ def run_driver(study_file: Path, output: Path, env: dict, resume: bool) -> subpr
 def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path, postgres, ray_cluster):
     address, env = ray_cluster
     space = tmp_path / "space.yaml"
-    # NGRAM settings near the default study's winner on the templated workload (docs/benchmarks.md: 1.67x), so a
-    # speculative config wins and the second driver must promote it: possible only with the baseline's outputs,
-    # which that driver (a new, empty folder) can read from MLflow alone.
+    # The second driver must promote (possible only with the baseline's outputs, which that driver, a new, empty
+    # folder, can read from MLflow alone). Which way a measurement falls depends on the machine (on a 2-core EPYC the
+    # finalist once measured 18.31 vs the baseline's 16.95 tok/s, under the 3% bar, and the study rightly kept the
+    # baseline), so the outcome is forced: the baseline engine runs 3x slower (`slow-steps=3@baseline`, a CPU-engine
+    # test switch) and any lossless NGRAM config beats it.
     space.write_text("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 2}\nbranches:\n"
                      "  ngram:\n    num_draft_tokens: {type: int, low: 8, high: 9}\n"
                      "    max_bfs_breadth: {type: fixed, value: 2}\n    max_trie_depth: {type: fixed, value: 12}\n"
@@ -119,14 +121,13 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     study_file = tmp_path / "study.yaml"
     # Trust auth ignores the password, so the storage URL can carry one that must never be shown (issue #15 item 6).
     storage = postgres.replace("specdec@", "specdec:hunter2@") + "/optuna"
-    # 12 new tokens: this NGRAM config still clearly beats the baseline after its 8 warm-up requests (measured on
-    # 2 cores: 2.1x at 12 tokens, only 1.3x at 8, where prefill dominates); 24 cost ~45 s more over the 9 engine runs.
+    # 12 new tokens: short answers keep the 9 engine runs cheap; the slowed baseline makes the margin large anyway.
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
               f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
               "workload: {warmup_prompts: 8, measure_prompts: 4, max_new_tokens: 12}\n"
-              "engine: {start_timeout_s: 300}\n")
+              "engine: {start_timeout_s: 300, extra_flags: ['--test-fault', 'slow-steps=3@baseline']}\n")
     # The first driver only searches (finalists 0: no re-runs); the promotion policy may change on resume
-    # (pipeline/resume.py), and the promotion that matters here is the second driver's.
+    # (pipeline/study/resume.py), and the promotion that matters here is the second driver's.
     study_file.write_text("name: dist\nbudget: {max_trials: 2}\npromotion: {finalists: 0}\n" + common)
     first = run_driver(study_file, tmp_path / "driver1", env, resume=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

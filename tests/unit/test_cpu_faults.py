@@ -12,11 +12,12 @@ from serve.engines.cpu.faults import Fault, FaultSpecError, armed, before_start,
 
 @pytest.mark.parametrize("text, fault", [
     ("exit-at-start", Fault(kind="exit-at-start", value=3)),
-    ("exit-at-start=9@speculative", Fault(kind="exit-at-start", value=9, only_speculative=True)),
+    ("exit-at-start=9@speculative", Fault(kind="exit-at-start", value=9, scope="speculative")),
     ("slow-start=2.5", Fault(kind="slow-start", value=2.5)),
     ("crash-after=0", Fault(kind="crash-after", value=0)),
-    ("hang-after=4@speculative", Fault(kind="hang-after", value=4, only_speculative=True)),
-    ("wrong-tokens@speculative", Fault(kind="wrong-tokens", only_speculative=True)),
+    ("hang-after=4@speculative", Fault(kind="hang-after", value=4, scope="speculative")),
+    ("wrong-tokens@speculative", Fault(kind="wrong-tokens", scope="speculative")),
+    ("slow-steps=3@baseline", Fault(kind="slow-steps", value=3, scope="baseline")),
 ])
 def test_specs_parse_and_print_back(text, fault):
     assert parse_fault(text) == fault
@@ -31,7 +32,7 @@ def test_specs_parse_and_print_back(text, fault):
     ("slow-start=0", "slow-start needs seconds > 0"),
     ("exit-at-start=0", "an exit code 1..255"),
     ("wrong-tokens=1", "wrong-tokens takes no value"),
-    ("crash-after=1@baseline", "unknown scope '@baseline'"),
+    ("crash-after=1@warm", "unknown scope '@warm'"),
 ])
 def test_bad_specs_name_the_value_and_the_fix(text, message):
     with pytest.raises(FaultSpecError, match="--test-fault") as err:
@@ -53,6 +54,12 @@ def test_speculative_scope_spares_the_baseline():
     faults = (parse_fault("wrong-tokens@speculative"), parse_fault("slow-start=1"))
     assert set(armed(faults, speculative=True)) == {"wrong-tokens", "slow-start"}
     assert set(armed(faults, speculative=False)) == {"slow-start"}
+
+
+def test_baseline_scope_spares_speculative_engines():
+    faults = (parse_fault("slow-steps=3@baseline"), parse_fault("wrong-tokens@speculative"))
+    assert set(armed(faults, speculative=False)) == {"slow-steps"}
+    assert set(armed(faults, speculative=True)) == {"wrong-tokens"}
 
 
 def test_requests_crash_or_hang_only_after_n_generation_requests():

@@ -4,7 +4,7 @@ They exist so that integration tests can make a real engine fail in each way a t
 (LAUNCH_FAILED, TIMEOUT, UNHEALTHY, NOT_EQUIVALENT, and a slow config PRUNED by early stopping) instead of faking the failure around it. Nothing in the product
 passes this flag; a study can, through `engine.extra_flags`.
 
-SPEC is `KIND[=VALUE][@speculative]`:
+SPEC is `KIND[=VALUE][@speculative|@baseline]`:
 - `exit-at-start[=CODE]`  exit with CODE (default 3) before loading the model: the engine never gets healthy.
 - `slow-start=SECONDS`    sleep SECONDS before loading the model, so `/health` answers that much later.
 - `crash-after=N`         the process exits (code 70) when generation request N+1 arrives.
@@ -15,8 +15,10 @@ SPEC is `KIND[=VALUE][@speculative]`:
 - `wrong-tokens`          the first output token of every answer is replaced by the next token id (the engine decodes
                           on from the true token, so only what the client sees is wrong).
 Generation requests are `POST /generate`, `/v1/completions` and `/v1/chat/completions`; other routes are never faulty.
-`@speculative` arms the fault only when `--speculative-algorithm` is set. One study's trials share `extra_flags`, so
-this is how a study gets a faulty speculative trial next to a correct baseline (which `wrong-tokens` needs).
+`@speculative` arms the fault only when `--speculative-algorithm` is set, `@baseline` only when it is not. One study's
+trials share `extra_flags`, so this is how a study gets a faulty speculative trial next to a correct baseline (which
+`wrong-tokens` needs), or a slowed baseline that any speculative config beats (`slow-steps=3@baseline`: a test that
+must reach a PROMOTE forces it instead of hoping the machine's speed gives one).
 
 Parsing and the per-request decision are pure; `before_start` and `install` apply them to a starting server.
 """
@@ -46,7 +48,7 @@ FLAG = "--test-fault"
 CRASH_EXIT_CODE = 70  # EX_SOFTWARE: distinguishable from a clean exit and from a signal in the replica's message
 DEFAULT_EXIT_CODE = 3
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
-SPECULATIVE_SCOPE = "speculative"
+SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
 Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "slow-steps", "wrong-tokens"]
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
@@ -67,19 +69,19 @@ class FaultSpecError(ValueError):
 class Fault(FrozenModel):
     kind: Kind
     value: float | None = None  # exit code, seconds or request count, per kind
-    only_speculative: bool = False
+    scope: Literal["speculative", "baseline"] | None = None  # None: armed always
 
     def __str__(self) -> str:
         value = "" if self.value is None else f"={self.value:g}"
-        return f"{self.kind}{value}{'@' + SPECULATIVE_SCOPE if self.only_speculative else ''}"
+        return f"{self.kind}{value}{'@' + self.scope if self.scope else ''}"
 
 
 def parse_fault(text: str) -> Fault:
-    """`KIND[=VALUE][@speculative]` -> Fault; FaultSpecError naming the value and the fix."""
+    """`KIND[=VALUE][@speculative|@baseline]` -> Fault; FaultSpecError naming the value and the fix."""
     spec, _, scope = text.strip().partition("@")
-    if scope and scope != SPECULATIVE_SCOPE:
-        raise FaultSpecError(f"{FLAG}: unknown scope '@{scope}' in {text!r}; the only scope is "
-                             f"'@{SPECULATIVE_SCOPE}' (omit it to arm the fault always)")
+    if scope and scope not in SCOPES:
+        raise FaultSpecError(f"{FLAG}: unknown scope '@{scope}' in {text!r}; the scopes are '@speculative' and "
+                             f"'@baseline' (omit it to arm the fault always)")
     kind, has_value, raw = spec.partition("=")
     if kind not in _VALUE_RULES:
         raise FaultSpecError(f"{FLAG}: unknown fault {kind!r} in {text!r}; {_USAGE}")
@@ -99,7 +101,7 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"{FLAG}: {kind} needs {what}, e.g. '{kind}=1'; got {text!r}")
     if value is not None and not _in_range(kind, value):
         raise FaultSpecError(f"{FLAG}: {kind} needs {what}, got {raw!r} in {text!r}")
-    return Fault(kind=kind, value=value, only_speculative=bool(scope))  # type: ignore[arg-type]
+    return Fault(kind=kind, value=value, scope=scope or None)  # type: ignore[arg-type]
 
 
 def _in_range(kind: str, value: float) -> bool:
@@ -124,7 +126,7 @@ def parse_faults(texts: Iterable[str]) -> tuple[Fault, ...]:
 
 def armed(faults: Iterable[Fault], speculative: bool) -> dict[str, Fault]:
     """The faults that apply to an engine running with (`speculative`) or without speculation, by kind. Pure."""
-    return {f.kind: f for f in faults if speculative or not f.only_speculative}
+    return {f.kind: f for f in faults if f.scope is None or f.scope == ("speculative" if speculative else "baseline")}
 
 
 def request_action(faults: dict[str, Fault], method: str, path: str, count: int) -> Literal["pass", "crash", "hang"]:
