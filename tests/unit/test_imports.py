@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KIND_STRINGS = {"cpu", "sglang"}
 # Config parsing: the study file's `engine.kind` (its Literal lives in serve/engines/base.py as EngineKind).
-KIND_STRINGS_ALLOWED = {"pipeline/config.py"}
+KIND_STRINGS_ALLOWED = {"pipeline/config/engine.py", "pipeline/config/trial.py"}
 
 
 def modules() -> dict[str, Path]:

@@ -1,0 +1,74 @@
+"""The model and the engine a study runs (`model:`, `engine:`), and the flags the tuner owns."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_serializer, field_validator, model_validator
+
+from serve.engines.base import EngineKind, redact_env
+from serve.engines.settings import ENGINE_OWNED_FLAGS
+from serve.spec import FrozenModel
+
+
+def owned_flag_problem(item: str) -> str | None:
+    """Why `item` of engine.extra_flags would override a flag the tuner renders itself (None if it does not).
+    `--flag=value` counts, and so does a prefix of an owned flag: argparse (SGLang's and the CPU engine's) accepts
+    unambiguous prefixes, so `--spec` would reach `--speculative-...`."""
+    if not item.startswith("--") or item == "--":
+        return None
+    name = item.split("=", 1)[0]
+    if name in ENGINE_OWNED_FLAGS:
+        return f"{item!r} sets {name}, which the tuner renders from the study and the trial"
+    prefixed = sorted(flag for flag in ENGINE_OWNED_FLAGS if flag.startswith(name))
+    if prefixed:
+        return f"{item!r} is a prefix of {prefixed[0]}, which the tuner renders (argparse accepts prefixes)"
+    return None
+
+
+class ModelSettings(FrozenModel):
+    target: str = Field("smollm2-135m", description="model id (cpu engine) or path / HF id (sglang)")
+    drafts: dict[str, str] = Field(default_factory=dict, description="draft model per algorithm, e.g. standalone: ...")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="cpu engine: fp32 is exact, bf16 is faster")
+
+    @field_validator("drafts")
+    @classmethod
+    def _known_algorithms(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(set(value) - {"eagle", "eagle3", "standalone"})
+        if bad:
+            raise ValueError(f"drafts keys must be eagle, eagle3 or standalone; got {bad}")
+        return value
+
+
+class EngineSettings(FrozenModel):
+    kind: EngineKind = "cpu"
+    tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
+    replica_cpus: float | None = Field(None, ge=0, description="CPUs reserved per engine replica; None = the engine's "
+                                       "default (sglang: 2 per GPU, since NGRAM drafts on the host; cpu: 0.1)")
+    replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
+                                                "needs, e.g. {specdec_engine: 1} to keep replicas on engine nodes")
+    threads: int | None = Field(None, ge=1, description="cpu engine torch threads; None = all cores")
+    weights: Literal["auto", "fp32", "gguf"] = Field("auto", description="cpu engine --weights (decode kernel)")
+    start_timeout_s: float = Field(600.0, gt=0, description="readiness timeout; minutes for big models")
+    request_timeout_s: float = Field(300.0, gt=0)
+    extra_flags: list[str] = Field(default_factory=list, description="passed to the engine after validation")
+    env: dict[str, str] = Field(default_factory=dict, description="engine environment; values are never logged, "
+                                "printed or written (names only)")
+
+    _redact = field_serializer("env")(redact_env)
+
+    @field_validator("extra_flags")
+    @classmethod
+    def _not_owned(cls, value: list[str]) -> list[str]:
+        problems = [p for p in map(owned_flag_problem, value) if p]
+        if problems:
+            raise ValueError("; ".join(problems) + ". Fix: remove it from engine.extra_flags and set the study key "
+                             "or search-space parameter that renders it")
+        return value
+
+    @model_validator(mode="after")
+    def _weights_cpu_only(self) -> EngineSettings:
+        if self.weights != "auto" and self.kind != "cpu":
+            raise ValueError(f"engine.weights={self.weights!r} applies to the cpu engine only (engine.kind is "
+                             f"{self.kind!r}). Fix: remove engine.weights")
+        return self
