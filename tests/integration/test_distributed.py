@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -71,7 +72,10 @@ def ray_cluster(tmp_path_factory):
     port = free_port()
     # No drain on SIGTERM (Ray 2.60 waits up to 30 s by default for the node to go idle, which Serve's detached
     # controller and proxy never let it do): nothing here serves traffic by then, and the wait was the teardown.
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    # Token auth needs a token: our own, in the environment the drivers inherit (~/.ray/auth_token exists only once
+    # something generated it, so relying on it made this test pass or fail with the machine's history).
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     ray = str(Path(sys.executable).parent / "ray")
     log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
     with open(log, "w") as out:

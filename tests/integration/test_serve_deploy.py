@@ -5,6 +5,7 @@ client with the config it was given (issue #20). The CPU engine with the smalles
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,7 +40,9 @@ def head(tmp_path_factory):
     the foreground and SIGTERM stops its own processes (`ray stop` would stop every Ray on the machine)."""
     port, dashboard = free_port(), free_port()
     # Ray 2.60's `ray start` enables token auth; the `serve deploy` client needs the same mode to send the token.
-    env = {**os.environ, "RAY_AUTH_MODE": "token",
+    # Its own token (RAY_AUTH_TOKEN, inherited by the `serve deploy` client): ~/.ray/auth_token exists only once
+    # something generated it.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
     with open(log, "w") as out:
