@@ -1,18 +1,45 @@
 """Shared fixtures. `finished_study` runs one small real study (local Ray, CPU engine with the smallest model, MLflow
-and Optuna on SQLite) once per test session; tests that only read its results share it."""
+and Optuna on SQLite) once per test session; tests that only read its results share it.
+
+Every run ends with the skipped tests grouped by reason (`pytest_terminal_summary`): a skip's reason says what is
+missing and the command that installs it, so a run on a new machine says which groups did not run and how to run them.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+
+def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The reason a skipped report carries (pytest keeps it as (path, line, "Skipped: reason"))."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ").strip()
+
+
+@pytest.hookimpl(trylast=True)  # after the slowest-tests list: the groups close the run's output
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.skipped]
+    if not skipped:
+        return
+    groups: dict[str, list[str]] = defaultdict(list)
+    for report in skipped:
+        groups[skip_reason(report)].append(report.nodeid.split("::")[0])
+    terminalreporter.write_sep("=", f"{len(skipped)} skipped, in {len(groups)} group(s): why, and how to run them")
+    for reason, files in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        terminalreporter.write_line(f"{len(files):5d}  {reason}")
+        terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
 
 # Search only (promotion.finalists 0): the promotion's re-runs (2 x promotion.runs fresh replicas) cost twice the
 # search of a 3-trial study, and the tests using it check the search, the records and the resume, not the
 # promotion rule. Tests of the promotion path ask for finalists explicitly (test_open_loop_study,
 # test_llama_cpp_study, test_levels_study, test_distributed).
 TINY_STUDY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
-              "promotion.finalists": 0, "engine.start_timeout_s": 300}
+              "promotion.finalists": 0, "engine.start_timeout_s": 300,
+              "search.strategy": "tpe"}  # these studies test the search over launches (simulate-first: test_simulate*)
 TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
               "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
               "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"

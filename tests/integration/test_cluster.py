@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,9 @@ def two_node_cluster():
     env = dict(os.environ)
     holder = subprocess.Popen([sys.executable, "-c", CLUSTER], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        address = holder.stdout.readline().strip()
-        assert address, "the two-node cluster did not start"
+        started, _, _ = select.select([holder.stdout], [], [], 300)  # a start that hangs fails instead of blocking
+        address = holder.stdout.readline().strip() if started else ""
+        assert address, "the two-node cluster did not start (no address within 300 s, or it exited)"
         yield address, env
     finally:
         holder.terminate()
@@ -104,7 +106,7 @@ def sglang_study(tmp_path, address, env, name, extra=""):
     from serve.engines.sglang import installed_version
 
     if installed_version() is None:
-        pytest.skip("sglang is not installed (CI installs its parser --no-deps)")
+        pytest.skip("sglang is not installed in this venv: bash infra/install-sglang-parser.sh")
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -113,7 +115,7 @@ def sglang_study(tmp_path, address, env, name, extra=""):
         f"name: {name}\nsearch_space: ngram.yaml\nray: {{address: '{address}'}}\nbudget: {{max_trials: 1}}\n"
         f"model: {{target: '{model}'}}\n"
         # SGLang resolves the argv in the replica: seconds on an idle box, minutes on a loaded 2-core one.
-        f"engine: {{kind: sglang, start_timeout_s: 600, replica_cpus: 0, "
+        f"engine: {{kind: sglang, device: cuda, start_timeout_s: 600, replica_cpus: 0, "
         f"replica_resources: {{{ENGINE_RESOURCE}: 1}}{extra}}}\n")
     done = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study", str(study_file), "--output",
                            str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

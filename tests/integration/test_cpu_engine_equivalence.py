@@ -38,8 +38,11 @@ def _run(decoder: Decoder, tokenizer, prompt: str, sampling=GREEDY, seed=0, stop
     rules = StopRules(max_new_tokens=NEW_TOKENS, eos_ids=eos_ids_of(decoder.runner.model, tokenizer),
                       stop_strs=tuple(stop), stop_str_max_tokens=8)
     req = Request(rid="t", prompt_ids=tokenizer.encode(prompt), sampling=sampling, rules=rules, seed=seed)
-    while not req.finished:
+    for _ in range(NEW_TOKENS + 1):  # every step emits a token: more steps than tokens = a stuck decoder
+        if req.finished:
+            break
         decoder.step(req)
+    assert req.finished, "the decoder made no progress"
     decoder.release(req)
     return req
 

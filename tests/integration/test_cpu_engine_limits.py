@@ -157,12 +157,15 @@ def test_flush_with_timeout_waits_for_idle_like_sglang(client, server):
 def test_avg_spec_accept_length_appears_only_after_40_decode_batches(client):
     state = client.get("/server_info").json()["internal_states"][0]
     assert "avg_spec_accept_length" not in state  # just flushed
-    while state["spec_verify_ct"] < 40:  # one request at a time: a decode batch is one verify step
+    for _ in range(40):  # one request at a time: a decode batch is one verify step, at least one a request
+        if state["spec_verify_ct"] >= 40:
+            break
         client.post("/generate", json={"text": PROMPT, "sampling_params": {
             "max_new_tokens": 30, "temperature": 0}}).raise_for_status()
         state = client.get("/server_info").json()["internal_states"][0]
         if state["spec_verify_ct"] < 40:
             assert "avg_spec_accept_length" not in state, state
+    assert state["spec_verify_ct"] >= 40, f"40 requests of 30 tokens counted fewer than 40 verify steps: {state}"
     assert 1.0 <= state["avg_spec_accept_length"] <= 4.0
     assert client.post("/flush_cache").status_code == 200
     assert "avg_spec_accept_length" not in client.get("/server_info").json()["internal_states"][0]

@@ -68,8 +68,11 @@ def test_greedy_output_equals_plain_decoding(client, smol):
     req = Request(rid="ref", prompt_ids=tokenizer.encode(PROMPT), sampling=Sampling(temperature=0.0),
                   rules=StopRules(max_new_tokens=NEW, eos_ids=frozenset({tokenizer.eos_token_id})), seed=0)
     decoder = Decoder(ModelRunner(model), tokenizer, None)
-    while not req.finished:
+    for _ in range(NEW + 1):  # every step emits a token: more steps than tokens = a stuck decoder
+        if req.finished:
+            break
         decoder.step(req)
+    assert req.finished, "the decoder made no progress"
     assert got["output_ids"] == req.output_ids
     assert got["text"] == tokenizer.decode(req.output_ids, skip_special_tokens=True)
     assert got["meta_info"]["finish_reason"] == req.finish_reason

@@ -1,7 +1,8 @@
 """SGLang 0.5.23's NGRAM C++ (`sglang/kernels/jit/csrc/ngram_corpus`), compiled at test time as a parity oracle.
 
-The sources come from `SGLANG_NGRAM_SRC` (the `ngram_corpus` folder holding trie.cpp) or an installed sglang==0.5.23;
-tests that need them are skipped otherwise, and when g++ is missing. No SGLang code is kept in this repository: the
+The sources come from `SGLANG_NGRAM_SRC` (the `ngram_corpus` folder holding trie.cpp), else an installed sglang==0.5.23:
+this interpreter's, else the SGLang CPU venv's (`bash infra/install-sglang-cpu.sh`). Tests that need them are skipped
+otherwise, and when g++ is missing, with the command that enables them. No SGLang code is kept in this repository: the
 harnesses only include the wheel's headers and drive its classes.
 
 To get the sources: `pip download --no-deps sglang==0.5.23 -d /tmp/sgl && cd /tmp/sgl && unzip -q sglang-*.whl
@@ -184,29 +185,52 @@ int main() {
 """
 
 
+# What installs the sources where `source_dir` looks (named in the skip reason, so a run says how to enable it).
+ENABLE = "bash infra/install-sglang-cpu.sh"
+_NGRAM_SRC = ("kernels", "jit", "csrc", "ngram_corpus")
+
+
+def _installed_sglang() -> tuple[Path, str] | None:
+    """(package dir, version) of sglang in this interpreter, else in the SGLang CPU venv (`serve.engines.sglang_cpu`)."""
+    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        try:
+            return Path(next(iter(spec.submodule_search_locations))), importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        from serve.engines.sglang_cpu import venv_dir
+    except ImportError:  # a tree without the SGLang CPU runtime
+        return None
+    for info in sorted(venv_dir().glob("lib/python3*/site-packages/sglang-*.dist-info")):
+        package = info.parent / "sglang"
+        if package.is_dir():
+            return package, info.name.removeprefix("sglang-").removesuffix(".dist-info")
+    return None
+
+
 def source_dir() -> Path | None:
     env = os.environ.get("SGLANG_NGRAM_SRC")
     if env:
         return Path(env)
-    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
+    found = _installed_sglang()
+    if found is None:
         return None
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    package, version = found
     if version != "0.5.23":  # the harnesses use 0.5.23's internals, and 0.5.23 is the semantics we promise
-        pytest.skip(f"installed sglang is {version}, the parity oracle needs 0.5.23 (or set SGLANG_NGRAM_SRC)")
-    return Path(next(iter(spec.submodule_search_locations))) / "kernels" / "jit" / "csrc" / "ngram_corpus"
+        pytest.skip(f"installed sglang is {version}, the parity oracle needs 0.5.23: {ENABLE} "
+                    "(or set SGLANG_NGRAM_SRC)")
+    return package.joinpath(*_NGRAM_SRC)
 
 
 def compile_harness(build: Path, source: str, units: list[str]) -> Path:
     """Compile `source` against the wheel's ngram_corpus sources `units` (e.g. ["trie.cpp"]); skip if impossible."""
     src = source_dir()
     if src is None or not (src / "trie.cpp").is_file():
-        pytest.skip("SGLang's ngram_corpus C++ sources not found (set SGLANG_NGRAM_SRC or install sglang==0.5.23)")
+        pytest.skip(f"SGLang-parity tests need SGLang 0.5.23's ngram_corpus C++ sources: {ENABLE} "
+                    "(or set SGLANG_NGRAM_SRC)")
     if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
+        pytest.skip("SGLang-parity tests compile SGLang's C++ with g++, not on PATH: apt-get install g++")
     (build / "harness.cpp").write_text(source)
     exe = build / "harness"
     # Same language level and optimisation as SGLang's JIT build (DEFAULT_CFLAGS), no -march: no FMA contraction.

@@ -80,8 +80,11 @@ def _request(i: int, new_tokens: int = 20) -> Request:
 def _alone(model, speculator, i: int, new_tokens: int = 20) -> list[int]:
     decoder = Decoder(ModelRunner(model), _Tok(), speculator)
     req = _request(i, new_tokens)
-    while not req.finished:
+    for _ in range(new_tokens + 1):  # every step emits a token: more steps than tokens = a stuck decoder
+        if req.finished:
+            break
         decoder.step(req)
+    assert req.finished, "the decoder made no progress"
     return req.output_ids
 
 
@@ -133,7 +136,9 @@ def test_a_batched_round_decodes_what_each_request_decodes_alone(kind, llama):
     accepted = sum(q.spec_num_correct_drafts for q in reqs)
     assert accepted > 0  # drafts were accepted in batched rounds, not only rejected
     for q in reqs:
-        assert len(q.output_ids) == 1 + q.spec_verify_ct + q.spec_num_correct_drafts
+        surplus = 1 + q.spec_verify_ct + q.spec_num_correct_drafts - len(q.output_ids)
+        # accepted drafts the length cap cut off at the last step still count, as SGLang counts them
+        assert surplus == 0 or (surplus > 0 and q.finish_reason["type"] == "length"), surplus
 
 
 def test_plain_decode_batched_equals_alone(llama):

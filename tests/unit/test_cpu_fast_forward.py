@@ -49,8 +49,11 @@ def _decode(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
     req = Request(rid="t", prompt_ids=prompt, sampling=Sampling(temperature=0.0), rules=StopRules(max_new_tokens=n),
                   seed=0)
     decoder = Decoder(runner, None, None)
-    while not req.finished:
+    for _ in range(n + 1):  # every step emits a token: more steps than tokens = a stuck decoder
+        if req.finished:
+            break
         decoder.step(req)
+    assert req.finished, "the decoder made no progress"
     return req.output_ids
 
 

@@ -93,8 +93,11 @@ class WrongTreeSpeculator:
 
 def _decode(decoder: Decoder, prompt: list[int], n: int, sampling=Sampling(temperature=0.0), seed=0) -> Request:
     req = Request(rid="t", prompt_ids=prompt, sampling=sampling, rules=StopRules(max_new_tokens=n), seed=seed)
-    while not req.finished:
+    for _ in range(n + 1):  # every step emits a token: more steps than tokens = a stuck decoder
+        if req.finished:
+            break
         decoder.step(req)
+    assert req.finished, "the decoder made no progress"
     return req
 
 
@@ -114,7 +117,9 @@ def test_partly_wrong_trees_give_plain_greedy_output(model):
     assert req.output_ids == truth[len(PROMPT):]
     # rejections happened (all-wrong trees) and so did multi-token acceptance (depth-2 right chains)
     assert req.correct_histogram[0] > 0 and len(req.correct_histogram) >= 3
-    assert len(req.output_ids) == 1 + req.spec_verify_ct + req.spec_num_correct_drafts
+    surplus = 1 + req.spec_verify_ct + req.spec_num_correct_drafts - len(req.output_ids)
+    # accepted drafts the length cap cut off at the last step still count, as SGLang counts them
+    assert surplus == 0 or (surplus > 0 and req.finish_reason["type"] == "length"), surplus
 
 
 @pytest.mark.parametrize("steps,topk,draft", [(3, 1, 4), (3, 2, 6), (2, 3, 9)])

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from serve.engines.cpu.ngram import DraftTree, NgramCache
+from tests.sweep import sweep
 from tests.unit.sglang_ngram_oracle import compile_harness, tree_paths as _tree_paths
 
 _HARNESS = r"""
@@ -164,8 +165,11 @@ def _scenario(rng: random.Random) -> tuple[dict, list[tuple]]:
     return cfg, ops
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_matches_sglang_cpp_trie(harness: Path, seed: int) -> None:
+def test_matches_sglang_cpp_trie(harness: Path) -> None:
+    sweep(lambda seed: _check_scenario(harness, seed), range(200))
+
+
+def _check_scenario(harness: Path, seed: int) -> None:
     cfg, ops = _scenario(random.Random(seed))
     ours = NgramCache(**cfg)
     lines = [f"C {cfg['capacity']} {cfg['max_trie_depth']} {cfg['min_bfs_breadth']} {cfg['max_bfs_breadth']} "

@@ -22,6 +22,7 @@ from serve.engines.cpu.decode import Request, StopRules
 from serve.engines.cpu.ngram import NgramCache
 from serve.engines.cpu.sam import SEPARATOR_TOKEN
 from serve.engines.cpu.speculators import NgramSpeculator
+from tests.sweep import sweep
 from tests.unit.sglang_ngram_oracle import (NGRAM_HARNESS, compile_harness, parse_draft, parse_trie, run,
                                             tree_paths)
 
@@ -152,14 +153,12 @@ def _simulate(rng: random.Random, cfg: dict, corpora: bool = False) -> tuple[lis
     return script, expected
 
 
-@pytest.mark.parametrize("seed", range(120))
-def test_multi_request_schedule_matches_sglang(oracle: Path, seed: int) -> None:
-    _check(oracle, random.Random(seed), corpora=False)
+def test_multi_request_schedule_matches_sglang(oracle: Path) -> None:
+    sweep(lambda seed: _check(oracle, random.Random(seed), corpora=False), range(120))
 
 
-@pytest.mark.parametrize("seed", range(120))
-def test_schedule_with_external_corpora_matches_sglang(oracle: Path, seed: int) -> None:
-    _check(oracle, random.Random(1000 + seed), corpora=True)
+def test_schedule_with_external_corpora_matches_sglang(oracle: Path) -> None:
+    sweep(lambda seed: _check(oracle, random.Random(seed), corpora=True), range(1000, 1120))
 
 
 def _check(oracle: Path, rng: random.Random, corpora: bool) -> None:
@@ -199,11 +198,14 @@ def _trie_paths(cache: NgramCache) -> set[tuple[int, ...]]:
     return out
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_corpus_drafts_match_sglang_on_random_corpora_and_queries(oracle: Path, seed: int) -> None:
+def test_corpus_drafts_match_sglang_on_random_corpora_and_queries(oracle: Path) -> None:
     """Bigger corpora and trees than the schedules: an empty trie and the whole budget to the corpora, so the drafts
     are the suffix automata's alone; queries from the corpus (long matches) and random ones (short or none)."""
-    rng = random.Random(5000 + seed)
+    sweep(lambda seed: _check_corpus_drafts(oracle, seed), range(5000, 5030))
+
+
+def _check_corpus_drafts(oracle: Path, seed: int) -> None:
+    rng = random.Random(seed)
     depth = rng.choice([2, 4, 8, 18])
     min_b = rng.randint(1, 4)
     cfg = dict(max_trie_depth=depth, capacity=1000, min_bfs_breadth=min_b, max_bfs_breadth=rng.randint(min_b, 8),
