@@ -29,7 +29,9 @@ def owned_flag_problem(item: str) -> str | None:
 class ModelSettings(FrozenModel):
     target: str = Field("smollm2-135m", description="model id (cpu engine) or path / HF id (sglang)")
     drafts: dict[str, str] = Field(default_factory=dict, description="draft model per algorithm, e.g. standalone: ...")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="cpu engine: fp32 is exact, bf16 is faster")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="cpu engine: float32 (exact) or bfloat16 (faster); sglang: its --dtype, rendered as "
+        "given (auto = SGLang's choice on a GPU; float32 on CPU, where SGLang's auto means float16)")
 
     @field_validator("drafts")
     @classmethod
@@ -40,8 +42,22 @@ class ModelSettings(FrozenModel):
         return value
 
 
+def dtype_problem(kind: str, dtype: str) -> str | None:
+    """Why `model.dtype` cannot run on engine `kind` (None: it can). Pure."""
+    if kind == "cpu" and dtype not in ("float32", "bfloat16"):
+        return (f"model.dtype={dtype!r} is not a dtype of the cpu engine (float32 or bfloat16). Fix: set "
+                "model.dtype: float32 (exact) or bfloat16, or use engine.kind: sglang")
+    return None
+
+
 class EngineSettings(FrozenModel):
     kind: EngineKind = "cpu"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="sglang: where SGLang runs; auto = cuda where the cluster has GPUs, else cpu (SGLang's "
+        "own server on CPU, from the venv of bash infra/install-sglang-cpu.sh)")
+    attention_backend: str | None = Field(
+        None, description="sglang --attention-backend, the same for the baseline and every trial; None = the "
+        "adapter's (cuda: flashinfer, what SGLang picks for speculative trees; cpu: torch_native)")
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
     replica_cpus: float | None = Field(None, ge=0, description="CPUs reserved per engine replica; None = the engine's "
                                        "default (sglang: 2 per GPU, since NGRAM drafts on the host; cpu: 0.1)")
@@ -65,6 +81,15 @@ class EngineSettings(FrozenModel):
             raise ValueError("; ".join(problems) + ". Fix: remove it from engine.extra_flags and set the study key "
                              "or search-space parameter that renders it")
         return value
+
+    @model_validator(mode="after")
+    def _sglang_only(self) -> EngineSettings:
+        for key, value, default in (("device", self.device, "auto"), ("attention_backend", self.attention_backend,
+                                                                       None)):
+            if value != default and self.kind != "sglang":
+                raise ValueError(f"engine.{key}={value!r} applies to engine.kind sglang only (engine.kind is "
+                                 f"{self.kind!r}). Fix: remove engine.{key}")
+        return self
 
     @model_validator(mode="after")
     def _weights_cpu_only(self) -> EngineSettings:

@@ -21,8 +21,28 @@ def engine_for(kind: str) -> Engine:
         from serve.engines.llama_cpp.adapter import LlamaCppEngine
 
         return LlamaCppEngine()
-    raise ValueError(f"engine kind {kind!r} is unknown: use 'cpu' (embedded, no GPU), 'sglang' (GPU node) or "
+    raise ValueError(f"engine kind {kind!r} is unknown: use 'cpu' (embedded, no GPU), 'sglang' (a GPU node, or a CPU "
+                     "with bash infra/install-sglang-cpu.sh) or "
                      "'llama_cpp' (llama.cpp's llama-server; bash infra/install-llama-cpp.sh)")
+
+
+def pinned_settings(config: Any) -> dict[str, Any]:
+    """What `config`'s command line fixes beyond the speculative table, by `/server_info` name (SGLang: attention
+    backend, running-request cap, dtype), for `settings.effective_diff(..., pinned=...)`; {} for other engines."""
+    if config.engine != "sglang":
+        return {}
+    from serve.engines.sglang import pinned_settings as sglang_pinned
+
+    return sglang_pinned(config)
+
+
+def describe_device(config: Any) -> str | None:
+    """For the dry run: where an SGLang config would run and why (None for engines without a device choice)."""
+    if config.engine != "sglang":
+        return None
+    from serve.engines.sglang import describe_device as sglang_device
+
+    return sglang_device(config)
 
 
 def algorithms_of(kind: str) -> frozenset[str]:

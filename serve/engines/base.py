@@ -30,10 +30,18 @@ MAX_SHIPPED_CORPUS_BYTES = 8 * 2**20
 CORPUS_FOLDER = "corpora"
 
 
+# `python -m serve.production` starts its local Ray with a fixed glibc mmap threshold (serve.production:
+# local_ray_environment) and names the value it set here; the engines it starts get glibc's default back.
+ENDPOINT_MALLOC_MARKER = "SPECDEC_ENDPOINT_MALLOC_MMAP_THRESHOLD"
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for our own `python -m serve...` subprocesses: they must import this project even when the
-    caller's working directory is elsewhere (Tune runs trials in their own folders) and it is not pip-installed."""
+    caller's working directory is elsewhere (Tune runs trials in their own folders) and it is not pip-installed.
+    The endpoint's fixed mmap threshold is not passed on (an engine's large tensors would each cost an mmap)."""
     env = {**os.environ, **(extra or {})}
+    if ENDPOINT_MALLOC_MARKER in env and env.get("MALLOC_MMAP_THRESHOLD_") == env[ENDPOINT_MALLOC_MARKER]:
+        del env["MALLOC_MMAP_THRESHOLD_"], env[ENDPOINT_MALLOC_MARKER]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -62,7 +70,13 @@ class ReplicaConfig(FrozenModel):
 
     engine: EngineKind = "cpu"
     model: str = Field(description="cpu: model id, HF dir or .gguf; sglang: model path or HF id")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="cpu: float32|bfloat16; sglang: its --dtype (auto = SGLang's choice, float16 on CPU)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="sglang: where SGLang runs; auto = cuda where the cluster has GPUs, else cpu")
+    attention_backend: str | None = Field(
+        None, description="sglang --attention-backend, the same for baseline and trials; None = the adapter's "
+        "(cpu: torch_native; cuda: flashinfer, SGLang's own choice for speculative trees)")
     spec: SpecConfig = Field(default_factory=NoSpec)
     max_running_requests: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
@@ -145,6 +159,16 @@ class Engine:
         config, RuntimeError when this node cannot run it."""
         return {}
 
+    def model_problem(self, model: str, where: str = "model.target") -> str | None:
+        """Why `model` cannot start on this machine, known before anything starts (the study's up-front checks, when
+        the engines run here); None when there is no objection or no way to tell (a hub id, a remote node's path).
+        Default: a value written as a local path (absolute, `~`, `./`, `../`, or a `.gguf` file) must exist."""
+        local = model.startswith(("/", "~", "./", "../")) or model.endswith(".gguf")
+        path = Path(model).expanduser()
+        if local and not path.exists():
+            return f"{where}: {model!r} does not exist on this machine (resolved: {path.resolve()}); fix the path"
+        return None
+
     def native_deploy_files(self, config: ReplicaConfig, host: str, port: int) -> dict[str, str]:
         """Deploy files (name -> text) beyond the engine command line, for an engine whose own server can run
         without our wrapper (llama.cpp: the bare `llama-server` command). Empty by default."""
@@ -159,6 +183,12 @@ class Engine:
                                "on every node that can run the engine (e.g. the Serve runtime_env or the pod spec)")
         return child_env({**{name: os.environ[name] for name in config.env_from if name not in config.env},
                           **config.env})
+
+    def deterministic_flags(self, config: ReplicaConfig) -> list[str] | None:
+        """Flags that start `config`'s engine in its deterministic-inference mode, where a request's greedy output
+        does not depend on the batch it ran in (the `deterministic` equivalence mode checks outputs on such engines
+        and measures throughput without them). [] = it is batch-invariant as it is; None = it has no such mode."""
+        return None
 
     @staticmethod
     def server_accept_length(server_info: dict[str, Any]) -> float | None:

@@ -57,7 +57,7 @@ BY_FIELD = {s.field: s for s in SETTINGS}
 # Flags the tuner renders itself, from the study and the trial: a user's `engine.extra_flags` must not set them, or
 # the engine would run something other than what is recorded. Launch flags first, then every table row.
 LAUNCH_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tp", "--dtype", "--threads",
-                "--weights")
+                "--weights", "--device", "--attention-backend")
 ENGINE_OWNED_FLAGS: frozenset[str] = frozenset(LAUNCH_FLAGS) | {s.flag for s in SETTINGS}
 
 
@@ -103,14 +103,19 @@ def render_spec(spec: SpecConfig, max_running_requests: int | None = None,
     return flags
 
 
-def effective_diff(spec: SpecConfig, max_running_requests: int | None,
-                   server_args: dict[str, Any]) -> dict[str, tuple[object, object]]:
+def effective_diff(spec: SpecConfig, max_running_requests: int | None, server_args: dict[str, Any],
+                   pinned: dict[str, Any] | None = None) -> dict[str, tuple[object, object]]:
     """{field: (requested, effective)} for every requested setting the engine reports differently. Pure.
 
     `server_args` is `/server_info` or what SGLang's preflight resolved (same flat keys). Settings the engine does
-    not report are not diffs (nothing to compare); auto values (None) were not requested.
+    not report are not diffs (nothing to compare); auto values (None) were not requested. `pinned`: what the
+    engine's command line fixes beyond the table, by server-arg name (SGLang's attention backend, its running-request
+    cap, the dtype: `serve.engines.pinned_settings`).
     """
     diffs: dict[str, tuple[object, object]] = {}
+    for key, value in (pinned or {}).items():
+        if key in server_args and server_args[key] != value:
+            diffs[key] = (value, server_args[key])
     # Algorithms outside SGLang's table (llama.cpp's) are reported under their own name.
     wanted = None if isinstance(spec, NoSpec) else ALGORITHM_NAMES.get(spec.algorithm, spec.algorithm)
     if (server_args.get("speculative_algorithm") or None) != wanted:
@@ -130,3 +135,17 @@ def server_args_of(spec: SpecConfig) -> dict[str, Any]:
         if setting.algorithms and setting.field != "algorithm":
             out[setting.server_arg] = getattr(spec, setting.field, None)
     return out
+
+
+def effective_settings(server_info: dict[str, Any]) -> dict[str, Any]:
+    """What an SGLang-compatible engine says it runs with, from its `/server_info`: the table's settings, the
+    attention backend, dtype and device, the running-request cap it resolved and the one its scheduler enforces
+    (`internal_states[0].effective_max_running_requests_per_dp`). Keys it does not report are left out. Pure."""
+    keys = [s.server_arg for s in SETTINGS] + ["attention_backend", "dtype", "device", "speculative_eagle_topk",
+                                               "speculative_num_steps"]
+    found = {k: server_info[k] for k in keys if k in server_info}
+    states = server_info.get("internal_states") or [{}]
+    state = states[0] if isinstance(states[0], dict) else {}
+    if "effective_max_running_requests_per_dp" in state:
+        found["effective_max_running_requests_per_dp"] = state["effective_max_running_requests_per_dp"]
+    return found

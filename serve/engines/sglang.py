@@ -1,11 +1,20 @@
-"""The SGLang engine: its command line for the installed SGLang, and the checks that run on the replica's node before
-it starts (GPUs Ray gave the replica, driver, compiler, free GPU memory, SGLang's own parser on the exact argv).
+"""The SGLang engine: its command line for the installed SGLang, on a GPU or a CPU, and the checks that run on the
+replica's node before it starts (GPUs Ray gave the replica, driver, CUDA and host compilers, free GPU memory, SGLang's
+own parser on the exact argv).
 
 Facts this depends on (read from the 0.5.23 wheel, reference/sglang-0.5.23.md §11): the `sglang` console script is
 the entry point and it lives next to the interpreter of the venv it was installed into, which is usually not on the
-PATH of a Ray worker; `python -m sglang.launch_server` is the fallback. 0.5.23's torch is a CUDA 13 build. NGRAM's
-trie is C++ JIT-compiled with the system `g++` on first use. SGLang never calls setsid, so killing the process group
-we start it in reaches its scheduler and detokenizer children.
+PATH of a Ray worker; `python -m sglang.launch_server` is the fallback. 0.5.23's torch is a CUDA 13 build, and every
+start JIT-compiles CUDA kernels with nvcc and the host C++ compiler. NGRAM's trie is C++ JIT-compiled with the host
+compiler on first use. SGLang never calls setsid, so killing the process group we start it in reaches its scheduler
+and detokenizer children.
+
+`device: cpu` runs SGLang's own server on a CPU machine from its own venv (`serve.engines.sglang_cpu`), with the CPU
+flags of `sglang_cpu.launch`; `auto` means cuda where the cluster has GPUs. Settings SGLang would otherwise choose
+differently for the baseline and for speculative trials are rendered explicitly, the same for both: the attention
+backend (SGLang picks fa3 on Hopper only without speculation or with topk 1) and `max_running_requests` (unset,
+SGLang caps every speculative algorithm at 48 and leaves the baseline's memory-derived limit). Their effective values
+are read back from `/server_info` (`pinned_settings`, `effective_settings`).
 """
 
 from __future__ import annotations
@@ -13,65 +22,161 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from serve.engines import sglang_cpu
 from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, child_env
 from serve.engines.settings import UnsupportedSetting, effective_diff, render_spec
+from serve.engines.phases import report_phase
+from serve.engines.sglang_cpu import launch as cpu_launch
+from serve.engines.sglang_cpu.runtime import version_problem
+from serve.engines.sglang_node import (GPU_FREE_WAIT_S, Device, busy_gpus, compiler_problems, cuda_compiler,  # noqa: F401
+                                       driver_cuda_version, host_compiler, node_problems, ray_gpu_ids, wait_gpus_free)
 
 PREFLIGHT_TIMEOUT_S = 300.0
-MIN_DRIVER_CUDA = (13, 0)  # sglang 0.5.23 pins torch 2.14.1 built for CUDA 13
-GPU_FREE_WAIT_S = 120.0
 DEFAULT_CPUS_PER_GPU = 2.0  # NGRAM drafts on the host: replicas must not share a core
+# SGLang's own cap for every speculative algorithm when unset (arg_groups/speculative_hook.py): rendered for the
+# baseline too, so baseline and trials run the same batch limit unless the study sets one.
+DEFAULT_MAX_RUNNING_REQUESTS = 48
+# The backend SGLang itself picks for speculative trees (topk > 1) on Hopper and Blackwell; the baseline gets it too.
+# On CPU the only backend the CPU runtime pieces support.
+DEFAULT_ATTENTION_BACKEND = {"cuda": "flashinfer", "cpu": "torch_native"}
+# Serve's health check asks /health every few seconds; by default SGLang answers it with a real 1-token generation,
+# which would add prefills to a trial's measured batches. With this off, /health still answers 503 until SGLang is up.
+HEALTH_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
 
-def installed_version() -> str | None:
+def installed_version(python: str | None = None) -> str | None:
+    """SGLang's version for `python` (None = this interpreter), None when it has none."""
+    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+        try:
+            return metadata.version("sglang")
+        except metadata.PackageNotFoundError:
+            return None
+    site = Path(python).parent.parent / "lib"
+    found = sorted(site.glob("python3*/site-packages/sglang-*.dist-info"))
+    return found[-1].name[len("sglang-"):-len(".dist-info")] if found else None
+
+
+def _cluster_has_gpus() -> bool | None:
+    """Whether the Ray cluster this process is connected to has GPUs (None outside Ray)."""
     try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
+        import ray
+    except ImportError:
         return None
+    if not ray.is_initialized():
+        return None
+    return float(ray.cluster_resources().get("GPU", 0)) > 0
 
 
-def launcher(executable: str = sys.executable) -> list[str]:
-    """How to start SGLang with the SGLang installed for `executable`: the console script beside it, else the module.
-    Never a bare `sglang` looked up on PATH: Ray workers and `.venv/bin/python -m ...` do not put the venv on it."""
+def resolve_device(config: ReplicaConfig, has_gpus: Callable[[], bool | None] = _cluster_has_gpus,
+                   which: Callable[[str], str | None] = shutil.which) -> Device:
+    """`engine.device`, with auto = cuda where the Ray cluster has GPUs (outside Ray: where this machine has an
+    NVIDIA driver), else cpu. The same answer in the trial (resources) and in the replica (command line)."""
+    if config.device != "auto":
+        return config.device
+    gpus = has_gpus()
+    if gpus is None:
+        gpus = which("nvidia-smi") is not None
+    return "cuda" if gpus else "cpu"
+
+
+def describe_device(config: ReplicaConfig) -> str:
+    """One line for the dry run: where SGLang would run, and why when it was chosen automatically."""
+    device = resolve_device(config)
+    if config.device != "auto":
+        return f"sglang runs on {device} (engine.device: {device})"
+    reason = "an NVIDIA driver (nvidia-smi) is present" if device == "cuda" else "no GPU here (nvidia-smi not found)"
+    where = f", with {sglang_cpu.venv_dir()}" if device == "cpu" else ""
+    return f"sglang runs on {device} (engine.device: auto, {reason}{where})"
+
+
+def python_for(device: Device) -> str:
+    """The interpreter that runs SGLang: this one on a GPU node (the venv of `pip install -e .[gpu]`), the SGLang
+    CPU venv's on a CPU. A missing CPU venv is a RuntimeError with the install command."""
+    if device == "cuda":
+        return sys.executable
+    python = sglang_cpu.venv_python()
+    if python is None:
+        raise RuntimeError(f"SGLang on CPU needs its own venv, and {sglang_cpu.venv_dir()} has none: run "
+                           "bash infra/install-sglang-cpu.sh (or set engine.kind: cpu)")
+    return str(python)
+
+
+def launcher(executable: str = sys.executable, device: Device = "cuda") -> list[str]:
+    """How to start SGLang with the SGLang installed for `executable`: the console script beside it, else the module;
+    on a CPU, our launcher module (it refuses another SGLang version, then runs `sglang serve`). Never a bare
+    `sglang` looked up on PATH: Ray workers and `.venv/bin/python -m ...` do not put the venv on it."""
+    if device == "cpu":
+        return [executable, "-m", "serve.engines.sglang_cpu", "serve"]
     script = Path(executable).parent / "sglang"
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script), "serve"]
     return [executable, "-m", "sglang.launch_server"]
 
 
-def sglang_args(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None) -> list[str]:
+def attention_backend(config: ReplicaConfig, device: Device) -> str:
+    return config.attention_backend or DEFAULT_ATTENTION_BACKEND[device]
+
+
+def pinned_settings(config: ReplicaConfig, device: Device | None = None) -> dict[str, Any]:
+    """What the command line fixes beyond the speculative table, under SGLang's `/server_info` names: compared with
+    what SGLang reports after deploy (`settings.effective_diff(..., pinned=...)`)."""
+    device = device or resolve_device(config)
+    pinned: dict[str, Any] = {"attention_backend": attention_backend(config, device),
+                              "max_running_requests": config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS}
+    if config.dtype != "auto":
+        pinned["dtype"] = config.dtype
+    return pinned
+
+
+def sglang_args(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None,
+                device: Device | None = None) -> list[str]:
     """Server flags (no launcher) for a ReplicaConfig; `available` = the installed ServerArgs fields (see
-    `server_arg_fields`), None = SGLang 0.5.23's."""
-    args = ["--model-path", config.model, "--host", host, "--port", str(port), "--tp-size", str(config.tp_size)]
-    name = f"the installed SGLang ({installed_version() or 'unknown version'})"
-    return args + render_spec(config.spec, config.max_running_requests, available, name) + list(config.extra_flags)
+    `server_arg_fields`), None = SGLang 0.5.23's. Renders `model.dtype` (float32 on CPU unless given: SGLang's auto
+    there is float16), the pinned attention backend and running-request cap, the CPU flags on a CPU."""
+    device = device or resolve_device(config)
+    model = cpu_launch.model_folder(config.model)
+    dtype = "float32" if device == "cpu" and config.dtype == "auto" else config.dtype
+    args = ["--model-path", model, "--host", host, "--port", str(port), "--tp-size", str(config.tp_size),
+            "--dtype", dtype, "--attention-backend", attention_backend(config, device)]
+    if device == "cpu":
+        args += cpu_launch.cpu_flags(list(config.extra_flags))
+    cpu_python = sglang_cpu.venv_python() if device == "cpu" else None
+    version = installed_version(str(cpu_python)) if cpu_python else installed_version()
+    name = f"the installed SGLang ({version or 'unknown version'})"
+    cap = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    return args + render_spec(config.spec, cap, available, name) + list(config.extra_flags)
 
 
 def sglang_argv(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None) -> list[str]:
     """The full command line: launcher + `sglang_args`."""
-    return launcher() + sglang_args(config, host, port, available)
+    device = resolve_device(config)
+    python = python_for(device) if device == "cpu" else sys.executable
+    return launcher(python, device) + sglang_args(config, host, port, available, device)
 
 
-def _preflight_process(request: dict[str, Any], timeout_s: float,
-                       sglang_path: str | None) -> subprocess.CompletedProcess | str:
-    """Run serve.engines.sglang_preflight with SGLang importable from `sglang_path` (a `pip install --target` dir) or
-    the environment. No GPU: CUDA_VISIBLE_DEVICES="" keeps SGLang's resolution from touching the replica's GPUs."""
+def _preflight_process(request: dict[str, Any], timeout_s: float, sglang_path: str | None,
+                       python: str | None = None) -> subprocess.CompletedProcess | str:
+    """Run serve.engines.sglang_preflight with `python` (default this interpreter) and SGLang importable from
+    `sglang_path` (a `pip install --target` dir) or that interpreter's environment. No GPU: CUDA_VISIBLE_DEVICES=""
+    keeps SGLang's resolution from touching the replica's GPUs. With another interpreter (the SGLang CPU venv's),
+    SGLang resolves as its CPU platform does at launch (SGLANG_USE_CPU_ENGINE=1)."""
     extra = {"CUDA_VISIBLE_DEVICES": ""}
+    if python is not None:
+        extra["SGLANG_USE_CPU_ENGINE"] = "1"
     env = child_env(extra)
     if sglang_path:
         env["PYTHONPATH"] = os.pathsep.join([sglang_path, env["PYTHONPATH"]])
     try:
-        return subprocess.run([sys.executable, "-m", "serve.engines.sglang_preflight"], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
+        return subprocess.run([python or sys.executable, "-m", "serve.engines.sglang_preflight"],
+                              input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return f"SGLang preflight took longer than {timeout_s:.0f} s"
 
@@ -82,12 +187,12 @@ def _last_json(done: subprocess.CompletedProcess) -> dict[str, Any] | None:
 
 
 @functools.lru_cache(maxsize=8)
-def server_arg_fields(sglang_path: str | None = None) -> frozenset[str] | None:
-    """The `ServerArgs` field names of the SGLang importable here (or from `sglang_path`); None when it is absent.
-    Flags are rendered from these, so a setting the installed version lacks is refused before launch."""
-    if sglang_path is None and installed_version() is None:
+def server_arg_fields(sglang_path: str | None = None, python: str | None = None) -> frozenset[str] | None:
+    """The `ServerArgs` field names of the SGLang importable here (or from `sglang_path`, or by `python`); None when
+    it is absent. Flags are rendered from these, so a setting the installed version lacks is refused before launch."""
+    if sglang_path is None and installed_version(python) is None:
         return None
-    done = _preflight_process({"fields": True}, PREFLIGHT_TIMEOUT_S, sglang_path)
+    done = _preflight_process({"fields": True}, PREFLIGHT_TIMEOUT_S, sglang_path, python)
     data = None if isinstance(done, str) else _last_json(done)
     if not data or "fields" not in data:
         return None
@@ -117,13 +222,13 @@ class Preflight:
 
 
 def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s: float = PREFLIGHT_TIMEOUT_S,
-                  sglang_path: str | None = None) -> list[Preflight] | None:
-    """SGLang's own parser (and, unless parse_only, resolution + checks) on each server-flag list, in one subprocess.
-    Argvs may include a launcher prefix. Returns None when SGLang is not installed here."""
-    if sglang_path is None and installed_version() is None:
+                  sglang_path: str | None = None, python: str | None = None) -> list[Preflight] | None:
+    """SGLang's own parser (and, unless parse_only, resolution + checks) on each server-flag list, in one subprocess
+    of `python` (default this interpreter). Argvs may include a launcher prefix. None when SGLang is absent there."""
+    if sglang_path is None and installed_version(python) is None:
         return None
     request = {"argvs": [_strip_launcher(a) for a in argvs], "parse_only": parse_only}
-    done = _preflight_process(request, timeout_s, sglang_path)
+    done = _preflight_process(request, timeout_s, sglang_path, python)
     if isinstance(done, str):
         return [Preflight(False, "timeout", done)] * len(argvs)
     data = _last_json(done)
@@ -136,106 +241,57 @@ def _strip_launcher(argv: list[str]) -> list[str]:
     return argv[argv.index("--model-path"):] if "--model-path" in argv else argv
 
 
-# --- prerequisites on the replica's node (pure parsers + thin probes) ---
-
-def driver_cuda_version(nvidia_smi_header: str) -> tuple[int, int] | None:
-    """'... CUDA Version: 13.0 ...' from `nvidia-smi`'s banner -> (13, 0)."""
-    found = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", nvidia_smi_header)
-    return (int(found.group(1)), int(found.group(2))) if found else None
-
-
-def busy_gpus(query_csv: str, gpu_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
-    """From `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`: {id: (used, total
-    MiB)} for the given GPUs that hold more than a fresh CUDA context would (max(1 GiB, 5%)): a previous engine that
-    has not exited yet, or someone else's process."""
-    wanted, busy = {str(g) for g in gpu_ids}, {}
-    for line in query_csv.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0] in wanted and parts[1].isdigit() and parts[2].isdigit():
-            used, total = int(parts[1]), int(parts[2])
-            if used > max(1024, total // 20):
-                busy[parts[0]] = (used, total)
-    return busy
-
-
-def _nvidia_smi(*args: str) -> str:
-    return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=True).stdout
-
-
-def _ray_gpu_ids() -> list[str] | None:
-    """GPU ids Ray assigned to this process (None outside a Ray worker)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
-    except Exception:  # noqa: BLE001 - outside Ray (tests, EngineProcess used directly)
-        return None
-
-
-def node_problems(config: ReplicaConfig, gpu_ids: list[str] | None, smi: Callable[..., str] = _nvidia_smi,
-                  which: Callable[[str], str | None] = shutil.which) -> list[str]:
-    """Why this node cannot run `config` (empty: it can). Every prerequisite is checked, so one start-up failure
-    names every missing piece at once."""
-    problems = []
-    if which("nvidia-smi") is None:
-        return [f"SGLang needs {config.tp_size} GPU(s) per replica and this node has no NVIDIA driver (nvidia-smi "
-                f"not found); run on a GPU node (infra/README.md) or set engine.kind: cpu"]
-    count = len(gpu_ids) if gpu_ids is not None else sum(1 for l in smi("-L").splitlines() if l.startswith("GPU "))
-    if count < config.tp_size:
-        problems.append(f"engine.tp_size={config.tp_size} needs {config.tp_size} GPU(s); Ray gave this replica {count}")
-    cuda = driver_cuda_version(smi())
-    if cuda is not None and cuda < MIN_DRIVER_CUDA:
-        problems.append(f"the NVIDIA driver supports CUDA {cuda[0]}.{cuda[1]}; sglang 0.5.23's torch needs CUDA "
-                        f"{MIN_DRIVER_CUDA[0]}.{MIN_DRIVER_CUDA[1]} or newer: upgrade the driver (infra/README.md)")
-    if config.spec.algorithm == "ngram" and which("g++") is None:
-        problems.append("NGRAM compiles SGLang's C++ trie with g++ on first use and this node has none: "
-                        "apt-get install g++ (infra/README.md)")
-    return problems
-
-
-def wait_gpus_free(gpu_ids: list[str], timeout_s: float = GPU_FREE_WAIT_S, smi: Callable[..., str] = _nvidia_smi,
-                   sleep: Callable[[float], None] = time.sleep) -> str | None:
-    """Wait until the replica's GPUs hold no other process's memory; the problem after `timeout_s`, else None."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        busy = busy_gpus(smi("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"), gpu_ids)
-        if not busy:
-            return None
-        if time.monotonic() >= deadline:
-            held = ", ".join(f"GPU {g}: {u} of {t} MiB in use" for g, (u, t) in sorted(busy.items()))
-            return (f"GPU memory still in use after {timeout_s:.0f} s ({held}): an earlier engine did not exit or "
-                    f"another process holds the GPU; `nvidia-smi` on this node shows which")
-        sleep(2.0)
-
-
 class SglangEngine(Engine):
     kind = "sglang"
     label = "SGLang"
     algorithms = frozenset({"none", "ngram", "eagle", "eagle3", "standalone"})
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        device = resolve_device(config)
+        python = python_for(device) if device == "cpu" else None
         try:
-            return sglang_argv(config, host, port, server_arg_fields())
+            return sglang_argv(config, host, port, server_arg_fields(None, python))
         except UnsupportedSetting as exc:
             raise ConfigRejected(str(exc)) from None
 
     def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
+        if resolve_device(config) == "cpu":  # like the CPU engine: the engine uses the node's cores, the actor proxies
+            cpus = config.replica_cpus if config.replica_cpus is not None else 0.1
+            return {"num_cpus": cpus, "num_gpus": 0, "resources": dict(config.replica_resources)}
         cpus = config.replica_cpus if config.replica_cpus is not None else DEFAULT_CPUS_PER_GPU * config.tp_size
         return {"num_cpus": cpus, "num_gpus": config.tp_size, "resources": dict(config.replica_resources)}
 
     def concurrent_replicas(self, config: ReplicaConfig, cluster_resources: dict[str, float]) -> int:
-        """GPU groups: more replicas than fit would stay pending until their trials time out."""
-        fits = [cluster_resources.get("GPU", 0) // config.tp_size]
-        fits += [cluster_resources.get(k, 0) // v for k, v in config.replica_resources.items() if v > 0]
+        """GPU groups: more replicas than fit would stay pending until their trials time out. On CPU one per node
+        that can host it (two would time-share its cores and measure noise)."""
+        fits = [cluster_resources.get(k, 0) // v for k, v in config.replica_resources.items() if v > 0]
+        if resolve_device(config) == "cpu":
+            return max(1, int(min(fits))) if fits else 1
+        fits.append(cluster_resources.get("GPU", 0) // config.tp_size)
         return max(1, int(min(fits)))
+
+    def deterministic_flags(self, config: ReplicaConfig) -> list[str] | None:
+        """SGLang's batch-invariant mode on a GPU (its attention kernels and reductions fixed per request). Not on a
+        CPU: the torch-native path has no such mode in 0.5.23, so the `deterministic` equivalence mode is refused
+        there: use `exact` or `baseline-noise`."""
+        return None if resolve_device(config) == "cpu" else ["--enable-deterministic-inference"]
+
+    def start_env(self, config: ReplicaConfig) -> dict[str, str]:
+        """The engine's environment: health checks without generations, the CPU runtime on a CPU; the study's
+        `engine.env` wins over both."""
+        ours = dict(HEALTH_ENV)
+        if resolve_device(config) == "cpu":
+            ours.update(sglang_cpu.launch_env(config.threads))
+        return super().start_env(config.model_copy(update={"env": {**ours, **config.env}}))
 
     def prepare(self, config: ReplicaConfig, argv: list[str]) -> dict[str, Any]:
         """SGLang's verdict on the exact argv first (it needs no GPU, and a refused config is INVALID on any node),
         then this node's prerequisites, then wait for the replica's GPUs to be free of an earlier engine."""
-        found: dict[str, Any] = {"sglang_version": installed_version()}
-        results = run_preflight([argv])
+        device = resolve_device(config)
+        python = python_for(device) if device == "cpu" else None
+        found: dict[str, Any] = {"sglang_version": installed_version(python), "device": device,
+                                 "sglang_python": python or sys.executable}
+        results = run_preflight([argv], python=python)
         if results is None:
             found["preflight"] = "skipped: sglang is not importable on this node"
         else:
@@ -245,14 +301,21 @@ class SglangEngine(Engine):
                 raise ConfigRejected(f"SGLang rejected the flags at {result.stage}: {result.error}")
             if not result.ok:  # our side could not run SGLang's parser: no verdict on the config; the launch decides
                 found["preflight_could_not_run"] = f"{result.stage}: {result.error}"
-        gpu_ids = _ray_gpu_ids()
+        verdict = found["preflight"]["ok"] if isinstance(found["preflight"], dict) else None
+        said = " (SGLang's own parser accepted the flags: preflight ok)" if verdict else ""
+        if device == "cpu":
+            problems = [p for p in [version_problem(found["sglang_version"])] if p]
+            problems += compiler_problems(config, "cpu", os.environ)
+            if problems:
+                raise RuntimeError("; ".join(problems) + said)
+            return found
+        gpu_ids = ray_gpu_ids()
         found["gpu_ids"] = gpu_ids
         problems = node_problems(config, gpu_ids)
         if problems:
-            verdict = found["preflight"]["ok"] if isinstance(found["preflight"], dict) else None
-            said = {True: " (SGLang's own parser accepted the flags: preflight ok)", False: "", None: ""}[verdict]
             raise RuntimeError("; ".join(problems) + said)
         if gpu_ids:
+            report_phase("waiting_for_gpus", GPU_FREE_WAIT_S)
             busy = wait_gpus_free(gpu_ids)
             if busy:
                 raise RuntimeError(busy)

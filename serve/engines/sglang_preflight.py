@@ -28,7 +28,7 @@ GPU_ONLY = {"torchvision", "sgl_kernel", "flashinfer", "deep_gemm", "vllm", "ait
             "amdsmi", "pymtml", "tvm_ffi", "modelscope", "torchcodec", "pynvml"}
 # What a trial records of SGLang's resolution: every setting of the one table, plus what else changes a trial.
 RESOLVED_KEYS = tuple(s.server_arg for s in SETTINGS) + (
-    "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device")
+    "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device", "attention_backend", "dtype")
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

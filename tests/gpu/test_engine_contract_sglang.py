@@ -1,4 +1,7 @@
-"""The engine contract against a real SGLang server. Runs only on a GPU node with SGLang installed:
+"""The engine contract and SGLang's own contract (tests/sglang_contract.py: the read-backs of the pinned attention
+backend and running-request cap, health without generations, flush refused while busy, the corpus routes) against
+a real SGLang server on a GPU; the same suite runs on SGLang's CPU server in CI
+(tests/integration/test_sglang_contract_cpu.py). Runs only on a GPU node with SGLang installed:
 
     pip install --no-deps -e . && pip install -e ".[gpu]" pytest
     SPECDEC_GPU_MODEL=/models/Qwen2.5-0.5B-Instruct python -m pytest -q tests/gpu
@@ -15,7 +18,7 @@ from serve.engines.base import ReplicaConfig
 from serve.engines.sglang import installed_version
 from serve.replica import EngineProcess
 from serve.spec import NgramSpec
-from tests.engine_contract import EngineContract
+from tests.sglang_contract import SglangContract
 
 MODEL = os.environ.get("SPECDEC_GPU_MODEL")
 pytestmark = [
@@ -26,12 +29,16 @@ pytestmark = [
 ]
 
 
-class TestSglangEngineContract(EngineContract):
+class TestSglangEngineContract(SglangContract):
     @pytest.fixture(scope="class")
-    def engine(self, tmp_path_factory):
-        config = ReplicaConfig(engine="sglang", model=MODEL or "", spec=NgramSpec(num_draft_tokens=4, max_bfs_breadth=2),
-                               start_timeout_s=1200, log_dir=str(tmp_path_factory.mktemp("sglang")))
-        process = EngineProcess(config)
+    def engine_config(self, tmp_path_factory):
+        return ReplicaConfig(engine="sglang", device="cuda", model=MODEL or "",
+                             spec=NgramSpec(num_draft_tokens=4, max_bfs_breadth=2), start_timeout_s=1200,
+                             log_dir=str(tmp_path_factory.mktemp("sglang")))
+
+    @pytest.fixture(scope="class")
+    def engine(self, engine_config):
+        process = EngineProcess(engine_config)
         try:
             process.wait_ready()
             yield process
@@ -44,7 +51,8 @@ def test_stopping_the_engine_frees_its_gpu(tmp_path):
     so the next trial's node check passes."""
     from serve.engines.sglang import wait_gpus_free
 
-    config = ReplicaConfig(engine="sglang", model=MODEL or "", start_timeout_s=1200, log_dir=str(tmp_path))
+    config = ReplicaConfig(engine="sglang", device="cuda", model=MODEL or "", start_timeout_s=1200,
+                           log_dir=str(tmp_path))
     process = EngineProcess(config)
     try:
         process.wait_ready()

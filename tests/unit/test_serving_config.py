@@ -28,7 +28,8 @@ def provenance() -> Provenance:
 
 @pytest.fixture()
 def winner(tmp_path) -> tuple[ServingConfig, ReplicaConfig]:
-    study = load_study(None, {"engine.kind": "sglang", "model.target": str(tmp_path), "engine.tp_size": 4,
+    study = load_study(None, {"engine.kind": "sglang", "engine.device": "cuda", "model.target": str(tmp_path),
+                              "engine.tp_size": 4,
                               "engine.extra_flags": ["--mem-fraction-static", "0.85"],
                               "engine.env": {"HF_TOKEN": SECRET}, "engine.start_timeout_s": 1200})
     trial = TrialConfig(spec=NgramSpec(num_draft_tokens=8), max_running_requests=16)

@@ -99,7 +99,7 @@ def all_argvs(tmp_path, available=None):
         for point in points:
             resolution = resolve(space, point, study)
             assert resolution.valid, (path.name, point, resolution.violations)
-            cfg = ReplicaConfig(engine="sglang", model=str(tmp_path), spec=resolution.config.spec)
+            cfg = ReplicaConfig(engine="sglang", device="cuda", model=str(tmp_path), spec=resolution.config.spec)
             argv = sglang_argv(cfg, "127.0.0.1", 30000, available)
             argvs[json.dumps(argv)] = (path.name, point)
     return argvs
@@ -139,22 +139,22 @@ def test_a_setting_the_installed_sglang_lacks_is_refused_before_launch():
     # As an SGLang without the trie-depth flag would be: the point is refused with the field, the flag and the fix,
     # instead of launching with a flag SGLang answers "unrecognized arguments" to (every NGRAM trial lost).
     fields = {s.server_arg for s in SETTINGS} - {"speculative_ngram_max_trie_depth"}
-    config = ReplicaConfig(engine="sglang", model="/m", spec=NgramSpec(max_trie_depth=9))
+    config = ReplicaConfig(engine="sglang", device="cuda", model="/m", spec=NgramSpec(max_trie_depth=9))
     with pytest.raises(UnsupportedSetting) as info:
         sglang_argv(config, "127.0.0.1", 1, fields)
     message = str(info.value)
     assert "spec.max_trie_depth=9" in message and "--speculative-ngram-max-trie-depth" in message
     assert "sglang==0.5.23" in message
     # A spec that does not need the missing setting renders fine with the same fields.
-    assert "--speculative-algorithm" not in sglang_argv(ReplicaConfig(engine="sglang", model="/m"), "h", 1, fields)
+    assert "--speculative-algorithm" not in sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model="/m"), "h", 1, fields)
 
 
 def test_the_engine_turns_a_missing_setting_into_a_rejected_config(monkeypatch):
     import serve.engines.sglang as sglang
 
-    monkeypatch.setattr(sglang, "server_arg_fields", lambda path=None: frozenset({"speculative_algorithm"}))
+    monkeypatch.setattr(sglang, "server_arg_fields", lambda path=None, python=None: frozenset({"speculative_algorithm"}))
     with pytest.raises(ConfigRejected, match="speculative-num-draft-tokens"):
-        SglangEngine().argv(ReplicaConfig(engine="sglang", model="/m", spec=NgramSpec()), "127.0.0.1", 1)
+        SglangEngine().argv(ReplicaConfig(engine="sglang", device="cuda", model="/m", spec=NgramSpec()), "127.0.0.1", 1)
 
 
 def test_launcher_is_the_script_next_to_the_interpreter_never_a_name_on_path(tmp_path):
@@ -166,7 +166,7 @@ def test_launcher_is_the_script_next_to_the_interpreter_never_a_name_on_path(tmp
     script.write_text("#!/bin/sh\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     assert launcher(str(python)) == [str(script), "serve"]
-    argv = sglang_argv(ReplicaConfig(engine="sglang", model="/m"), "127.0.0.1", 5)
+    argv = sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model="/m"), "127.0.0.1", 5)
     assert argv[0] in (str(Path(sys.executable).parent / "sglang"), sys.executable)
 
 
@@ -187,7 +187,7 @@ def test_sglang_resolution_matches_our_rules(tmp_path):
     chain_fix = StandaloneSpec(draft_model=model, num_steps=3, topk=1, num_draft_tokens=8)
     partial = EagleSpec(draft_model=model, num_steps=3)
     specs = [ngram, chain_fix, partial]
-    argvs = [sglang_argv(ReplicaConfig(engine="sglang", model=model, spec=s), "127.0.0.1", 30000) for s in specs]
+    argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000) for s in specs]
     r_ngram, r_chain, r_partial = run_preflight(argvs)
 
     # NGRAM: SGLang copies max_bfs_breadth into topk and derives steps = draft // breadth; sets 48 running requests.
@@ -197,7 +197,7 @@ def test_sglang_resolution_matches_our_rules(tmp_path):
     assert validate_spec(ngram) == []
 
     # topk=1: SGLang silently shortens draft to steps+1; we refuse the point before it is deployed.
-    chain_config = ReplicaConfig(engine="sglang", model=model, spec=chain_fix)
+    chain_config = ReplicaConfig(engine="sglang", device="cuda", model=model, spec=chain_fix)
     assert r_chain.ok and r_chain.diffs(chain_config) == {"num_draft_tokens": (8, 4)}
     assert [v.field for v in validate_spec(chain_fix)] == ["spec.num_draft_tokens"]
 
@@ -214,7 +214,7 @@ def test_external_corpus_flags_resolve_and_sglangs_budget_rule_is_ours(tmp_path)
     model = str(tmp_path)
     good = NgramSpec(num_draft_tokens=8, external_corpus=str(corpus), external_sam_budget=3)
     too_big = NgramSpec(num_draft_tokens=4, external_corpus=str(corpus), external_sam_budget=5)
-    argvs = [sglang_argv(ReplicaConfig(engine="sglang", model=model, spec=s), "127.0.0.1", 30000) for s in (good, too_big)]
+    argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000) for s in (good, too_big)]
     assert "--speculative-ngram-external-corpus-path" in argvs[0]
     r_good, r_big = run_preflight(argvs)
     assert r_good.ok, r_good.error

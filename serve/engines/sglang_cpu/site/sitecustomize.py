@@ -1,0 +1,15 @@
+"""Put on PYTHONPATH only for SGLang started on a CPU (`serve.engines.sglang_cpu.launch_env`): every interpreter of
+that SGLang (its server, and the scheduler and detokenizer it spawns) installs the CPU runtime pieces before SGLang
+imports anything. A version refusal is printed here and enforced by the launcher (`python -m serve.engines.sglang_cpu`),
+which exits with it before SGLang starts."""
+
+import os
+import sys
+
+if os.environ.get("SPECDEC_SGLANG_CPU") == "1":
+    try:
+        from serve.engines.sglang_cpu.runtime import install
+
+        install()
+    except RuntimeError as exc:
+        print(f"[specdec sglang-cpu] {exc}", file=sys.stderr)
