@@ -1,14 +1,27 @@
-"""Soak: the production endpoint (Ray Serve ingress + CPU engine replica) under many concurrent streaming clients.
+"""Soak: the production endpoint (Ray Serve ingress + CPU engine replica) under concurrent streaming clients, and with
+`--faults` under the faults it must survive: the engine SIGSTOPped for `--pause-s` then resumed, the engine
+SIGKILLed (Serve replaces its replica), clients that leave mid-request, and oversize bodies (chunked without a
+Content-Length, and with one).
 
-Starts a local Ray, deploys the production app on a serving-config file (auth on, a fresh random key), then runs
+Starts the endpoint as an operator does, `python -m serve.production` on a serving-config file (its own local Ray;
+auth on, a fresh random key), and stops it at the end with Ctrl-C (SIGINT to its process group). Meanwhile it runs
 `--clients` streaming chat clients (joining over `--ramp` seconds) back to back for `--duration` seconds (or
-`--max-requests` in all), while a prober times `GET /health` every second (through the endpoint, and the engine's
-own for comparison) and a sampler reads the RSS of the engine process and of this run's Serve actors every 2 s. Passes when every answer is a complete 200 stream or an explicit 429 with Retry-After, every
-/health is 200 in under 1 s, and memory is bounded (the peak of the last third is within `--rss-slack` of the
-peak of the first two thirds). Prints a table; exit 1 if a check fails.
+`--max-requests` in all), while a prober sends `GET /health` every second (through the endpoint, and the engine's
+own for comparison) and a sampler reads the memory (RSS and private) of the engine and of the Serve actors every 2 s.
 
-    python benchmarks/soak.py                       # 64 clients, 90 s
-    python benchmarks/soak.py --clients 8 --duration 20
+Checks (exit 1 if one fails):
+- no 500 and no cut connection: every answer is a 200 (a complete stream, or during a fault one that ends with an
+  error event and `[DONE]`), a 429 or 503 with `Retry-After`, or a 413 for an oversize body;
+- `/health` is 200 outside the fault windows (503/504 inside them), and under 1 s without faults;
+- without faults: memory bounded (the peak of the last third within `--rss-slack` of the first two thirds);
+- with faults: memory back to its start level (ingress replica, proxy and engine private memory, USS, after a
+  cool-down within `--rss-slack` of their level in the first 15% of the run, before any fault; RSS is reported too,
+  and also counts the pages of Ray's shared object store that request bodies pass through, which stay mapped), the engine idle at the end (the clients that left cost it
+  nothing), and no leaked process (every process of the endpoint seen, Ray's, Serve's, engines and watchdogs, is
+  gone after the driver stopped).
+
+    python benchmarks/soak.py                                      # 64 clients, 90 s
+    python benchmarks/soak.py --clients 16 --duration 150 --faults  # the fault soak of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -17,8 +30,11 @@ import argparse
 import asyncio
 import json
 import platform
+import os
 import secrets
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,34 +44,63 @@ from pathlib import Path
 import httpx
 import psutil
 
-PROMPTS = ["Write a haiku about the sea.", "List three colors.", "Say hello in French.",
-           "What is 2 + 2? Answer briefly.", "Name a fruit that is yellow.", "Describe a cat in one sentence."]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.soak_faults import (FAULTS_FROM, PROMPTS, ROOT, alive, cool_down, descendants,  # noqa: E402
+                                    disconnecting_client, faults, our_processes, oversize_client, rss_now)
+
+ALLOWED = {"200", "200-error-event", "429", "503", "413"}
 
 
-async def client_loop(base: str, key: str, idx: int, stop_at: float, budget: list[int], max_tokens: int,
-                      statuses: Counter, failures: list[str], tokens: list[int], delay_s: float = 0.0) -> None:
-    await asyncio.sleep(delay_s)  # ramp-up: clients join one after another
+class Run:
+    """What the run saw, shared by its tasks."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.started = time.monotonic()
+        self.stop_at = self.started + args.duration
+        self.budget = args.max_requests
+        self.statuses: Counter = Counter()
+        self.failures: list[str] = []
+        self.chunks = 0
+        self.health: list[tuple[float, str, float]] = []  # (t, status, latency)
+        self.direct: list[float] = []
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self.windows: list[list[float]] = []  # [start, end] of each fault, seconds into the run
+        self.events: list[str] = []
+        self.counts: Counter = Counter()  # disconnects, oversize answers
+        self.seen: dict[int, psutil.Process] = {}  # every engine/watchdog/replica process of the run
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def in_fault(self, t: float, margin: float = 3.0) -> bool:
+        return any(start - margin <= t <= (end if end else float("inf")) + margin for start, end in self.windows)
+
+
+async def client_loop(base: str, key: str, idx: int, run: Run) -> None:
+    await asyncio.sleep(run.args.ramp * idx / run.args.clients)  # ramp-up: clients join one after another
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600) as http:
         n = 0
-        while time.monotonic() < stop_at and budget[0] > 0:
-            budget[0] -= 1
+        while time.monotonic() < run.stop_at and run.budget > 0:
+            run.budget -= 1
             n += 1
-            body = {"model": "m", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            body = {"model": "m", "stream": True, "max_tokens": run.args.max_tokens, "temperature": 0,
                     "messages": [{"role": "user", "content": PROMPTS[(idx + n) % len(PROMPTS)]}]}
             try:
                 async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                    if response.status_code == 429:
-                        statuses["429"] += 1
+                    status = str(response.status_code)
+                    if status in ("429", "503"):
+                        run.statuses[status] += 1
                         if "retry-after" not in response.headers:
-                            failures.append("429 without Retry-After")
+                            run.failures.append(f"{status} without Retry-After")
                         await asyncio.sleep(float(response.headers.get("retry-after", "1")))
                         continue
-                    if response.status_code != 200:
-                        statuses[str(response.status_code)] += 1
-                        failures.append(f"{response.status_code}: {(await response.aread())[:200]!r}")
+                    if status != "200":
+                        run.statuses[status] += 1
+                        run.failures.append(f"{status}: {(await response.aread())[:200]!r}")
                         continue
-                    done, chunks = False, 0
+                    done, error, chunks = False, None, 0
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
                             continue
@@ -65,141 +110,159 @@ async def client_loop(base: str, key: str, idx: int, stop_at: float, budget: lis
                             break
                         event = json.loads(data)
                         if "error" in event:
-                            failures.append(f"error event: {event['error']}")
-                            break
-                        chunks += 1
-                    statuses["200" if done else "200-broken"] += 1
-                    if done:
-                        tokens.append(chunks)
+                            error = event["error"]
+                        else:
+                            chunks += 1
+                    run.chunks += chunks
+                    if not done:
+                        run.statuses["200-cut"] += 1
+                        run.failures.append("stream ended without [DONE]")
+                    elif error is not None:
+                        run.statuses["200-error-event"] += 1
+                        if not run.in_fault(run.now()):
+                            run.failures.append(f"error event outside a fault: {error}")
                     else:
-                        failures.append("stream ended without [DONE]")
+                        run.statuses["200"] += 1
             except httpx.HTTPError as exc:
-                statuses[type(exc).__name__] += 1
-                failures.append(f"{type(exc).__name__}: {exc}")
+                run.statuses[type(exc).__name__] += 1
+                run.failures.append(f"{type(exc).__name__}: {exc}")
 
 
-async def health_prober(base: str, stop_at: float, latencies: list[float], bad: list[str],
-                        slow: list[tuple[float, float]] | None = None) -> None:
-    started = time.monotonic()
+async def health_prober(base: str, run: Run, into: list | None = None) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        while time.monotonic() < stop_at:
+        while time.monotonic() < run.stop_at:
             t0 = time.monotonic()
             try:
-                status = (await http.get("/health")).status_code
+                status = str((await http.get("/health")).status_code)
             except httpx.HTTPError as exc:
                 status = type(exc).__name__
-            latencies.append(time.monotonic() - t0)
-            if slow is not None and latencies[-1] >= 1.0:
-                slow.append((t0 - started, latencies[-1]))
-            if status != 200:
-                bad.append(str(status))
-            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+            latency = time.monotonic() - t0
+            if into is None:
+                run.health.append((t0 - run.started, status, latency))
+            elif status == "200":
+                into.append(latency)
+            await asyncio.sleep(max(0.0, 1.0 - latency))
 
 
-def _our_processes() -> dict[str, list[psutil.Process]]:
-    """The engine and Serve actor processes of this run: descendants of this driver (its local Ray), never another
-    run's on a shared machine."""
-    groups: dict[str, list[psutil.Process]] = {"engine": [], "replicas": []}
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if "serve.engines.cpu" in cmd and "--model-path" in cmd:
-            groups["engine"].append(proc)
-        elif "ServeReplica:" in cmd or "ProxyActor" in cmd or "ServeController" in cmd:
-            groups["replicas"].append(proc)
-    return groups
-
-
-async def rss_sampler(stop_at: float, samples: list[tuple[float, dict[str, int]]]) -> None:
-    start = time.monotonic()
-    while time.monotonic() < stop_at:
-        sample = {}
-        for name, procs in _our_processes().items():
-            total = 0
+async def rss_sampler(run: Run) -> None:
+    while time.monotonic() < run.stop_at:
+        groups = our_processes()
+        for procs in groups.values():
             for proc in procs:
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    pass
-            sample[name] = total
-        samples.append((time.monotonic() - start, sample))
+                run.seen.setdefault(proc.pid, proc)
+        run.samples.append((run.now(), rss_now()))
         await asyncio.sleep(2.0)
 
 
-async def soak(base: str, key: str, args: argparse.Namespace) -> dict:
-    stop_at = time.monotonic() + args.duration
-    statuses: Counter = Counter()
-    failures: list[str] = []
-    tokens: list[int] = []
-    health: list[float] = []
-    health_bad: list[str] = []
-    samples: list[tuple[float, dict[str, int]]] = []
-    budget = [args.max_requests]
-    slow: list[tuple[float, float]] = []
-    direct: list[float] = []  # the engine's own /health, bypassing Serve: tells where a slow probe spent its time
+async def soak(base: str, key: str, run: Run) -> None:
     engine_url = _engine_url()
-    started = time.monotonic()
-    await asyncio.gather(
-        *(client_loop(base, key, i, stop_at, budget, args.max_tokens, statuses, failures, tokens,
-                      args.ramp * i / args.clients) for i in range(args.clients)),
-        health_prober(base, stop_at, health, health_bad, slow), rss_sampler(stop_at, samples),
-        *([health_prober(engine_url, stop_at, direct, [])] if engine_url else []))
-    return {"wall_s": time.monotonic() - started, "statuses": statuses, "failures": failures, "tokens": tokens,
-            "health": health, "health_bad": health_bad, "samples": samples, "slow": slow, "direct": direct}
+    tasks = [client_loop(base, key, i, run) for i in range(run.args.clients)]
+    tasks += [health_prober(base, run), rss_sampler(run)]
+    if engine_url:
+        tasks.append(health_prober(engine_url, run, run.direct))
+    if run.args.faults:
+        kinds = set(run.args.fault_kinds.split(","))
+        tasks.append(faults(base, run, pause="pause" in kinds, kill="kill" in kinds))
+        if "oversize" in kinds:
+            tasks.append(oversize_client(base, key, run))
+        if "disconnect" in kinds:
+            tasks += [disconnecting_client(base, key, i, run) for i in range(run.args.disconnect_clients)]
+    await asyncio.gather(*tasks)
 
 
 def _engine_url() -> str | None:
-    for proc in _our_processes()["engine"]:
+    for proc in our_processes()["engine"]:
         cmd = proc.cmdline()
         if "--port" in cmd:
             return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
     return None
 
 
-def report(result: dict, args: argparse.Namespace) -> bool:
-    statuses, health, samples = result["statuses"], result["health"], result["samples"]
-    ok_codes = {"200", "429"}
-    print(f"\nsoak: {args.clients} streaming clients (ramp {args.ramp:g} s), {result['wall_s']:.0f} s, "
-          f"max_tokens {args.max_tokens}, "
-          f"{platform.machine()} {psutil.cpu_count()} CPUs, load average {psutil.getloadavg()[0]:.1f}")
+def machine() -> str:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags) or "no AVX2"
+    return f"{model} ({isa}), {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+
+
+def report(run: Run, end: dict[str, int] | None, running_at_end: float | None, leaked: list[str]) -> bool:
+    args, statuses = run.args, run.statuses
+    print(f"\nsoak: {' '.join(sys.argv)}\nmachine: {machine()}; load average at the end "
+          f"{psutil.getloadavg()[0]:.1f}")
+    print(f"{args.clients} streaming clients (ramp {args.ramp:g} s), {run.now():.0f} s, max_tokens {args.max_tokens}"
+          + (f", faults: {args.fault_kinds} (pause {args.pause_s:g} s, {args.disconnect_clients} disconnecting "
+             f"clients, chunked uploads of {args.oversize_mib} MiB)" if args.faults else ""))
+    for event in run.events:
+        print(f"  {event}")
     print("| measure | value |\n|---|---|")
-    print(f"| requests answered | {sum(statuses.values())} |")
+    print(f"| streaming requests answered | {sum(statuses.values())} |")
     for code, count in sorted(statuses.items()):
         print(f"| status {code} | {count} |")
-    print(f"| streamed chunks (completed streams) | {sum(result['tokens'])} |")
+    print(f"| streamed chunks | {run.chunks} |")
+    for what, count in sorted(run.counts.items()):
+        print(f"| {what} | {count} |")
+    health = [latency for _, _, latency in run.health]
+    by_status = Counter(status for _, status, _ in run.health)
+    outside = [(t, s) for t, s, _ in run.health if s != "200" and not run.in_fault(t)]
     if health:
         ordered = sorted(health)
-        bad = Counter(result["health_bad"])
-        print(f"| /health probes | {len(health)} (non-200: {dict(bad) if bad else 0}) |")
-        print(f"| /health p50 / p99 / max s | {statistics.median(ordered):.3f} / "
-              f"{ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.3f} / {ordered[-1]:.3f} |")
-    if result["direct"]:
-        ordered = sorted(result["direct"])
-        print(f"| engine's own /health (no Serve) p50 / max s | {statistics.median(ordered):.3f} / "
-              f"{ordered[-1]:.3f} |")
-    if result["slow"]:
-        print(f"| /health probes >= 1 s (at s into the run: s) | "
-              f"{', '.join(f'{t:.0f}: {d:.2f}' for t, d in result['slow'])} |")
-    checks = {
-        "only 200 or 429": set(statuses) <= ok_codes and not result["failures"],
-        "/health always 200 under 1 s": bool(health) and not result["health_bad"] and max(health) < 1.0,
-    }
-    for name in ("engine", "replicas"):
-        series = [s[name] for _, s in samples if s.get(name)]
-        if not series:
-            print(f"| RSS {name} | not found |")
-            continue
-        cut = max(1, 2 * len(series) // 3)
-        early, late = max(series[:cut]), max(series[cut:] or series[-1:])
-        print(f"| RSS {name} MiB first / peak first 2/3 / peak last 1/3 / last | {series[0] / 2**20:.0f} / "
-              f"{early / 2**20:.0f} / {late / 2**20:.0f} / {series[-1] / 2**20:.0f} |")
-        checks[f"RSS {name} bounded (+{args.rss_slack:.0%})"] = late <= early * (1 + args.rss_slack)
+        print(f"| /health probes by status | {dict(sorted(by_status.items()))} |")
+        print(f"| /health p50 / max s | {statistics.median(ordered):.3f} / {ordered[-1]:.3f} |")
+    if run.direct:
+        print(f"| engine's own /health (no Serve) p50 / max s | {statistics.median(run.direct):.3f} / "
+              f"{max(run.direct):.3f} |")
+    checks = {"no 500, no cut connection (200, 429/503 + Retry-After, 413)": set(statuses) <= ALLOWED
+              and not run.failures,
+              "/health 200 outside the fault windows": bool(health) and not outside
+              and set(by_status) <= {"200", "503", "504"}}
+    if not args.faults:
+        checks["/health under 1 s"] = bool(health) and max(health) < 1.0
+    for name in ("engine", "ingress", "proxy", "replicas"):
+        for key in (name, f"{name} private"):
+            series = [s[key] for _, s in run.samples if s.get(key)]
+            if not series:
+                continue
+            what = f"{name} {'private (USS)' if key != name else 'RSS'}"
+            if args.faults and end is not None:
+                before = [s[key] for t, s in run.samples if s.get(key) and t < FAULTS_FROM * args.duration]
+                start = max(before[-3:]) if before else series[0]
+                print(f"| {what} MiB: before the faults / peak / after a cool-down | {start / 2**20:.0f} / "
+                      f"{max(series) / 2**20:.0f} / {end[key] / 2**20:.0f} |")
+                if key != name and name != "replicas":
+                    checks[f"{what} back to its start level (+{args.rss_slack:.0%})"] = \
+                        end[key] <= start * (1 + args.rss_slack)
+            elif key == name:
+                cut = max(1, 2 * len(series) // 3)
+                early, late = max(series[:cut]), max(series[cut:] or series[-1:])
+                print(f"| {what} MiB first / peak first 2/3 / peak last 1/3 / last | {series[0] / 2**20:.0f} / "
+                      f"{early / 2**20:.0f} / {late / 2**20:.0f} / {series[-1] / 2**20:.0f} |")
+                checks[f"{what} bounded (+{args.rss_slack:.0%})"] = late <= early * (1 + args.rss_slack)
+    if args.faults:
+        print(f"| engine requests running after the cool-down | {running_at_end} |")
+        checks["engine idle at the end (left clients cost nothing)"] = running_at_end == 0
+        print(f"| processes of the endpoint seen (Ray, Serve, engines, watchdogs) / left after Ctrl-C | {len(run.seen)} / "
+              f"{len(leaked)} |")
+        checks["no leaked process"] = not leaked
+    if args.faults:
+        step = max(1, len(run.samples) // 10)
+        for key in ("ingress private", "proxy private"):
+            print(f"| {key} MiB, every {2 * step} s | "
+                  f"{' '.join(f'{s[key] / 2**20:.0f}' for _, s in run.samples[::step] if s.get(key))} |")
     for name, passed in checks.items():
         print(f"| check: {name} | {'PASS' if passed else 'FAIL'} |")
-    for failure in result["failures"][:10]:
+    for failure in run.failures[:10]:
         print("  failure:", failure)
+    for t, status in outside[:10]:
+        print(f"  /health {status} at {t:.0f} s, outside the fault windows")
+    for what in leaked[:10]:
+        print("  leaked:", what)
     return all(checks.values())
 
 
@@ -207,41 +270,90 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=90.0, help="seconds of load (requests in flight finish)")
-    parser.add_argument("--max-requests", type=int, default=2000, help="bound on requests started in all")
+    parser.add_argument("--max-requests", type=int, default=2000, help="bound on streaming requests started in all")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ramp", type=float, default=5.0,
                         help="seconds over which the clients join (0: all at once, a connection burst)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rss-slack", type=float, default=0.10, help="allowed growth of the late RSS peak")
+    parser.add_argument("--rss-slack", type=float, default=0.10, help="allowed growth of RSS (see the checks)")
+    parser.add_argument("--faults", action="store_true", help="pause and kill the engine, leaving clients, oversize "
+                        "bodies")
+    parser.add_argument("--fault-kinds", default="pause,kill,disconnect,oversize",
+                        help="with --faults: which (comma-separated subset of pause,kill,disconnect,oversize)")
+    parser.add_argument("--pause-s", type=float, default=7.0, help="SIGSTOP length (past the engine's 5 s keep-alive)")
+    parser.add_argument("--disconnect-clients", type=int, default=2)
+    parser.add_argument("--oversize-mib", type=int, default=64, help="size of each chunked oversize upload")
     args = parser.parse_args()
 
-    import ray
-    from ray import serve
-
-    from serve.production import ProductionSettings, deploy
+    from serve.engines.base import ReplicaConfig, child_env
     from serve.replica import free_port
+    from serve.serving import Provenance, ServingConfig
 
     folder = Path(tempfile.mkdtemp(prefix="specdec-soak-"))
     config_file = folder / "serving.json"
-    config_file.write_text(json.dumps({"engine": "cpu", "model": args.model, "dtype": "float32", "decision": "soak",
-                                       "trial": {"spec": {"algorithm": "none"}, "max_running_requests": None}}))
+    config = ServingConfig(replica=ReplicaConfig(model=args.model, threads=args.threads),
+                           provenance=Provenance(study="soak", decision="keep_baseline", source="baseline",
+                                                 workload="soak", workload_digest="0" * 16))
+    config_file.write_text(config.model_dump_json())
     key = secrets.token_urlsafe(24)
     key_file = folder / "keys.txt"
     key_file.write_text(key + "\n")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never join a cluster found here
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    # The endpoint as an operator runs it: its own driver, its own local Ray, stopped by Ctrl-C (SIGINT) at the end.
+    t0 = time.monotonic()
+    with open(folder / "driver.log", "wb") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "serve.production", "--config-file", str(config_file),
+                                   "--port", str(port), "--api-key-file", str(key_file), "--threads",
+                                   str(args.threads), "--follow-alias-s", "0"], env=child_env(), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    ROOT.append(driver.pid)
+    run: Run | None = None
+    end, running = None, None
+    everything: list[psutil.Process] = []
     try:
-        t0 = time.monotonic()
-        deploy(ProductionSettings(config_file=str(config_file), port=port, api_key_file=str(key_file),
-                                  threads=args.threads))
-        print(f"deployed in {time.monotonic() - t0:.0f} s; soaking for {args.duration:.0f} s", flush=True)
-        result = asyncio.run(soak(f"http://127.0.0.1:{port}", key, args))
+        deadline = time.monotonic() + 900
+        while not _healthy(base):
+            if driver.poll() is not None or time.monotonic() > deadline:
+                print((folder / "driver.log").read_text()[-3000:])
+                return 1
+            time.sleep(0.5)  # polling a condition under a deadline
+        print(f"endpoint up in {time.monotonic() - t0:.0f} s (driver log: {folder / 'driver.log'}); soaking for "
+              f"{args.duration:.0f} s", flush=True)
+        run = Run(args)
+        asyncio.run(soak(base, key, run))
+        if args.faults:
+            end, running = cool_down(base, key)
     finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0 if report(result, args) else 1
+        everything = descendants()
+        if run is not None:
+            for proc in everything:
+                run.seen.setdefault(proc.pid, proc)
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGINT)  # Ctrl-C in the driver's terminal
+            try:
+                driver.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(driver.pid, signal.SIGKILL)
+    leaked: list[str] = []
+    deadline = time.monotonic() + 60
+    while run is not None and time.monotonic() < deadline:
+        leaked = [f"pid {p.pid} {p.name()}" for p in run.seen.values() if alive(p)]
+        if not leaked:
+            break
+        time.sleep(0.5)  # polling a condition under a deadline
+    for proc in everything:
+        if alive(proc):
+            proc.kill()  # never leave a leaked process behind on the machine, reported or not
+    return 0 if run is not None and report(run, end, running, leaked) else 1
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """Traffic capture at the production endpoint: a sample of real requests and their answers, as Parquet, to re-tune on.
 
 Opt-in (`ProductionSettings.capture`, off by default), sampled (`sample_rate`), bounded (`max_rows` over the capture
-directory, restarts included; then capture stops and says so once in the log). Only successful (200)
-`/v1/chat/completions` and `/v1/completions` answers are kept, streamed or not. Captured rows hold user prompts and
-generated text: read docs/security.md ("Traffic capture") before turning it on.
+directory, restarts included; then capture stops and says so once in the log). Only successful
+`/v1/chat/completions` and `/v1/completions` answers are kept: a 200 answer, or a stream that reached its `[DONE]`
+without an error event (a stream cut by `request_timeout_s` or by a dying engine ends with an error event before
+its `[DONE]`: its text is incomplete, so it is not kept). Captured rows hold user prompts and generated text: read
+docs/security.md ("Traffic capture") before turning it on. The capture directory is created 0700 and every file in
+it (parts, and the file `merge` writes) is 0600, whatever the process's umask.
 
 Rows use the workload schema (`pipeline.workloads`), so a capture is a workload and a corpus as it is:
-`id` (`<route>:<unix ms>:<random>`), `prompt` (completions) or `messages` (chat, JSON text), `max_new_tokens` (the
-request's `max_tokens`/`max_completion_tokens`, else the endpoint's limit as the ingress applies it) and `output`
-(the answer's text). Each flush writes a new part file `part-<pid>-<random>-<seq>.parquet` into `dir` (Parquet files
-cannot be appended to, and a part is complete the moment it exists); `python -m serve.capture merge DIR OUT.parquet`
-joins the parts into the file `python -m pipeline.tune --workload OUT.parquet` replays.
+`id` (`chat:<unix ms>:<random>` or `completions:...`), `prompt` (completions) or `messages` (chat, JSON text),
+`max_new_tokens` (what the engine was asked for: the request's `max_tokens`/`max_completion_tokens`, or the value
+the ingress filled in for a request without one) and `output` (the answer's text). Each flush writes a new part
+file `part-<random>-<seq>.parquet` into `dir` (Parquet files cannot be appended to, and a part is complete the
+moment it exists); `python -m serve.capture merge DIR OUT.parquet` joins the parts into the file
+`python -m pipeline.tune --workload OUT.parquet` replays.
 
 Writes happen on a worker thread, never on the event loop; a failed write is logged and drops that part, never a
 request.
@@ -21,23 +25,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import sys
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 
+from serve.http_limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve.spec import FrozenModel
 
-__all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "row_of", "merge_parts", "main"]
+__all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "DIR_MODE", "FILE_MODE", "row_of", "merge_parts",
+           "make_private_dir", "write_private", "main"]
 
 log = logging.getLogger("serve.capture")
 CAPTURED_ROUTES = ("/v1/chat/completions", "/v1/completions")
+DIR_MODE, FILE_MODE = 0o700, 0o600  # captured prompts are user data: operators only (as identity.json, promoted.yaml)
 
 
 class CaptureSettings(FrozenModel):
@@ -70,9 +79,11 @@ def row_of(route: str, request: dict[str, Any], answer_text: str, default_max_to
     limit = request.get("max_completion_tokens") or request.get("max_tokens") or default_max_tokens
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         return None
-    row: dict[str, Any] = {"id": f"{route.rsplit('/', 1)[-1]}:{int(time.time() * 1000)}:{uuid.uuid4().hex[:8]}",
-                           "prompt": None, "messages": None, "max_new_tokens": limit, "output": answer_text}
-    if route.endswith("/chat/completions"):
+    chat = route.endswith("/chat/completions")
+    kind = "chat" if chat else "completions"
+    row: dict[str, Any] = {"id": f"{kind}:{int(time.time() * 1000)}:{uuid.uuid4().hex[:8]}", "prompt": None,
+                           "messages": None, "max_new_tokens": limit, "output": answer_text}
+    if chat:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
@@ -101,20 +112,51 @@ def _answer_text(payload: dict[str, Any]) -> str:
     return str(message.get("content") or choice.get("text") or "")
 
 
-def _stream_delta(line: bytes) -> str:
-    """Text of one SSE `data:` line of an OpenAI stream ('' for anything else)."""
+def _stream_event(line: bytes) -> tuple[str, bool]:
+    """(text, is an error event) of one SSE `data:` line of an OpenAI stream (('', False) for anything else)."""
     if not line.startswith(b"data:"):
-        return ""
+        return "", False
     data = line[5:].strip()
     if not data or data == b"[DONE]":
-        return ""
+        return "", False
     try:
         chunk = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return ""
-    choice = (chunk.get("choices") or [{}])[0] if isinstance(chunk, dict) else {}
+        return "", False
+    if not isinstance(chunk, dict):
+        return "", False
+    if "error" in chunk:
+        return "", True
+    choice = (chunk.get("choices") or [{}])[0]
     delta = choice.get("delta") or {}
-    return str(delta.get("content") or choice.get("text") or "")
+    return str(delta.get("content") or choice.get("text") or ""), False
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) with the capture's mode; an existing directory keeps its own, with a
+    warning when others may read it (its files are FILE_MODE regardless)."""
+    if path.is_dir():
+        if path.stat().st_mode & 0o077:
+            log.warning("traffic capture: %s is readable by other users (mode %o); its files are written %o, "
+                        "but consider a directory only the operators can list", path, path.stat().st_mode & 0o777,
+                        FILE_MODE)
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)  # mkdir's mode is cut by the umask; chmod is not
+
+
+def write_private(write: Any, path: Path) -> None:
+    """`write(tmp)` then rename to `path`, the file FILE_MODE from the first byte (created so, not chmod-ed after)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)  # the umask may have removed bits of FILE_MODE at creation
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+        os.replace(tmp, path)  # readers (merge, the bound's count) never see half a file
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class Capture:
@@ -126,7 +168,7 @@ class Capture:
         if settings is None:
             return
         self.dir = Path(settings.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.dir)
         self._rng = random.Random(settings.seed)
         self._lock = threading.Lock()
         self._rows: list[dict[str, Any]] = []
@@ -137,19 +179,14 @@ class Capture:
         self._full_logged = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture")
 
-    async def observe(self, route: str, request: Any, response: Any) -> Any:
-        """The ingress hook: maybe record (request, response); returns the response to send (a streamed one is
-        wrapped so its text is collected as it passes)."""
+    async def observe(self, route: str, body: dict[str, Any] | None, response: Any) -> Any:
+        """The ingress hook: maybe record (request, response); `body` is the request as the engine was asked (the
+        ingress's filled-in max_tokens included), None when it never got that far. Returns the response to send (a
+        streamed one is wrapped so its text is collected as it passes)."""
         settings = self.settings
         if settings is None or route not in CAPTURED_ROUTES or response.status_code != 200:
             return response
-        if self._rng.random() >= settings.sample_rate:
-            return response
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return response
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) or self._rng.random() >= settings.sample_rate:
             return response
         iterator = getattr(response, "body_iterator", None)
         if iterator is None:
@@ -159,31 +196,41 @@ class Capture:
                 pass
             return response
 
-        async def relay():
+        request: dict[str, Any] = body
+
+        async def relay() -> AsyncIterator[Any]:
             pieces: list[str] = []
             pending = b""
-            complete = False
+            complete = failed = False
             try:
                 async for chunk in iterator:
                     raw = chunk.encode() if isinstance(chunk, str) else chunk
                     pending += raw
                     *lines, pending = pending.split(b"\n")
-                    pieces.extend(_stream_delta(line) for line in lines)
+                    for line in lines:
+                        text, error = _stream_event(line)
+                        pieces.append(text)
+                        failed = failed or error
                     complete = complete or any(line.strip() == b"data: [DONE]" for line in lines)
                     yield chunk
                 complete = True
             finally:
                 # A client may hang up as soon as it has `data: [DONE]`, before this generator resumes (it is then
-                # closed at its `yield`): the answer was whole, so it is kept. A stream cut before [DONE] is not.
-                if complete:
-                    pieces.append(_stream_delta(pending))
-                    self.record(route, body, "".join(pieces))
+                # closed at its `yield`): the answer was whole, so it is kept. A stream cut before [DONE] is not, nor
+                # one that carried an error event (a timeout or a dead engine ends it with one, then [DONE]).
+                text, error = _stream_event(pending)
+                if complete and not (failed or error):
+                    pieces.append(text)
+                    self.record(route, request, "".join(pieces))
 
         response.body_iterator = relay()
         return response
 
     def record(self, route: str, request: dict[str, Any], answer_text: str) -> None:
-        row = row_of(route, request, answer_text, self.default_max_tokens)
+        # the ingress passes the request with its filled-in max_tokens; a caller that does not gets the same default
+        default = (self.default_max_tokens if route.endswith("/chat/completions")
+                   else min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.default_max_tokens))
+        row = row_of(route, request, answer_text, default)
         if row is None or self.settings is None:
             return
         with self._lock:
@@ -229,9 +276,7 @@ def _write_part(rows: list[dict[str, Any]], path: Path) -> None:
         table = pa.table({c: [r[c] for r in rows] for c in _COLUMNS},
                          schema=pa.schema([("id", pa.string()), ("prompt", pa.string()), ("messages", pa.string()),
                                            ("max_new_tokens", pa.int64()), ("output", pa.string())]))
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(table, tmp)
-        tmp.replace(path)  # readers (merge, the bound's count) never see half a part
+        write_private(lambda handle: pq.write_table(table, handle), path)
     except Exception:  # noqa: BLE001 - a capture failure must never reach a request
         log.exception("traffic capture: writing %s failed; %d rows dropped", path, len(rows))
 
@@ -258,7 +303,7 @@ def merge_parts(directory: str | Path, out: str | Path) -> int:
         raise ValueError(f"capture: no part-*.parquet files in {str(directory)!r} (is capture on, and has the "
                          "endpoint answered sampled requests?)")
     table = pa.concat_tables([pq.read_table(p) for p in parts])
-    pq.write_table(table, out)
+    write_private(lambda handle: pq.write_table(table, handle), Path(out))
     return table.num_rows
 
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from serve.engines.base import ReplicaConfig
+from serve.engines.base import ENDPOINT_MALLOC_MARKER, ReplicaConfig
 from serve.serving import ENGINE_DEPLOYMENTS, HIGH, LOW, SERVING_FILE, ServingConfig
 from serve.production_settings import (LOCAL_HOSTS, PRODUCTION, ProductionSettings, auth_problem,
                                        load_api_keys)
@@ -197,27 +199,54 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", flush=True)
         return 2
+    if not address:
+        local_ray_environment(os.environ)
     import ray
     from ray import serve
 
-    ray.init(address=address or "local", include_dashboard=False)  # help: "instead of starting a local one"
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    # SIGTERM (a service manager, `kill`) stops the endpoint as Ctrl-C does: Serve shuts its replicas down, which
+    # stop their engines. A SIGKILL runs nothing here: the engine watchdog's owner link stops the engine then.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        served = deploy(settings)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"error: {exc}", flush=True)
-        serve.shutdown()
-        return 1
-    origin = served["origin"]
-    # Ask the running ingress, not the settings: it knows the bind address and the keys it actually loaded.
-    auth = serve.get_app_handle(settings.app_name).auth_summary.remote().result(timeout_s=60)
-    print(f"serving {origin['source']} (version {origin['version']}) at http://{settings.host}:{settings.port}/v1 "
-          f"-- auth {auth}; Ctrl-C stops", flush=True)
-    try:
+        ray.init(address=address or "local", include_dashboard=False)  # help: "instead of starting a local one"
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        try:
+            served = deploy(settings)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"error: {exc}", flush=True)
+            serve.shutdown()
+            return 1
+        origin = served["origin"]
+        # Ask the running ingress, not the settings: it knows the bind address and the keys it actually loaded.
+        auth = serve.get_app_handle(settings.app_name).auth_summary.remote().result(timeout_s=60)
+        print(f"serving {origin['source']} (version {origin['version']}) at http://{settings.host}:{settings.port}"
+              f"/v1 -- auth {auth}; Ctrl-C stops", flush=True)
         follow(settings, origin.get("version"))
     except KeyboardInterrupt:
+        print("stopping: shutting the endpoint and its engines down", flush=True)
         serve.shutdown()
+        ray.shutdown()
     return 0
+
+
+def local_ray_environment(env: MutableMapping[str, str]) -> None:
+    """The environment of a local Ray that serves this machine only (set in `env` unless it is set already; Ray's
+    processes read it when they start, this one when it imports Ray):
+    - Ray's single-machine mode binds every Ray listener, its metrics exporter (which answers without auth) included,
+      to 127.0.0.1 (Ray 2.60 turns an explicit 127.0.0.1 node address into the machine's routable one). Serve's HTTP
+      proxy binds --host regardless.
+    - a fixed glibc mmap threshold (128 KiB): request bodies pass through Serve's proxy and the ingress replica in
+      buffers of up to megabytes, and with glibc's default (a threshold that rises to the largest buffer freed) the
+      freed ones stay in the heap among live allocations. Under streaming traffic, refused 64 MiB uploads grew the
+      proxy's and the ingress's private memory by ~60 MiB each (benchmarks/soak.py); fixed, by none. Engines get
+      glibc's default back (`serve.engines.base.child_env`)."""
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if "MALLOC_MMAP_THRESHOLD_" not in env:
+        env["MALLOC_MMAP_THRESHOLD_"] = env[ENDPOINT_MALLOC_MARKER] = str(128 * 1024)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def current_version(settings: ProductionSettings) -> str | None:

@@ -55,6 +55,9 @@ class ProductionSettings(FrozenModel):
     retry_after_s: int = Field(2, ge=0, description="Retry-After of a 429")
     request_timeout_s: float = Field(300.0, gt=0, description="a request still running after this is cut: 504, "
                                                               "or an error event on a stream")
+    health_timeout_s: float = Field(10.0, gt=0, description="GET /health asks each engine for at most this long: "
+                                                            "504 after it (a paused or wedged engine), 503 when an "
+                                                            "engine is gone")
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
     capture: CaptureSettings | None = Field(None, description="traffic capture to Parquet (opt-in; a directory or "
                                                             "JSON settings; see serve/capture.py and the PII "

@@ -31,7 +31,12 @@ SERVE_CONFIG_FILE = "serve_config.yaml"
 RAYSERVICE_PATCH_FILE = "rayservice_patch.yaml"
 SERVING_FILE = "serving_config.json"
 HIGH_COMMAND_FILE = "engine_command_high.sh"
-ENGINE_HOST, ENGINE_PORT = "0.0.0.0", 30000
+# The engine has no auth (neither ours nor SGLang without --api-key): the exported command binds this machine only.
+# docs/security.md says how to put it behind the production endpoint or an authenticating proxy.
+ENGINE_HOST, ENGINE_PORT = "127.0.0.1", 30000
+BIND_NOTE = ("# Binds 127.0.0.1: the engine has no auth. Serve it to others through the production endpoint\n"
+             "# (python -m serve.production, which runs this engine itself) or an authenticating reverse proxy\n"
+             "# (docs/security.md); do not change --host to 0.0.0.0.\n")
 
 
 class Provenance(FrozenModel):
@@ -201,7 +206,7 @@ def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_la
         SERVING_FILE: serving.model_dump_json(indent=2),
         COMMAND_FILE: ("#!/bin/sh\n# The engine exactly as the winning trial ran it "
                        f"(study {serving.provenance.study}, {serving.provenance.source}).\n" + policy_note + env_note
-                       + _corpus_cd(serving.replica) + "exec " + engine_command(serving) + "\n"),
+                       + BIND_NOTE + _corpus_cd(serving.replica) + "exec " + engine_command(serving) + "\n"),
         SERVE_CONFIG_FILE: ("# serve deploy " + SERVE_CONFIG_FILE + "   (on a cluster started with `ray start --head`)\n"
                             + yaml.safe_dump(serve_deploy_config(serving, source_args), sort_keys=False)),
         RAYSERVICE_PATCH_FILE: ("# kubectl -n specdec patch rayservice specdec-production --type merge "
@@ -214,7 +219,8 @@ def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_la
         # than `switch_above` are in flight (what the production endpoint's ingress does).
         high = serving.model_copy(update={"replica": policy.high})
         files[HIGH_COMMAND_FILE] = (f"#!/bin/sh\n# The engine above {policy.switch_above} requests in flight "
-                                    f"({policy.high_source}). {policy_note[2:]}" + _corpus_cd(policy.high)
+                                    f"({policy.high_source}). {policy_note[2:]}" + BIND_NOTE
+                                    + _corpus_cd(policy.high)
                                     + "exec " + engine_command(high, port=ENGINE_PORT + 1) + "\n")
     from serve.engines import engine_for
 

@@ -1,22 +1,31 @@
-"""`python -m serve.engines.watchdog -- ARGV...`: run ARGV and kill its whole process group when our parent dies.
+"""`python -m serve.engines.watchdog -- ARGV...`: run ARGV and make it die with its owner, however the owner ends.
 
-Every engine is started through this wrapper, in a new session (so the wrapper leads the process group). When Ray
-kills a replica without running its teardown (SIGKILL, a node agent restart), nothing else would stop the engine:
-an orphaned SGLang keeps its GPU memory and the next trial on that GPU fails. Re-parenting (getppid() changes) is the
-portable sign that the owner died. SIGTERM/SIGINT to the wrapper are passed to the group, so a normal teardown
-(`killpg`) behaves as before. Standard library only: it starts in milliseconds.
+Every engine is started through this wrapper, in a new session (so the wrapper leads the process group). The
+owner is the wrapper's parent (a Serve replica, a test, a benchmark). Two links, so that neither end can be lost:
+- owner -> wrapper: the wrapper watches its owner through a pidfd (Linux >= 5.3; else it polls `getppid()`), and
+  stops the engine's whole process group the moment the owner is gone: SIGKILL of a replica, of the driver that
+  started Ray, a node agent restart. SIGTERM/SIGINT to the wrapper are passed to the group, so a normal teardown
+  (`killpg`) behaves as before.
+- wrapper -> engine: the engine is started with `PR_SET_PDEATHSIG(SIGKILL)`, so if the wrapper itself is killed
+  (Ray kills a dying worker's child processes with SIGKILL, which is what used to leave engines with PPID 1) the
+  kernel kills the engine too.
+Standard library only: it starts in milliseconds.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
 
-POLL_S = 0.5
+POLL_S = 0.5  # the getppid() fallback's period, and the longest a missed wake-up can delay a stop
 GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+# loaded here, not in the forked child (no dlopen between fork and exec)
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
@@ -36,6 +45,23 @@ def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
         pass
 
 
+def _die_with(parent: int) -> None:
+    """In the engine's process, before it runs: SIGKILL when `parent` (this wrapper) dies, and exit now if it is
+    gone already (it may have died between the fork and the prctl)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(70)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when process `pid` exits; None where the OS has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
@@ -43,24 +69,34 @@ def main(argv: list[str]) -> int:
         print("usage: python -m serve.engines.watchdog -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     parent = os.getppid()
-    requested = threading.Event()
-    # The handler only records the request; the stop runs below in the main thread, so it always finishes (a stop
-    # thread died with the wrapper when the engine exited first). Installed before the engine starts: a SIGTERM in
-    # between must not kill the wrapper alone and orphan the engine.
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: requested.set())
-    signal.signal(signal.SIGINT, lambda _signum, _frame: requested.set())
-    child = subprocess.Popen(argv)
+    owner = _pidfd(parent)
+    if owner is not None and os.getppid() != parent:  # the owner died before we could watch it
+        return 1
+    # Signal handlers only record the request (the wake-up pipe interrupts the wait below); the stop runs in the main
+    # loop, so it always finishes (a stop thread died with the wrapper when the engine exited first). Installed
+    # before the engine starts: a SIGTERM in between must not kill the wrapper alone and orphan the engine.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    requested = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: requested.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: requested.append(signum))
+    me = os.getpid()
+    child = subprocess.Popen(argv, preexec_fn=lambda: _die_with(me))
+    engine = _pidfd(child.pid)
+    watched = [fd for fd in (owner, engine, wake_r) if fd is not None]
     while child.poll() is None:
-        if requested.is_set():
+        if requested:
             _stop_group(child)
-        if os.getppid() != parent:
+        if os.getppid() != parent or (owner is not None and select.select([owner], [], [], 0)[0]):
             print(f"[watchdog] owner process {parent} is gone: stopping the engine", file=sys.stderr, flush=True)
             _stop_group(child)
-        try:  # not a sleep: the wrapper exits as soon as the engine does (a teardown waits for the wrapper)
-            child.wait(timeout=POLL_S)
-        except subprocess.TimeoutExpired:
-            pass
-    if requested.is_set():  # the engine went first (the group got the SIGTERM too): its children must not outlive it
+        # Not a sleep: wakes when the owner or the engine exits or a signal arrives (the timeout only bounds the
+        # getppid() fallback where there are no pidfds).
+        ready = select.select(watched, [], [], POLL_S)[0]
+        if wake_r in ready:
+            os.read(wake_r, 512)
+    if requested:  # the engine went first (the group got the SIGTERM too): its children must not outlive it
         _stop_group(child)
     return child.returncode if child.returncode >= 0 else 128 - child.returncode
 

@@ -2,11 +2,15 @@
 
 Two serving configs are registered in MLflow (SQLite): version 1 = baseline, version 2 = NGRAM. The endpoint serves
 alias `production`; promotion and rollback move the alias and roll the app while a client keeps sending requests.
+Every error path is exercised here, through Serve (issue #31: the module imported in-process hid a NameError that
+Serve's pickling of the ingress caused), with the capture on, so that what it records is checked as served.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -20,10 +24,12 @@ import pytest
 from pipeline.records.tracking import Tracker
 from pipeline.records.registry import register_config, set_production
 from pipeline.study.driver import connect_ray
+from serve.capture import CaptureSettings
 from serve.engines.base import ReplicaConfig
 from serve.production import ProductionSettings, deploy, load_serving_config
 from serve.replica import EngineProcess
 from serve.serving import Provenance, ServingConfig
+from tests.integration.production_helpers import app_processes, metric, openai_error, raw_post
 
 pytestmark = pytest.mark.integration
 KEY = "test-key-0123456789abcdef"  # >= MIN_KEY_CHARS: short keys are refused at start
@@ -55,7 +61,8 @@ def endpoint(tmp_path_factory):
     keys.write_text(KEY + "\n")
     base_url = connect_ray("production-test")
     settings = ProductionSettings(registered_model="specdec-prod", tracking_uri=uri, require_auth=True,
-                                  api_key_file=str(keys), max_request_bytes=4096, max_tokens_limit=64)
+                                  api_key_file=str(keys), max_request_bytes=65536, max_tokens_limit=64,
+                                  capture=CaptureSettings(dir=str(tmp / "capture"), sample_rate=1, flush_rows=1))
     deploy(settings)
     yield base_url, settings, tracker
     from ray import serve
@@ -95,7 +102,7 @@ def test_openai_routes_match_the_engine_directly(endpoint):
     ({}, b'{"model": "m", "prompt": "x", "max_tokens": 4}', 401),
     ({"Authorization": "Bearer wrong"}, b'{"model": "m", "prompt": "x", "max_tokens": 4}', 401),
     ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": ', 400),
-    ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}', 413),
+    ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": "' + b"x" * 70000 + b'"}', 413),
     ({"Authorization": f"Bearer {KEY}"}, b'{"model": "m", "prompt": "x", "max_tokens": 100000}', 422),
 ])
 def test_bad_requests_are_refused_and_the_endpoint_keeps_serving(endpoint, headers, body, status):
@@ -132,11 +139,15 @@ def _roll_under_load(base_url: str, settings: ProductionSettings) -> tuple[int, 
     try:
         deploy(settings)
         sent_at_ready = counts["sent"]
+        deadline = time.monotonic() + 300  # each request is bounded by the client's 120 s timeout
         while counts["sent"] < sent_at_ready + 3:  # a few requests on the new version too
-            time.sleep(0.1)
+            assert worker.is_alive(), f"the traffic thread ended before 3 requests on the new version: {counts}"
+            assert time.monotonic() < deadline, f"3 requests on the new version not sent within 300 s: {counts}"
+            time.sleep(0.1)  # polling a condition under a deadline
     finally:
         done.set()
-        worker.join()
+        worker.join(timeout=180)
+    assert not worker.is_alive(), "the traffic thread's last request outlived the client timeout"
     return counts["sent"], counts["failed"]
 
 
@@ -260,3 +271,105 @@ def test_off_localhost_without_usable_keys_fails_fast_with_the_reason(tmp_path, 
     assert needle in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
     if keys:
         assert keys.split(",")[0] not in proc.stdout  # keys are never echoed
+
+
+# --- every error path, through Serve (issue #31) -------------------------------------------------------------
+
+_AUTH = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+_CHAT = [{"role": "user", "content": "Hi"}]
+_ERROR_CASES = [
+    ("/v1/completions", {"content-type": "application/json"}, b'{"prompt": "x", "max_tokens": 2}', 401),
+    ("/v1/completions", {"Authorization": "Bearer not-the-key-0123456789"}, b'{"prompt": "x"}', 401),
+    ("/v1/models", {}, None, 401), ("/v1/config", {}, None, 401), ("/metrics", {}, None, 401),
+    ("/v1/completions", _AUTH, b'{"prompt": ', 400),
+    ("/v1/completions", _AUTH, b'["not", "an", "object"]', 400),
+    ("/v1/completions", _AUTH, b"[" * 5000 + b"]" * 5000, 400),
+    ("/v1/chat/completions", _AUTH, b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    ("/v1/completions", _AUTH, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400),
+    ("/v1/completions", _AUTH, b'{"prompt": "x", "max_tokens": 2, "temperature": Infinity}', 400),
+    ("/v1/completions", _AUTH, b'{"prompt": "x", "max_tokens": 2, "temperature": 1e400}', 400),
+    ("/v1/completions", _AUTH, b'{"prompt": "x", "max_tokens": 2, "temperature": NaN}', 400),
+    ("/v1/completions", _AUTH, b'{"prompt": "x", "max_tokens": 2, "top_p": 0}', 400),  # the engine's own check
+    ("/v1/completions", _AUTH, b'{"prompt": "' + b"x" * 70000 + b'"}', 413),
+    *[("/v1/completions", _AUTH, json.dumps({"prompt": "Hi", "max_tokens": value}).encode(), 422)
+      for value in (0, -1, "5", 5.0, 5.5, True, 65)],
+    ("/v1/chat/completions", _AUTH, json.dumps({"messages": _CHAT, "max_completion_tokens": 0}).encode(), 422),
+    ("/v1/chat/completions", _AUTH, json.dumps({"messages": _CHAT, "max_tokens": "5"}).encode(), 422),
+]
+
+
+def _counts(base_url: str, keys: set[tuple[str, int]]) -> dict[tuple[str, int], float]:
+    return {key: metric(base_url, KEY, "specdec_requests_total", route=key[0], status=str(key[1])) for key in keys}
+
+
+def test_every_error_path_answers_in_openai_shape_and_is_counted(endpoint):
+    base_url, _, _ = endpoint
+    keys = {(path, status) for path, _, _, status in _ERROR_CASES}
+    before = _counts(base_url, keys)
+    for path, headers, body, status in _ERROR_CASES:
+        if body is None:
+            response = httpx.get(base_url + path, headers=headers, timeout=60)
+        else:
+            response = httpx.post(base_url + path, content=body, headers=headers, timeout=60)
+        assert response.status_code == status, (path, body[:80] if body else None, response.text[:300])
+        openai_error(response)
+    after = _counts(base_url, keys)
+    expected = {key: sum(1 for p, _, _, s in _ERROR_CASES if (p, s) == key) for key in keys}
+    assert {key: after[key] - before[key] for key in keys} == expected
+    ok = client(base_url).completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1  # refused requests never disturbed the engine
+
+
+def test_a_chunked_upload_past_the_limit_is_refused_before_it_is_read(endpoint):
+    base_url, settings, _ = endpoint
+    ingress = app_processes(settings.app_name)["ingress"]
+    assert len(ingress) == 1, ingress
+    before = ingress[0].memory_info().rss
+    status = raw_post(base_url, "/v1/completions", {"Authorization": f"Bearer {KEY}",
+                                                    "Content-Type": "application/json"},
+                      (b"x" * 2**20 for _ in range(300)))  # 300 MiB, no Content-Length
+    grown = ingress[0].memory_info().rss - before
+    assert status == 413
+    # Generous: the replica held the whole body before (+860 MiB for these 300 MiB); now it stops at 64 KiB.
+    assert grown < 150 * 2**20, f"the ingress replica grew by {grown / 2**20:.0f} MiB"
+
+
+def _capture_rows(folder: Path, wanted: int) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    deadline = time.monotonic() + 60  # parts are written off the request path
+    while True:
+        rows = [r for p in sorted(folder.glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+        if len(rows) >= wanted or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)  # polling a condition under a deadline
+
+
+def test_capture_records_what_was_served_in_private_files(endpoint):
+    base_url, settings, _ = endpoint
+    folder = Path(settings.capture.dir)
+    already = len(_capture_rows(folder, 0))
+    api = client(base_url)
+    plain = api.completions.create(model=MODEL, prompt="Capture me:", temperature=0)  # no max_tokens: 16 served
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capture me too."}],
+                                max_tokens=3, temperature=0)
+    rows = _capture_rows(folder, already + 2)
+    mine = {r["prompt"] or r["messages"]: r for r in rows}
+    served = mine["Capture me:"]
+    assert served["max_new_tokens"] == 16 and served["output"] == plain.choices[0].text
+    assert served["id"].startswith("completions:")
+    chat = next(r for key, r in mine.items() if "Capture me too." in key)
+    assert chat["id"].startswith("chat:") and chat["max_new_tokens"] == 3
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.glob("part-*.parquet")} == {0o600}
+
+
+def test_chat_without_max_tokens_on_a_long_prompt_says_which_limit_was_applied(endpoint):
+    base_url, settings, _ = endpoint
+    long_prompt = "a " * 8120  # 8151 tokens with the chat template: 41 left of 8192, fewer than the limit (64)
+    response = httpx.post(f"{base_url}/v1/chat/completions", headers=_AUTH, timeout=120,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]})
+    assert response.status_code == 400, response.text
+    message = openai_error(response)["message"]
+    assert f"max_tokens={settings.max_tokens_limit}" in message and "max_tokens_limit" in message, message
+    assert "sampling_params" not in message and "<= 41" in message

@@ -114,7 +114,7 @@ def test_deploy_files_carry_the_bare_llama_server_command():
         argv = shlex.split(next(line for line in text.splitlines() if line.startswith("exec ")))[1:]
         shim = engine_for("llama_cpp").argv(replica, "h", 1)
         assert argv[:-4 if isinstance(spec, LlamaDraftSpec) else -6] == shim[shim.index("--") + 1:]
-        assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "30000"
+        assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "30000"
         if isinstance(spec, LlamaNgramCacheSpec):
             assert argv[-2:] == ["--lookup-cache-dynamic", "lookup-dynamic.bin"]
             assert "touch lookup-dynamic.bin\n" in text

@@ -26,7 +26,7 @@ __all__ = ["register_openai_routes"]
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -92,7 +92,7 @@ def register_openai_routes(app: FastAPI, engine: Engine) -> None:
         if body.echo:
             raise BadRequest("echo: not implemented by the CPU engine; send false")
         token_ids = None if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)]
-        ids = engine.factory.prompt_ids(prompt if isinstance(prompt, str) else None, token_ids)
+        ids = await engine.factory.prompt_ids_async(prompt if isinstance(prompt, str) else None, token_ids)
         return await _run(engine, http, body, ids, body.max_tokens if body.max_tokens is not None else 16,
                           chat=False)
 
@@ -105,9 +105,15 @@ def register_openai_routes(app: FastAPI, engine: Engine) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest(f"messages: model {name!r} has no chat template; use /v1/completions with a plain prompt")
         messages = [_flatten(m) for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        engine.factory.check_length(text, "messages")
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        size = sum(len(m["content"]) for m in messages)
+        engine.factory.check_length("".join(m["content"] for m in messages), "messages")  # the cheap bound first
+
+        def render(tok: Any) -> list[int]:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            engine.factory.check_length(text, "messages")
+            return list(tok.encode(text, add_special_tokens=False))
+
+        ids = await engine.factory.tokenize(render, size)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if limit is None:  # OpenAI/SGLang: up to the context; bounded here by the room left
             limit = max(1, engine.context_length - len(ids))
@@ -134,7 +140,8 @@ async def _run(engine: Engine, http: HttpRequest, body: _Common, ids: list[int],
         "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "min_p": body.min_p, "stop": body.stop, "seed": body.seed, "ignore_eos": body.ignore_eos,
         "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty})
-    req = engine.factory.build(ids, params)
+    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    req = engine.factory.build(ids, params, field=field)
     kind = "chatcmpl" if chat else "cmpl"
     rid, created, model = f"{kind}-{req.rid}", int(time.time()), engine.config.served_model_name
     factory = engine.factory

@@ -4,15 +4,23 @@ Unknown fields are errors (HTTP 400 naming them). SGLang parameters the engine d
 at their neutral value (e.g. `frequency_penalty` 0), so that a client is never silently given something else.
 
 Hostile input is refused with 400, never a 500 or a stalled server: types are strict (`"2"` is not 2, `true` is not a
-token id), seeds must fit int64, text must be valid Unicode (no lone surrogates), and stop strings are bounded
-(at most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters each, as OpenAI bounds them to 4) and checked in
-time linear in their length (`held_back`).
+token id), numbers finite (no NaN or infinity), seeds must fit int64, text must be valid Unicode (no lone
+surrogates), and stop strings are bounded (at most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters each,
+as OpenAI bounds them to 4) and checked in time linear in their length (`held_back`). A prompt text longer than
+`INLINE_TOKENIZE_CHARS` is tokenized on a worker thread (`prompt_ids_async`, `tokenize`), not on the event loop: a
+520,000-character prompt costs a quarter to one second of tokenizing, which would stall every other request and
+`/health` meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import threading
 import uuid
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -21,7 +29,7 @@ from serve.engines.cpu.verify import Sampling
 
 __all__ = ["BadRequest", "SamplingParams", "GenerateBody", "RequestFactory", "parse_model", "DEFAULT_MAX_NEW_TOKENS",
            "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "held_back", "check_text", "stop_list",
-           "check_stops", "INT64"]
+           "check_stops", "INT64", "INLINE_TOKENIZE_CHARS"]
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -29,6 +37,8 @@ MAX_STOP_CHARS = 256  # a stop string is a short marker; a 400k-character one bl
 MAX_STOP_TOKEN_IDS = 64
 INT64 = (-(2**63), 2**63 - 1)
 MAX_CHARS_PER_TOKEN = 64  # a prompt longer than context_length * this cannot fit: refuse it before tokenizing
+INLINE_TOKENIZE_CHARS = 16_384  # tokenizing this much takes a few ms: done on the event loop; more on the thread
+T = TypeVar("T")
 
 
 class BadRequest(ValueError):
@@ -36,8 +46,9 @@ class BadRequest(ValueError):
 
 
 class _Strict(BaseModel):
-    # strict: JSON has real numbers and booleans, so a string "2" or a `true` where an int is due is a client bug
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: JSON has real numbers and booleans, so a string "2" or a `true` where an int is due is a client bug;
+    # and no float is NaN or infinite (`1e400` parses as infinity)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SamplingParams(_Strict):
@@ -176,14 +187,50 @@ class RequestFactory:
         self.vocab_size = vocab_size
         self._seed = random_seed
         self._count = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._own: Any = None  # the worker thread's tokenizer: a copy, never used by two threads at once
+        self._pool_lock = threading.Lock()
+
+    async def tokenize(self, work: Callable[[Any], T], chars: int) -> T:
+        """`work(tokenizer)`: inline when `chars` (the text's size) is small, else on the one tokenizer thread with
+        its own copy of the tokenizer (a fast tokenizer must not be used by two threads at once), so the event loop
+        keeps serving. Big prompts wait for each other there, not for the loop."""
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return work(self.tokenizer)
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+        def run() -> T:
+            if self._own is None:
+                self._own = copy.deepcopy(self.tokenizer)
+            return work(self._own)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
     def prompt_ids(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        """The prompt's token ids, tokenized here (tests, tools); the routes use `prompt_ids_async`."""
+        self._check_prompt(text, input_ids)
+        return self._checked_ids(list(self.tokenizer.encode(text)) if text is not None else None, input_ids)
+
+    async def prompt_ids_async(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        """`prompt_ids`, with a long text tokenized off the event loop (`tokenize`)."""
+        self._check_prompt(text, input_ids)
+        ids = None
+        if text is not None:
+            ids = await self.tokenize(lambda tok: list(tok.encode(text)), len(text))
+        return self._checked_ids(ids, input_ids)
+
+    def _check_prompt(self, text: str | None, input_ids: list[int] | None) -> None:
         if (text is None) == (input_ids is None):
             raise BadRequest("body: exactly one of `text` or `input_ids` is required"
                              + (" (got both)" if text is not None else " (got neither)"))
         if text is not None:
             self.check_length(text, "text")
-            ids = list(self.tokenizer.encode(text))
+
+    def _checked_ids(self, encoded: list[int] | None, input_ids: list[int] | None) -> list[int]:
+        if encoded is not None:
+            ids = encoded
         else:
             given = input_ids or []
             bad = [t for t in given if not 0 <= t < self.vocab_size]
@@ -195,13 +242,15 @@ class RequestFactory:
         return ids
 
     def check_length(self, text: str, where: str) -> None:
-        """Refuse text that cannot fit the context before tokenizing it (tokenizing runs on the event loop)."""
+        """Refuse text that cannot fit the context before tokenizing it (the cheap bound, checked first)."""
         limit = self.context_length * MAX_CHARS_PER_TOKEN
         if len(text) > limit:
             raise BadRequest(f"{where}: {len(text)} characters cannot fit context_length={self.context_length} "
                              f"(limit {limit} characters); send a shorter prompt")
 
-    def build(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
+    def build(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+              field: str = "sampling_params.max_new_tokens") -> Request:
+        """`field`: the name the client used for max_new_tokens (the OpenAI routes: `max_tokens`), for messages."""
         room = self.context_length - len(prompt_ids)
         if room <= 0:
             raise BadRequest(f"prompt: {len(prompt_ids)} tokens leave no room in context_length={self.context_length}")
@@ -210,11 +259,12 @@ class RequestFactory:
         else:
             max_new = params.max_new_tokens
             if max_new <= 0:
-                raise BadRequest(f"sampling_params.max_new_tokens: must be >= 1, got {max_new}")
+                raise BadRequest(f"{field}: must be >= 1, got {max_new}")
             if max_new > room:
+                name = field.rsplit(".", 1)[-1]
                 raise BadRequest(
-                    f"sampling_params.max_new_tokens: prompt_tokens + max_new_tokens = {len(prompt_ids)} + {max_new} "
-                    f"exceeds context_length={self.context_length}; lower max_new_tokens to <= {room}")
+                    f"{field}: prompt_tokens + {name} = {len(prompt_ids)} + {max_new} exceeds "
+                    f"context_length={self.context_length}; lower {name} to <= {room}")
         stops = stop_list(params.stop)
         bad_stop_ids = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if bad_stop_ids:

@@ -12,8 +12,8 @@ Native routes, with SGLang 0.5.23's behaviour (read from the wheel: `srt/entrypo
   400 "Flush cache failed." at once when busy. `timeout` > 0: waits for idle, then flushes; 400 "Timed out waiting
   for idle state." when the time runs out; while one such flush waits, another gets 400 "Another flush_cache is
   already in progress.". Success: 200 with SGLang's text.
-- `POST /add_external_corpus`, `POST /remove_external_corpus`, `GET /list_external_corpora`: see `corpus_routes`;
-  `/server_info`'s `internal_states[0].external_corpora` maps loaded corpus ids to their token counts.
+- `POST /add_external_corpus`, `POST /remove_external_corpus`, `GET /list_external_corpora` (loaded corpus ids and
+  their token counts, as in SGLang; `/server_info` does not list them): see `corpus_routes`.
 Errors: a bad request gets HTTP 400 `{"error": {"message": ...}}` naming the field; a full waiting queue 429 with
 `Retry-After` (SGLang: 503 "The request queue is full."). A client that disconnects cancels its request, streamed or
 not. No `/docs` or `/openapi.json`.
@@ -157,7 +157,7 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequest("return_logprob: not implemented by the CPU engine; send false")
         factory = engine.factory
         params = body.sampling_params
-        req = factory.build(factory.prompt_ids(body.text, body.input_ids), params, body.rid)
+        req = factory.build(await factory.prompt_ids_async(body.text, body.input_ids), params, body.rid)
 
         def payload(snap: Snapshot) -> dict:
             ids = snap.output_ids

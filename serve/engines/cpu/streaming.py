@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from serve.engines.cpu.decode import Request
 from serve.engines.cpu.params import BadRequest
+from serve.http_limits import BadJson, parse_json
 
 __all__ = ["Snapshot", "RequestStream", "collect", "read_json", "error_response", "sse", "RETRY_AFTER_S"]
 
@@ -125,11 +126,13 @@ async def collect(stream: RequestStream, http: HttpRequest) -> Snapshot | None:
 
 
 async def read_json(http: HttpRequest) -> Any:
+    """The body as strict JSON (`serve.http_limits.parse_json`: no NaN/Infinity, no overflow to infinity, bounded
+    nesting and integer size): anything else is a 400, never a RecursionError or ValueError 500."""
     body = await http.body()
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"body: not valid JSON ({err})") from None
+        return parse_json(body)
+    except BadJson as err:
+        raise BadRequest(f"body: {err}") from None
 
 
 def error_response(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -1,0 +1,162 @@
+"""The production ingress as Serve ships it, and the pure parts of its error handling (issue #31 items 1, 2, 3, 4, 7).
+
+`@serve.ingress` freezes the FastAPI app while serve/ingress.py is still being imported, which rebinds the class's
+methods to a copy of the module's globals as they were at that moment: a helper defined below the class is missing in
+the replica (every invalid max_tokens was a NameError 500). The first test checks the methods Serve ships, so it
+fails for any such helper, whatever request would reach it."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import dis
+import inspect
+import json
+
+import httpx
+import pytest
+from starlette.requests import Request
+
+import serve.ingress as ingress
+from serve.capture import Capture
+from serve.http_errors import EngineUnavailable, RequestRejected, failure_answer
+from serve.http_limits import MAX_JSON_DEPTH, BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
+from serve.production_settings import ProductionSettings
+
+
+def _global_names(code):
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield instruction.argval
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _global_names(const)
+
+
+def _shipped_classes():
+    """OpenAIIngress as Serve deploys it: the wrapper Serve builds and the user class under it."""
+    deployed = ingress.OpenAIIngress.func_or_class
+    return [c for c in deployed.__mro__ if c.__module__ == "serve.ingress"]
+
+
+def test_every_global_a_shipped_method_uses_exists_where_it_runs():
+    missing = []
+    for cls in _shipped_classes():
+        for name, member in vars(cls).items():
+            function = getattr(member, "__func__", member)
+            if not inspect.isfunction(function):
+                continue
+            for used in _global_names(function.__code__):
+                if used not in function.__globals__ and not hasattr(builtins, used):
+                    missing.append(f"{cls.__qualname__}.{name} uses {used}")
+    assert missing == [], "bind these above the class in serve/ingress.py (or import them)"
+
+
+def _request(path: str = "/v1/completions", body: bytes = b"{}") -> Request:
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}, receive)
+
+
+def _bare_ingress():
+    """The shipped class with the state `_guarded` reads, without Serve (no engine is asked)."""
+    cls = _shipped_classes()[-1]
+    obj = object.__new__(cls)
+    obj.settings = ProductionSettings(config_file="unused.json")
+    obj.metrics = ingress.IngressMetrics()
+    obj.capture = Capture(None)
+    obj.enforce = False
+    return obj
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_shape_and_is_counted():
+    obj = _bare_ingress()
+
+    async def broken(_request):
+        raise KeyError("something nobody expected")
+
+    response = asyncio.run(obj._guarded(_request(), "/v1/completions", broken))
+    assert response.status_code == 500
+    error = json.loads(response.body)["error"]
+    assert error["code"] == 500 and "KeyError" in error["message"]
+    assert obj.metrics.requests.labels("/v1/completions", "500")._value.get() == 1
+
+
+def test_a_dead_engine_is_a_503_with_retry_after_and_is_counted():
+    obj = _bare_ingress()
+
+    async def engine_gone(_request):
+        raise EngineUnavailable("the engine exited with code -9")
+
+    response = asyncio.run(obj._guarded(_request(), "/v1/completions", engine_gone))
+    assert response.status_code == 503 and response.headers["retry-after"] == str(obj.settings.retry_after_s)
+    assert "exited with code -9" in json.loads(response.body)["error"]["message"]
+    assert obj.metrics.requests.labels("/v1/completions", "503")._value.get() == 1
+
+
+def test_failures_map_to_their_cause():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    try:
+        raise EngineUnavailable("the engine exited with code -9")
+    except EngineUnavailable as exc:
+        remote = RayTaskError("call", "a long remote traceback", exc).as_instanceof_cause()
+    assert failure_answer(remote) == (503, "the engine is unavailable (the engine exited with code -9)")
+    assert failure_answer(httpx.ConnectError("refused"))[0] == 503
+    assert failure_answer(httpx.ReadTimeout("slow"))[0] == 504
+    assert failure_answer(ActorDiedError())[0] == 503
+    assert failure_answer(ValueError("a bug"))[0] == 500
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"[" * 5000 + b"]" * 5000, "nested deeper"),
+    (b'{"a": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", "nested deeper"),
+    (b'{"max_tokens": ' + b"9" * 5000 + b"}", "more digits"),
+    (b'{"temperature": Infinity}', "Infinity is not a JSON number"),
+    (b'{"temperature": -Infinity}', "Infinity is not a JSON number"),
+    (b'{"temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"temperature": 1e400}', "out of range"),
+    (b'{"prompt": "x"', "not valid JSON"),
+    (b'{"prompt": "\xff"}', "not valid JSON"),
+])
+def test_non_standard_or_hostile_json_is_refused_naming_why(body, needle):
+    with pytest.raises(BadJson, match=needle):
+        parse_json(body)
+
+
+def test_standard_json_passes():
+    assert parse_json(b'{"temperature": 0.5, "stop": ["a"], "n": [[1]]}') == {"temperature": 0.5, "stop": ["a"],
+                                                                              "n": [[1]]}
+
+
+def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit():
+    sent = []
+
+    async def receive():  # an endless chunked upload: 64 KiB at a time
+        sent.append(1)
+        return {"type": "http.request", "body": b"x" * 65536, "more_body": True}
+
+    with pytest.raises(RequestRejected) as refused:
+        asyncio.run(read_body(receive, 1_000_000))
+    assert refused.value.status == 413 and refused.value.headers == {"Connection": "close"}
+    assert len(sent) == 1_000_000 // 65536 + 1  # read until past the limit, not one message more
+    with pytest.raises(RequestRejected) as declared:
+        asyncio.run(read_body(receive, 1_000_000, declared=str(600 * 2**20)))
+    assert declared.value.status == 413 and declared.value.headers == {}  # refused before reading at all
+    assert len(sent) == 1_000_000 // 65536 + 1
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", 5.0, 5.5, True, 10**6])
+def test_every_invalid_max_tokens_form_is_422(value):
+    for key in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(RequestRejected) as refused:
+            check_max_tokens({key: value}, 2048)
+        assert refused.value.status == 422 and key in refused.value.message
+
+
+def test_absent_max_tokens_is_filled_as_documented():
+    chat, plain, given = {}, {}, {"max_tokens": 3}
+    assert fill_max_tokens(chat, True, 64) == 64 and chat == {"max_tokens": 64}
+    assert fill_max_tokens(plain, False, 64) == 16 and plain == {"max_tokens": 16}
+    assert fill_max_tokens(given, False, 64) is None and given == {"max_tokens": 3}
