@@ -14,6 +14,12 @@ config stops this replica's engine (its whole process group, waited for: on a GP
 one in the same actor, which saves a new replica actor (a Ray worker importing Serve and FastAPI) and Serve's
 deploy/delete round trip. Serve's own `reconfigure`/`user_config` cannot do this from `serve.run`: Ray 2.60 deploys
 every `serve.run` under a random version, which replaces the replica.
+
+That start runs in a thread and reports its phases (serve/engines/phases.py: stopping, preflight, waiting for GPUs,
+loading, corpus) at `GET /replica/start`, each with its limit, so the trial's deadline follows the phase; their
+durations are written to the engine log and returned with `/replica/argv`. When the running engine's launch fits the
+next config (serve/launch.py: equal flags; corpora are loaded over HTTP, never as a flag, in a trial replica) the
+engine is kept and only its corpus swapped ("launch shared"); the trial flushes and warms it up as a fresh one.
 """
 
 
@@ -23,6 +29,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +39,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
+from serve import engine_client
 from serve.engines import engine_for
 from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, corpus_jsonl, python_module_argv
+from serve.engines.phases import StartState
+from serve.trial_start import TrialStarts
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
@@ -209,7 +219,15 @@ class _EngineOwner:
     def _engine_client(self) -> httpx.AsyncClient:
         # a standby has no engine yet: its client points nowhere, and the proxy answers "connection refused"
         url = self.engine.url if self.engine is not None else "http://127.0.0.1:9"
-        return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10))
+        return engine_client.new_client(url)
+
+    def _engine_down(self) -> str | None:
+        """Why there is no engine to ask now (the engine client answers EngineUnavailable at once), else None."""
+        if self.engine is None:
+            return self.refused or "no engine is running"
+        if not self.engine.alive():
+            return f"the engine exited with code {self.engine.process.returncode}; Serve is replacing this replica"
+        return None
 
     async def check_health(self) -> None:
         # During a restart (it has its own deadline, start_timeout_s) or after one that started nothing, there is no
@@ -229,20 +247,15 @@ class _EngineOwner:
 
     async def call(self, method: str, path: str, body: bytes = b"",
                    headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
-        """One engine request, whole response: (status, content type, body)."""
-        response = await self.client.request(method, path, content=body, headers=headers or {})
-        return response.status_code, response.headers.get("content-type", ""), response.content
+        """One engine request, whole response: (status, content type, body). EngineUnavailable when the engine is
+        gone (serve.engine_client: a reset idle connection is retried once)."""
+        return await engine_client.call(self.client, self._engine_down, method, path, body, headers)
 
     async def call_stream(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
-        """Streaming engine request: yields (status, content type) first, then the raw body chunks."""
-        request = self.client.build_request(method, path, content=body, headers=headers or {})
-        response = await self.client.send(request, stream=True)
-        try:
-            yield response.status_code, response.headers.get("content-type", "")
-            async for chunk in response.aiter_raw():
-                yield chunk
-        finally:
-            await response.aclose()
+        """Streaming engine request: yields (status, content type) first, then the raw body chunks
+        (serve.engine_client, as `call`)."""
+        async for item in engine_client.call_stream(self.client, self._engine_down, method, path, body, headers):
+            yield item
 
 
 @serve.deployment(**_DEPLOYMENT_OPTIONS)
@@ -252,8 +265,27 @@ class EngineBackend(_EngineOwner):
 
 @serve.deployment(**_DEPLOYMENT_OPTIONS)
 @serve.ingress(app)
-class EngineReplica(_EngineOwner):
-    """An engine replica with every engine route proxied over HTTP under the app's prefix (one per trial)."""
+class EngineReplica(TrialStarts, _EngineOwner):
+    """An engine replica with every engine route proxied over HTTP under the app's prefix (one per trial). Its engine
+    starts (`POST /replica/engine`) are `TrialStarts` (serve/trial_start.py)."""
+
+    stop_limit_s = 2 * STOP_GRACE_S + 5
+
+    def __init__(self, config: dict[str, Any], standby: bool = False) -> None:
+        super().__init__(config, standby)
+        self.start = StartState()  # the trial-driven starts (POST /replica/engine), polled at GET /replica/start
+        self.launched: ReplicaConfig | None = self.config if self.engine is not None else None  # the running
+        # engine's launch config (serve/launch.py): a later config that can share it runs on this engine
+        self.corpus: dict[str, Any] | None = None  # the runtime-loaded corpus: id, load seconds, tokens
+
+    def _spawn(self, config: ReplicaConfig) -> EngineProcess:
+        return EngineProcess(config)
+
+    def _stop_engine(self, engine: EngineProcess) -> None:
+        engine.stop(STOP_GRACE_S if actor_options(self.config).get("num_gpus") else 0.0)
+
+    def _write_corpus(self, config: ReplicaConfig) -> ReplicaConfig:
+        return write_shipped_corpus(config, str(config.log_dir))
 
     @app.get("/replica/log")
     async def engine_log(self) -> PlainTextResponse:
@@ -265,57 +297,54 @@ class EngineReplica(_EngineOwner):
 
     @app.get("/replica/argv")
     async def engine_command(self) -> dict[str, Any]:
-        """What ran where: the engine's argv, its start-up time, the node checks' findings, the Ray node, and the
-        replica actor's own pid (the same across engine restarts)."""
+        """What ran where: the engine's argv, its start-up time (None when this config shares an earlier config's
+        launch), the node checks' findings, the Ray node, the replica actor's own pid (the same across engine
+        restarts), the last start's phases, the launch (shared or not, the config it was launched for) and the
+        corpus loaded at runtime."""
         import ray
 
+        node = ray.get_runtime_context().get_node_id()
+        status = self.start.snapshot()
+        launch = {"shared": status["shared"], "launched": self.launched.model_dump(mode="json")
+                  if self.launched is not None else None}
         if self.engine is None:
             return {"argv": None, "pid": None, "startup_s": None, "prepared": {}, "replica_pid": os.getpid(),
-                    "node_id": ray.get_runtime_context().get_node_id()}
-        return {"argv": self.engine.argv, "pid": self.engine.process.pid, "startup_s": self.engine.startup_s,
-                "prepared": self.engine.prepared, "node_id": ray.get_runtime_context().get_node_id(),
-                "replica_pid": os.getpid()}
+                    "node_id": node, "phases": status["phases"], "launch": launch, "corpus": None}
+        return {"argv": self.engine.argv, "pid": self.engine.process.pid,
+                "startup_s": None if status["shared"] else self.engine.startup_s,
+                "prepared": self.engine.prepared, "node_id": node, "replica_pid": os.getpid(),
+                "phases": status["phases"], "launch": launch, "corpus": self.corpus}
 
     @app.post("/replica/engine")
-    async def replace_engine(self, request: Request) -> JSONResponse:
-        """Stop this replica's engine and start one for the posted `ReplicaConfig` (a study's next trial); the actor
-        and its app stay. 200 {"ok": true} when the new engine is healthy; 200 {"ok": false, "error": ...} when it
-        could not start (the error as a constructor's: ConfigRejected's marker, the log tail); 409 when the config
-        needs other `ray_actor_options` (the caller deploys a fresh app: resources are the actor's)."""
+    async def replace_engine(self, request: Request, fresh: bool = False) -> JSONResponse:
+        """Start the engine for the posted `ReplicaConfig` (a study's next trial) and answer at once: 200
+        {"ok": true} when the start began (follow it at `GET /replica/start`), {"ok": false, "error"} while another
+        start is under way, 409 when the config needs other `ray_actor_options` (the caller deploys a fresh app:
+        resources are the actor's). The running engine is kept when the config can share its launch
+        (serve/launch.py) and `fresh` is not asked; else it is stopped and a new one started. The actor and its app
+        stay either way."""
         config = ReplicaConfig.model_validate(await request.json())
         if actor_options(config) != actor_options(self.config):
             return JSONResponse({"ok": False, "error": "the config needs other ray_actor_options than this replica "
                                  f"has: {actor_options(config)} vs {actor_options(self.config)}"}, status_code=409)
+        if self.replacing:
+            return JSONResponse({"ok": False, "error": "another engine start is under way in this replica"})
         self.replacing = True
-        try:
-            await self.client.aclose()
-            # Blocking work (process-group stop, node checks, polling /health) off the event loop: Serve's health
-            # check and the log route keep answering.
-            error = await asyncio.to_thread(self._replace, config)
-        finally:
-            self.client = self._engine_client()
-            self.replacing = False
-        return JSONResponse({"ok": error is None, "error": error})
+        self.start.begin()
+        await self.client.aclose()
+        # Blocking work (process-group stop, node checks, polling /health, corpus load) off the event loop: Serve's
+        # health check and the log and start routes keep answering.
+        threading.Thread(target=self._run_start, args=(config, fresh), daemon=True).start()
+        return JSONResponse({"ok": True})
 
-    def _replace(self, config: ReplicaConfig) -> str | None:
-        """Old engine fully stopped first (GPU memory), then the new one started; the error text, else None.
-        A new engine that fails to start stays `self.engine` (dead), so `/replica/log` shows its log.
-        An engine without GPUs is killed at once (its log was read, it serves nothing, and a graceful exit cost
-        ~0.25 s of every trial); one with GPUs gets SIGTERM first, as its own shutdown frees device memory."""
-        if self.engine is not None:
-            self.engine.stop(STOP_GRACE_S if actor_options(self.config).get("num_gpus") else 0.0)
-        try:
-            engine = EngineProcess(config)
-        except Exception as exc:  # noqa: BLE001 - as the constructor's would: prepare refused it, or the node cannot
-            self.refused = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
-            return self.refused
-        self.engine, self.config, self.refused = engine, config, None
-        try:
-            engine.wait_ready()
-        except RuntimeError as exc:
-            engine.stop()
-            return str(exc)
-        return None
+    @app.get("/replica/start")
+    async def start_status(self, since: int = -1, wait: float = 0.0) -> dict[str, Any]:
+        """The current or last start (`StartState.snapshot`); with `wait`, answers once its `seq` differs from
+        `since` (a phase change or the end) or after `wait` seconds, whichever is first."""
+        deadline = time.monotonic() + min(max(wait, 0.0), 30.0)
+        while self.start.seq == since and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.start.snapshot()
 
     @app.post("/replica/claim")
     async def claim(self, request: Request) -> JSONResponse:

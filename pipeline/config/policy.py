@@ -3,6 +3,7 @@ search and of the pure decision rules in `pipeline/decide/`."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -76,6 +77,9 @@ class ObjectiveSettings(FrozenModel):
         return self
 
 
+EquivalenceMode = Literal["exact", "baseline-noise", "deterministic"]
+
+
 class PromotionPolicy(FrozenModel):
     """How sure the tuner must be before replacing the baseline: the study file's `promotion:` section and the input
     of the pure decision (`pipeline.decide.decision.decide`). One type for both, so the file and the rule cannot drift."""
@@ -89,7 +93,15 @@ class PromotionPolicy(FrozenModel):
     margin: float = Field(0.03, ge=0, description="score must beat the baseline's median by this fraction")
     tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction of the best tie: fewer drafts "
                                                          "win")
-    equivalence_threshold: float = Field(1.0, description="share of greedy outputs identical to the baseline's")
+    equivalence: EquivalenceMode = Field("exact", description=(
+        "how greedy outputs are judged against the baseline's at the same concurrency: exact (token for token; "
+        "the CPU engine is batch-invariant), baseline-noise (no more divergence than the baseline's own re-runs, "
+        "a sign test at equivalence_alpha), deterministic (checked on engines started in the engine's "
+        "deterministic-inference mode, throughput measured without it)"))
+    equivalence_threshold: float = Field(1.0, description="exact only: share of greedy outputs identical to the "
+                                         "baseline's")
+    equivalence_alpha: float = Field(0.05, description="baseline-noise only: significance level of the sign test "
+                                     "(the chance of refusing a lossless config, at most)")
     require_equivalence: bool = Field(True, description="a finalist that failed an equivalence check cannot win")
 
     @field_validator("tie_tolerance")
@@ -107,3 +119,47 @@ class PromotionPolicy(FrozenModel):
             raise ValueError(f"must be a share in (0, 1]; got {value}. Fix: 1.0 for fp32 (outputs are bit-exact), "
                              "e.g. 0.9 for bf16 (0 would accept any output)")
         return value
+
+    @field_validator("equivalence_alpha")
+    @classmethod
+    def _alpha(cls, value: float) -> float:
+        if not 0 < value < 0.5:
+            raise ValueError(f"must be a significance level in (0, 0.5); got {value}. Fix: e.g. 0.05 (at most 5% of "
+                             "lossless configs refused) or 0.01")
+        return value
+
+    @model_validator(mode="after")
+    def _threshold_is_exact_only(self) -> PromotionPolicy:
+        # A share threshold was the only knob before the modes; under the other modes it would silently do nothing.
+        if self.equivalence != "exact" and self.equivalence_threshold != 1.0:
+            how = {"baseline-noise": "judges divergence against the baseline's own re-runs at the same level",
+                   "deterministic": "requires identical outputs on deterministic-inference engines"}[self.equivalence]
+            raise ValueError(
+                f"equivalence_threshold={self.equivalence_threshold} applies to equivalence: exact only, got "
+                f"equivalence: {self.equivalence}. Fix: remove equivalence_threshold ({self.equivalence} {how}), or "
+                "set equivalence: exact")
+        return self
+
+
+def min_items(alpha: float) -> int:
+    """The fewest untied outputs with which the sign test of `baseline-noise` (pipeline/decide/noise.py) can refuse
+    a config at `alpha`: 2^-n < alpha."""
+    return max(1, math.floor(math.log2(1 / alpha)) + 1)
+
+
+def check_equivalence_setup(policy: PromotionPolicy, measure_prompts: int, deterministic_flags: list[str] | None,
+                            engine_label: str) -> str | None:
+    """Why the study's equivalence mode cannot work with its workload or engine (None: it can). Pure.
+
+    `deterministic_flags`: what the engine kind adds to start in its deterministic-inference mode ([] = its decoding
+    is batch-invariant already, None = it has no such mode)."""
+    if policy.equivalence == "baseline-noise":
+        need = min_items(policy.equivalence_alpha)
+        if measure_prompts < need:
+            return (f"promotion.equivalence=baseline-noise with workload.measure_prompts={measure_prompts}: the sign "
+                    f"test at equivalence_alpha={policy.equivalence_alpha} needs at least {need} measured prompts to "
+                    f"ever refuse a config (2^-n < alpha). Fix: measure_prompts >= {need}, or a larger alpha")
+    if policy.equivalence == "deterministic" and deterministic_flags is None:
+        return (f"promotion.equivalence=deterministic: {engine_label} has no deterministic-inference mode this tuner "
+                "knows how to start. Fix: equivalence: baseline-noise, or exact")
+    return None

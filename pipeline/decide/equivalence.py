@@ -14,6 +14,11 @@ Rules:
   counts as not identical and is listed. Equivalence that was not checked is not claimed.
 - A prompt sent several times (a workload that had to cycle) is identical only if every output on both sides is the
   same sequence; its matched prefix (tokens and fraction) is the worst over all baseline x candidate pairs.
+
+Modes (`promotion.equivalence`, `judge`): `exact` passes on the identical share (above); `baseline-noise` passes
+unless the candidate diverges from the baseline's reference run significantly more than the baseline's other runs do
+(`pipeline.decide.noise.noise_test`); `deterministic` is `exact` on outputs of deterministic-inference engines (the
+caller supplies those outputs). Every report carries the exact figures, so the divergence is visible in every mode.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from pipeline.decide.noise import NoiseVerdict, noise_test, run_outputs
 from pipeline.measure.summary import RequestRecord, to_records
 
 
@@ -47,6 +53,8 @@ class EquivalenceReport(BaseModel):
     missing_in_baseline: tuple[int, ...]
     inconsistent: tuple[int, ...]
     reason: str
+    mode: str = "exact"
+    noise: NoiseVerdict | None = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -114,6 +122,32 @@ def check_equivalence(
         inconsistent=inconsistent,
     )
     return EquivalenceReport(**report, reason=_reason(**report))
+
+
+def judge(mode: str, reference: pa.Table | Iterable[RequestRecord], candidates: Sequence[Iterable[RequestRecord]], *,
+          baseline_others: Sequence[Iterable[RequestRecord]] = (), threshold: float = 1.0,
+          alpha: float = 0.05) -> EquivalenceReport:
+    """The candidate's run(s) against the baseline's reference run at the same level, under `mode`.
+
+    `exact` and `deterministic`: every candidate run must pass `check_equivalence` at `threshold` (the report is the
+    worst run's). `baseline-noise`: the sign test over all candidate runs, with the baseline's other runs at that level
+    as its noise (`baseline_others`); the exact figures are those of the first candidate run."""
+    reference = to_records(reference)
+    runs = [to_records(c) for c in candidates]
+    if not runs:
+        raise ValueError("judge: no candidate run to compare")
+    if mode in ("exact", "deterministic"):
+        reports = [check_equivalence(reference, run, threshold=threshold) for run in runs]
+        worst = min(reports, key=lambda r: (r.passed, r.identical_share))
+        return worst.model_copy(update={"mode": mode})
+    if mode != "baseline-noise":
+        raise ValueError(f"unknown equivalence mode {mode!r}: exact, baseline-noise or deterministic")
+    first = check_equivalence(reference, runs[0], threshold=1.0)
+    verdict = noise_test(run_outputs(reference), [run_outputs(to_records(o)) for o in baseline_others],
+                         [run_outputs(run) for run in runs], alpha=alpha)
+    exact_part = first.reason.split(": ", 1)[1] if ": " in first.reason else first.reason
+    return first.model_copy(update={"mode": mode, "noise": verdict, "passed": verdict.passed,
+                                    "reason": f"{verdict.reason}; exact figures: {exact_part}"})
 
 
 def _outputs_by_prompt(records: Sequence[RequestRecord]) -> dict[int, list[tuple[int, ...]]]:

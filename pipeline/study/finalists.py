@@ -5,6 +5,16 @@ The search measures at the first level only (`StudyConfig.search_concurrency`): 
 spread a small budget over a product of spaces, and TPE would compare throughputs that differ by level, not by
 config. The answer a serving team deploys is per level, so the few finalists pay for the other levels here.
 
+Launches: each run of a config starts one fresh engine (`launch_fresh`), and that engine measures the run at every
+level (flush, warm-up, measure, per level: pipeline/trial/launches.py). The baseline's runs come first, so each
+finalist is judged against the baseline's runs at the SAME level once its own runs are in, by the study's
+equivalence mode: `exact`, each run against the baseline's first successful run at that level; `baseline-noise`, the
+sign test over the finalist's runs at that level with the baseline's other runs there as its noise
+(`pipeline.decide.noise`); `deterministic`, already checked in the search on deterministic-inference engines (whose
+outputs do not depend on the level), so the runs' figures are recorded but do not gate. The baseline's runs against
+each other at each level are the engine's own divergence: logged on the study run (`baseline_self_*_c<level>`
+metrics) and as `NOISE_ARTIFACT`, with each finalist's divergence from the baseline beside it.
+
 Under open-loop arrivals (`workload.arrival.mode: poisson`, one level only) every re-run goes through the same path,
 so it replays the trials' seeded Poisson schedule: the baseline and each finalist see the same arrival times, and
 their runs carry the offered and drawn rates (`offered_rate_per_s`, `arrival_rate_per_s`) beside `req_per_s`.
@@ -12,15 +22,43 @@ their runs carry the offered and drawn rates (`offered_rate_per_s`, `arrival_rat
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import TrialConfig
+from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures
-from pipeline.measure.summary import to_table
-from pipeline.trial.lifecycle import Outcome, TrialContext, measure_and_check
+from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
+from pipeline.measure.summary import RequestRecord, to_table
+from pipeline.trial.lifecycle import Checked, Outcome, TrialContext, measure_and_check
+from pipeline.trial.gate import effective_mode
+from pipeline.trial.replicas import launch_fresh
+
+NOISE_ARTIFACT = "study/baseline_noise.json"  # the baseline's self-divergence and the finalists' divergence, per level
+
+
+@dataclass
+class Pass:
+    """One run of one config at one level."""
+
+    label: str
+    level: int
+    config: TrialConfig
+    checked: Checked
+    started_at: float
+
+    @property
+    def measured(self) -> bool:
+        c = self.checked
+        return c.summary is not None and c.measurement.failure is None and c.outcome is not Outcome.INVALID
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        return self.checked.measurement.records if self.checked.outcome is Outcome.COMPLETE else []
 
 
 @dataclass
@@ -38,58 +76,168 @@ def run_label(name: str, level: int, k: int, several_levels: bool) -> str:
     return f"{name}-c{level}-run{k}" if several_levels else f"{name}-run{k}"
 
 
-def remeasure(ctx: TrialContext, name: str, config: TrialConfig, runs: int, level: int,
-              several_levels: bool = False) -> Remeasured:
-    """`runs` fresh passes of `config` at concurrency `level` through `measure_and_check` (lost requests, settings
-    the engine rewrote, equivalence with the baseline's outputs read from MLflow). A speculative config compared
-    with nothing (no baseline outputs) is not equivalent: it cannot be promoted."""
-    out = Remeasured()
-    at_level = TrialConfig.model_validate({**config.model_dump(), "concurrency": level})
-    compared = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
+def measure_runs(ctx: TrialContext, name: str, config: TrialConfig, runs: int,
+                 levels: Sequence[int]) -> dict[int, list[Pass]]:
+    """`runs` fresh engines for `config`, each measuring at every level in turn (`measure_and_check` without the
+    search's comparison: lost requests and settings the engine rewrote are judged as in a trial)."""
+    several = len(levels) > 1
+    out: dict[int, list[Pass]] = {level: [] for level in levels}
     for k in range(runs):
-        label = run_label(name, level, k, several_levels)
-        started_at = time.time()
-        checked = measure_and_check(ctx, at_level, label, Path(ctx.output_dir) / "finalists" / label)
-        m, outcome, reason, summary = checked.measurement, checked.outcome, checked.reason, checked.summary
-        if outcome is Outcome.COMPLETE and compared and checked.equivalence is None:
-            outcome, reason = Outcome.NOT_EQUIVALENT, f"not compared: {reason or 'no baseline outputs'}"
-        if outcome is not Outcome.COMPLETE:
-            out.equivalent = False
-            if outcome is not Outcome.NOT_EQUIVALENT:
-                out.failures.append(f"{label}: {outcome.value}: {reason[:200]}")
-        measured = summary is not None and m.failure is None and outcome is not Outcome.INVALID
-        out.runs.append(RunFigures.from_metrics(dict(summary.to_metrics())) if measured and summary is not None
-                        else RunFigures(tput_tok_s=0.0))
-        texts = {"engine.log": m.engine_log}
-        if checked.equivalence is not None:
-            texts["equivalence.json"] = checked.equivalence.model_dump_json(indent=2)
-        ctx.tracker.log_trial(
-            ctx.parent_run_id, study_name=ctx.study.name, run_name=label, kind="finalist",
-            config=at_level.model_dump(mode="json"), outcome=outcome.value, reason=reason,
-            metrics=summary.to_metrics() if summary else {}, requests=to_table(m.records) if m.records else None,
-            texts=texts, started_at=started_at,
-            extra_tags={"finalist": name, "concurrency": str(level),
-                        "arrival": ctx.study.workload.arrival.describe(level)})
+        launch_fresh(ctx.study.name)  # a fresh engine per run; the run's other levels share it
+        for level in levels:
+            at_level = TrialConfig.model_validate({**config.model_dump(), "concurrency": level})
+            label = run_label(name, level, k, several)
+            started_at = time.time()
+            checked = measure_and_check(ctx, at_level, label, Path(ctx.output_dir) / "finalists" / label,
+                                        compare=False)
+            out[level].append(Pass(label, level, at_level, checked, started_at))
     return out
+
+
+def _reference(passes: Sequence[Pass]) -> tuple[list[RequestRecord] | None, list[list[RequestRecord]]]:
+    """(the baseline's first successful run at a level, its other successful runs)."""
+    good = [p.records for p in passes if p.records]
+    return (good[0], good[1:]) if good else (None, [])
+
+
+def judge_level(ctx: TrialContext, config: TrialConfig, passes: Sequence[Pass],
+                baseline: Sequence[Pass]) -> list[tuple[bool | None, str, EquivalenceReport | None]]:
+    """Each run's (equivalent: None = not compared, reason, report) against the baseline at the same level."""
+    study = ctx.study
+    if config.spec.algorithm == "none" or study.workload.temperature > 0:
+        return [(True, "", None) for _ in passes]
+    reference, others = _reference(baseline)
+    if reference is None:
+        return [(False, "not compared: no baseline run succeeded at this level", None) for _ in passes]
+    mode, policy = effective_mode(study), study.promotion
+    runs = [p.records for p in passes if p.records]
+    if mode == "baseline-noise" and runs:
+        pooled = judge("baseline-noise", reference, runs, baseline_others=others, alpha=policy.equivalence_alpha)
+        return [(pooled.passed, pooled.reason, pooled) if p.records else (None, "", None) for p in passes]
+    out: list[tuple[bool | None, str, EquivalenceReport | None]] = []
+    for p in passes:
+        if not p.records:
+            out.append((None, "", None))
+            continue
+        report = judge("exact", reference, [p.records], threshold=policy.equivalence_threshold)
+        if mode == "deterministic":  # checked in the search, where outputs do not depend on the batch
+            report = report.model_copy(update={
+                "mode": mode, "passed": True,
+                "reason": "checked in the search on deterministic-inference engines; this run against the "
+                          f"baseline at its level, for the record: {report.reason}"})
+        out.append((report.passed, report.reason, report))
+    return out
+
+
+def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str, EquivalenceReport | None],
+         compared: bool) -> Remeasured:
+    """Record one run in MLflow; its contribution to the level's `Remeasured`."""
+    c, m = p.checked, p.checked.measurement
+    passed, why, report = verdict
+    outcome, reason = c.outcome, c.reason
+    out = Remeasured()
+    if outcome is Outcome.COMPLETE and compared and passed is False:
+        outcome, reason = Outcome.NOT_EQUIVALENT, why
+    if outcome is not Outcome.COMPLETE:
+        out.equivalent = False
+        if outcome is not Outcome.NOT_EQUIVALENT:
+            out.failures.append(f"{p.label}: {outcome.value}: {reason[:200]}")
+    out.runs.append(RunFigures.from_metrics(dict(c.summary.to_metrics())) if p.measured and c.summary is not None
+                    else RunFigures(tput_tok_s=0.0))
+    texts = {"engine.log": m.engine_log, "timings.json": json.dumps(m.timings, indent=2)}
+    metrics = dict(c.summary.to_metrics()) if c.summary else {}
+    metrics.update({f"time_{k}": v for k, v in m.timings.items()})
+    metrics["engine_launches"] = m.launches
+    if report is not None:
+        texts["equivalence.json"] = report.model_dump_json(indent=2)
+        metrics["equiv_identical_share"] = report.identical_share
+        if report.noise is not None and report.noise.p_value is not None:
+            metrics["equiv_p_value"] = report.noise.p_value
+    ctx.tracker.log_trial(
+        ctx.parent_run_id, study_name=ctx.study.name, run_name=p.label, kind="finalist",
+        config=p.config.model_dump(mode="json"), outcome=outcome.value, reason=reason, metrics=metrics,
+        requests=to_table(m.records) if m.records else None, texts=texts, started_at=p.started_at,
+        extra_tags={"finalist": name, "concurrency": str(p.level), "engine_launch": m.launch,
+                    "arrival": ctx.study.workload.arrival.describe(p.level)})
+    return out
+
+
+def _remeasured(ctx: TrialContext, name: str, config: TrialConfig, passes: Sequence[Pass],
+                baseline: Sequence[Pass]) -> tuple[Remeasured, EquivalenceReport | None]:
+    compared = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
+    verdicts = judge_level(ctx, config, passes, baseline)
+    level = Remeasured()
+    for p, verdict in zip(passes, verdicts):
+        one = _log(ctx, name, p, verdict, compared)
+        level.runs += one.runs
+        level.failures += one.failures
+        level.equivalent = level.equivalent and one.equivalent
+    reports = [v[2] for v in verdicts if v[2] is not None]
+    if compared and not reports:  # every run failed, or nothing to compare with
+        level.equivalent = False
+    return level, (reports[0] if reports else None)
+
+
+def _divergence_entry(report: EquivalenceReport | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    entry: dict[str, Any] = {"passed": report.passed, "identical_share": report.identical_share,
+                             "mean_prefix_fraction": report.mean_prefix_fraction, "reason": report.reason}
+    if report.noise is not None:
+        entry.update(p_value=report.noise.p_value, worse=report.noise.worse, better=report.noise.better,
+                     mean_agreement=report.noise.candidate_mean_agreement,
+                     baseline_mean_agreement=report.noise.baseline_mean_agreement)
+    return entry
+
+
+def log_noise(ctx: TrialContext, selves: Sequence[SelfDivergence],
+              candidates: dict[str, dict[int, dict[str, Any] | None]]) -> dict[str, Any]:
+    """The baseline's self-divergence per level (metrics `baseline_self_*_c<level>` on the study run) and the
+    finalists' divergence from it (`NOISE_ARTIFACT`); returns the artifact's content. Never fails the study."""
+    study = ctx.study
+    body = {"mode": study.promotion.equivalence, "effective_mode": effective_mode(study),
+            "alpha": study.promotion.equivalence_alpha if effective_mode(study) == "baseline-noise" else None,
+            "baseline": [s.model_dump() for s in selves],
+            "finalists": {name: {str(level): entry for level, entry in levels.items()}
+                          for name, levels in candidates.items()}}
+    try:
+        client = ctx.tracker.client()
+        for s in selves:
+            figures = {"identical_share": s.identical_share, "token_agreement": s.token_agreement,
+                       "first_div_p50": s.first_divergence_p50}
+            for key, value in figures.items():
+                if value is not None:
+                    client.log_metric(ctx.parent_run_id, f"baseline_self_{key}_c{s.level}", float(value))
+        client.log_text(ctx.parent_run_id, json.dumps(body, indent=2), NOISE_ARTIFACT)
+    except Exception as exc:  # noqa: BLE001 - a record of the noise must not lose the study's result
+        print(f"the baseline's self-divergence could not be logged: {type(exc).__name__}: {exc}")
+    return body
 
 
 def measure_levels(ctx: TrialContext, baseline: TrialConfig, finalists: Sequence[tuple[str, TrialConfig]],
                    levels: Sequence[int], runs: int) -> list[LevelInput]:
     """Per level (in the study's order: the search level first), the baseline's then each finalist's re-runs."""
-    several = len(levels) > 1
-    inputs = []
+    if len(levels) > 1 or ctx.study.workload.arrival.open_loop:
+        where = (f"concurrency {list(levels)}" if len(levels) > 1
+                 else ctx.study.workload.arrival.describe(levels[0]))
+        print(f"  {where}: baseline and {len(finalists)} finalist(s), {runs} runs each, one engine per run "
+              "measuring every level", flush=True)
+    base_passes = measure_runs(ctx, "final-baseline", baseline, runs, levels)
+    base: dict[int, Remeasured] = {}
     for level in levels:
-        if several:
-            print(f"  concurrency {level}: baseline and {len(finalists)} finalist(s), {runs} runs each", flush=True)
-        elif ctx.study.workload.arrival.open_loop:
-            print(f"  {ctx.study.workload.arrival.describe(level)}: baseline and {len(finalists)} finalist(s), "
-                  f"{runs} runs each", flush=True)
-        base = remeasure(ctx, "final-baseline", baseline, runs, level, several)
-        candidates = []
-        for name, config in finalists:
-            got = remeasure(ctx, name, config, runs, level, several)
-            candidates.append(Candidate(id=name, runs=tuple(got.runs), equivalent=got.equivalent, spec=config.spec,
-                                        failures=tuple(got.failures)))
-        inputs.append(LevelInput(level=level, baseline=tuple(base.runs), baseline_failures=tuple(base.failures),
-                                 candidates=tuple(candidates)))
-    return inputs
+        base[level], _ = _remeasured(ctx, "final-baseline", baseline, base_passes[level], base_passes[level])
+    selves = [self_divergence(level, [run_outputs(p.records) for p in base_passes[level] if p.records])
+              for level in levels]
+    candidates: dict[int, list[Candidate]] = {level: [] for level in levels}
+    divergence: dict[str, dict[int, dict[str, Any] | None]] = {}
+    for name, config in finalists:
+        passes = measure_runs(ctx, name, config, runs, levels)
+        divergence[name] = {}
+        for level in levels:
+            got, report = _remeasured(ctx, name, config, passes[level], base_passes[level])
+            divergence[name][level] = _divergence_entry(report)
+            candidates[level].append(Candidate(id=name, runs=tuple(got.runs), equivalent=got.equivalent,
+                                               spec=config.spec, failures=tuple(got.failures)))
+    log_noise(ctx, selves, divergence)
+    return [LevelInput(level=level, baseline=tuple(base[level].runs), baseline_failures=tuple(base[level].failures),
+                       candidates=tuple(candidates[level])) for level in levels]

@@ -13,9 +13,10 @@ The engine may run on another node than the trial (a Ray Serve replica placed an
 is not passed as a driver-side path: `corpus_for_trial` resolves the setting to documents and a file in the trial's
 folder (the trial's record of what it loaded), and `ship_corpus` puts the documents in the `ReplicaConfig`; the
 replica writes them on its own node (`serve.replica.write_shipped_corpus`) at the same path under its `log_dir`, and
-the served config of a winner carries them the same way. `corpus_record` reads what the engine reported after
-start-up: corpus tokens (from `/server_info`'s `external_corpora`) and the load time, a cost
-paid at every restart. Documents are what the engine sees: a plain prompt's text; a chat prompt rendered with the
+the served config of a winner carries them the same way. In a trial the replica loads the corpus over SGLang's
+runtime route (`POST /add_external_corpus`, serve/replica.py) and times it; `corpus_record` checks what the engine
+holds where SGLang lists it (`GET /list_external_corpora`, `corpus_token_counts`) and records the corpus tokens and
+that load time, a cost paid at every start (SGLang reports no start-up time of its own for a corpus). Documents are what the engine sees: a plain prompt's text; a chat prompt rendered with the
 chat template (decoded from its rendered ids, special tokens kept, so the engine tokenizes them back to the same ids)
 followed by its recorded answer when the workload has one (`output`, e.g. in a capture).
 
@@ -44,8 +45,8 @@ from typing import Any
 from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, ReplicaConfig, corpus_jsonl
 
 __all__ = ["main", "WARMUP_CORPUS", "SHARED_PREFIX", "CorpusFile", "CorpusCell", "corpus_documents", "write_corpus",
-           "read_corpus", "corpus_for_trial", "ship_corpus", "corpus_record", "corpus_label", "corpus_comparison",
-           "format_corpus_table"]
+           "read_corpus", "corpus_for_trial", "ship_corpus", "listed_corpora", "corpus_record", "corpus_label",
+           "corpus_comparison", "format_corpus_table"]
 
 WARMUP_CORPUS = "warmup"
 SHARED_PREFIX = "shared:"
@@ -192,19 +193,35 @@ def ship_corpus(config: ReplicaConfig, corpus: CorpusFile | None) -> ReplicaConf
     return ReplicaConfig.model_validate({**config.to_replica(), "corpus_documents": list(corpus.texts)})
 
 
-def corpus_record(server_info: dict[str, Any], corpus: CorpusFile | None) -> dict[str, float]:
-    """Metrics a trial logs for its corpus: documents, bytes, tokens loaded, load seconds (empty without one)."""
+def listed_corpora(client: Any) -> dict[str, int] | None:
+    """`GET /list_external_corpora`'s `corpus_token_counts` from an engine (an httpx client on its base URL); None
+    when it lists none (not NGRAM: SGLang answers 400 "Ngram speculative decoding is not enabled.")."""
+    answer = client.get("/list_external_corpora").json()  # httpx errors and bad JSON: the caller's UNHEALTHY
+    if not isinstance(answer, dict) or not answer.get("success"):
+        return None
+    counts = answer.get("corpus_token_counts") or {}
+    return {str(k): int(v) for k, v in counts.items()}
+
+
+def corpus_record(listed: dict[str, int] | None, loaded: dict[str, Any] | None,
+                  corpus: CorpusFile | None) -> tuple[dict[str, float], str | None]:
+    """(metrics a trial logs for its corpus: documents, bytes, tokens loaded, load seconds; why the engine does not
+    hold what the trial asked for, or None). `listed`: `listed_corpora`; `loaded`: the replica's record of the
+    corpus it loaded (`/replica/argv`'s `corpus`: id, load_s). Without a corpus the engine must hold none."""
+    held = listed or {}
     if corpus is None:
-        return {}
-    states = server_info.get("internal_states") or [{}]
-    loaded = (states[0] or {}).get("external_corpora") or {}
-    load_s = (server_info.get("startup_time") or {}).get("load_external_corpus")
-    record = {"corpus_tokens": float(sum(loaded.values()))}
+        return {}, (f"the engine holds external corpora the trial did not ask for: {sorted(held)}" if held else None)
+    wanted = str((loaded or {}).get("id") or corpus.path)
+    if set(held) != {wanted}:
+        return {}, (f"the engine does not hold the trial's corpus alone: it lists {sorted(held)}, the trial asked for "
+                    f"{wanted!r} (GET /list_external_corpora)")
+    record = {"corpus_tokens": float(held[wanted])}
     if corpus.documents is not None and corpus.bytes is not None:  # unknown for a shared file the driver cannot see
         record.update(corpus_documents=float(corpus.documents), corpus_bytes=float(corpus.bytes))
+    load_s = (loaded or {}).get("load_s")
     if isinstance(load_s, (int, float)):
         record["corpus_load_s"] = float(load_s)
-    return record
+    return record, None
 
 
 def corpus_label(value: Any) -> str:

@@ -20,6 +20,15 @@ breaks the next. A study's apps are deleted by its driver when the search ends a
 
 Serve's `reconfigure`/`user_config` is not used: Ray 2.60's `serve.run` deploys each call under a random version,
 which replaces the replica (a user_config change keeps the actor only through `serve deploy`).
+
+Every engine start, in a fresh app too (deployed as a standby first), goes through `POST /replica/engine`, which
+answers at once; `wait_started` then follows the start's phases at `GET /replica/start` (serve/engines/phases.py).
+The deadline follows the phase the replica reports: it gives up only when a phase runs past its own limit (stopping
+the old engine, the engine's preflight, waiting for GPUs, `start_timeout_s` for loading, the corpus load) by
+`PHASE_GRACE_S`, or when the replica stops answering, never on one total that a slow preflight or GPU wait would eat
+before the load begins. The replica keeps the running engine when the next config can share its launch
+(serve/launch.py); `launch_fresh` makes the next start in this process launch anyway (a finalist's re-runs each
+measure a freshly started engine; its levels within one run share it).
 """
 
 from __future__ import annotations
@@ -31,6 +40,32 @@ from typing import Any
 import httpx
 
 from serve.engines.base import ReplicaConfig
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a trial's engine started, from the replica's `/replica/argv`: a launch of its own or one shared with an
+    earlier config, each start phase's seconds (`start_<phase>_s`), and the config the engine was launched with (the
+    effective-settings diff compares against it: a shared launch may differ from the trial in what cannot matter)."""
+
+    shared: bool
+    timings: dict[str, float]
+    config: ReplicaConfig
+
+    @property
+    def launches(self) -> int:
+        return 0 if self.shared else 1
+
+
+def launch_of(answer: dict[str, Any], config: ReplicaConfig) -> Launch:
+    """The `Launch` in a replica's `/replica/argv` answer for a start of `config`. Pure."""
+    from serve.launch import launch_config
+
+    launch = answer.get("launch") or {}
+    launched = launch.get("launched")
+    timings = {f"start_{k}_s": float(v) for k, v in (answer.get("phases") or {}).items()}
+    base = ReplicaConfig.model_validate(launched) if isinstance(launched, dict) else config
+    return Launch(bool(launch.get("shared")), timings, launch_config(base))
 
 
 @dataclass(frozen=True)
@@ -49,6 +84,10 @@ class LiveApp:
 
 # Per process, by study name. A Tune worker runs one trial at a time, so one live app per study suffices.
 LIVE: dict[str, LiveApp] = {}
+FRESH: set[str] = set()  # studies whose next engine start in this process must not share a launch
+PHASE_GRACE_S = 60.0  # past a phase's own limit before the trial gives up on a start
+UNANSWERED_S = 60.0  # a replica that does not answer its start route this long is unusable
+START_POLL_S = 10.0
 
 
 class ReplicaUnusable(RuntimeError):
@@ -124,15 +163,24 @@ def live_app(study_name: str) -> LiveApp | None:
     return LIVE.get(study_name)
 
 
+def launch_fresh(study_name: str) -> None:
+    """The next `start_engine` of this study in this process launches a new engine even where the running one could
+    be shared."""
+    FRESH.add(study_name)
+
+
 def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaConfig,
                  timeout_s: float) -> tuple[LiveApp, str]:
     """This trial's engine running and healthy, in this process's live app of the study ("reused"), in the study's
-    standby replica ("standby") or in a fresh app named after `label` ("new"). Raises like `deploy`: TimeoutError,
+    standby replica ("standby") or in a fresh app named after `label` ("new"); `timeout_s` bounds a replica actor's
+    placement (the engine's start follows its phases, `wait_started`). Raises like `deploy`: TimeoutError,
     RuntimeError with the engine's reason (ConfigRejected's marker when the engine refused the config). On a raise
     the app tried stays `live_app`, so the caller can fetch its engine log before `release`."""
     from serve.replica import actor_options
 
     options = actor_options(config)
+    fresh_launch = study_name in FRESH
+    FRESH.discard(study_name)
     live = LIVE.get(study_name)
     how = "reused"
     if live is None:
@@ -142,7 +190,7 @@ def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaCon
             LIVE[study_name] = live
     if live is not None and can_reuse(live, serve_url, options):
         try:
-            restart(live, config, timeout_s)
+            restart(live, config, fresh=fresh_launch)
             return live, how
         except ReplicaUnusable:
             release(study_name)
@@ -150,16 +198,16 @@ def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaCon
         release(study_name)
     fresh = LiveApp(app_name(study_name, label), serve_url, options)
     LIVE[study_name] = fresh
-    deploy(fresh.name, config, timeout_s)
+    deploy(fresh, config, timeout_s)
     return fresh, "new"
 
 
-def restart(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
-    """Ask the live replica to replace its engine with one for `config`; see `start_engine` for the raises."""
+def restart(live: LiveApp, config: ReplicaConfig, fresh: bool = False) -> dict[str, Any]:
+    """Ask the live replica to start the engine for `config` (sharing the running launch unless `fresh`) and wait for
+    it (`wait_started`); returns the start's final status. See `start_engine` for the raises."""
     try:
-        response = httpx.post(f"{live.url}/replica/engine", json=config.to_replica(), timeout=timeout_s)
-    except httpx.TimeoutException as exc:
-        raise TimeoutError(f"engine restart in Serve app {live.name} not done after {timeout_s:.0f} s") from exc
+        response = httpx.post(f"{live.url}/replica/engine", params={"fresh": str(fresh).lower()},
+                              json=config.to_replica(), timeout=60)
     except httpx.HTTPError as exc:
         raise ReplicaUnusable(f"{type(exc).__name__}: {exc}") from exc
     try:
@@ -170,6 +218,47 @@ def restart(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
         raise ReplicaUnusable(f"Serve app {live.name} answered {response.status_code}: {response.text[:300]}")
     if not answer["ok"]:
         raise RuntimeError(f"engine restart in Serve app {live.name} failed: {answer.get('error')}")
+    return wait_started(live)
+
+
+def overdue(status: dict[str, Any], grace_s: float = PHASE_GRACE_S) -> str | None:
+    """Why a start still under way is given up on (its phase ran past its own limit by `grace_s`), else None. Pure."""
+    phase, elapsed, limit = status.get("phase"), float(status.get("phase_elapsed_s") or 0), status.get("phase_limit_s")
+    if phase is None or not isinstance(limit, (int, float)) or elapsed <= limit + grace_s:
+        return None
+    done = ", ".join(f"{k} {v:.0f} s" for k, v in (status.get("phases") or {}).items())
+    return (f"engine start stuck in phase {phase} for {elapsed:.0f} s, past its limit of {limit:.0f} s"
+            + (f" (before it: {done})" if done else ""))
+
+
+def wait_started(live: LiveApp, poll_s: float = START_POLL_S) -> dict[str, Any]:
+    """Follow the live replica's start until it ends: its final status when the engine is ready; RuntimeError with
+    the replica's error when the start failed; TimeoutError when a phase outlives its limit (`overdue`);
+    ReplicaUnusable when the replica does not answer for `UNANSWERED_S`."""
+    seq, silent_since = -1, None
+    while True:
+        try:
+            response = httpx.get(f"{live.url}/replica/start", params={"since": seq, "wait": poll_s},
+                                 timeout=poll_s + 30)
+            status = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            status = None
+        if not isinstance(status, dict) or "seq" not in status:
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > UNANSWERED_S:
+                raise ReplicaUnusable(f"Serve app {live.name} stopped answering its start route for "
+                                      f"{UNANSWERED_S:.0f} s")
+            time.sleep(0.5)
+            continue
+        silent_since = None
+        if status.get("done"):
+            if status.get("ok"):
+                return status
+            raise RuntimeError(f"engine restart in Serve app {live.name} failed: {status.get('error')}")
+        problem = overdue(status)
+        if problem:
+            raise TimeoutError(f"Serve app {live.name}: {problem}")
+        seq = int(status["seq"])
 
 
 def release(study_name: str) -> None:
@@ -204,26 +293,34 @@ def app_failure(name: str) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def deploy(name: str, config: ReplicaConfig, timeout_s: float) -> None:
-    """Start app `name` without blocking Serve forever (serve.run has no timeout); raise RuntimeError/TimeoutError."""
+def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
+    """Start app `live` without blocking Serve forever (serve.run has no timeout): its replica deploys without an
+    engine (up to `timeout_s` for Serve to place and start it), then starts `config`'s engine like any restart
+    (`restart`, its phases followed). Raises RuntimeError/TimeoutError."""
     from ray import serve
 
     from serve.replica import EngineReplica, actor_options
 
+    name = live.name
     # @serve.deployment made the class a Deployment (mypy sees the class)
     target = EngineReplica.options(ray_actor_options=actor_options(config)).bind(  # type: ignore[attr-defined]
-        config.to_replica())
+        config.to_replica(), standby=True)
     serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         app = serve.status().applications.get(name)
         status = str(app.status) if app else "MISSING"
         if status.endswith("RUNNING"):
-            return
+            break
         if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
             raise RuntimeError(f"Serve app {name} is {status.split('.')[-1]}: {app_failure(name)}")
-        time.sleep(0.2)
-    raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    try:
+        restart(live, config, fresh=True)
+    except ReplicaUnusable as exc:
+        raise RuntimeError(f"Serve app {name} did not take its engine: {exc}") from exc
 
 
 def teardown(name: str, wait: bool = True) -> None:

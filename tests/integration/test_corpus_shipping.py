@@ -29,8 +29,7 @@ def test_a_shipped_corpus_is_written_on_the_engines_node_and_loaded(smol_dir, tm
         local = node / "corpora" / "warmup-0123abcd.jsonl"
         assert local.is_file()
         assert process.argv[process.argv.index("--speculative-ngram-external-corpus-path") + 1] == str(local)
-        info = httpx.get(f"{process.url}/server_info", timeout=30).json()
-        loaded = info["internal_states"][0]["external_corpora"]
+        loaded = httpx.get(f"{process.url}/list_external_corpora", timeout=30).json()["corpus_token_counts"]
         # Both documents' tokens and one separator between them: the engine read the file the replica wrote.
         assert list(loaded) == [str(local)] and loaded[str(local)] > 2 * len(DOCS)
     finally:

@@ -1,7 +1,9 @@
 """A trial process keeps its Serve app: the next trial restarts only the engine inside the same replica actor
 (pipeline/trial/replicas.py). The study's first trial takes the standby replica the driver deployed, and only one claimant
 gets it. A failed start leaves its log readable, and the next trial then gets a fresh app; a trial that needs other
-actor options gets a fresh app too. Real local Ray and Serve, the real CPU engine (smallest model)."""
+actor options gets a fresh app too. A start reports its phases; a config whose engine settings equal the running
+engine's shares its launch (the corpus swapped over SGLang's runtime routes), unless a fresh launch is asked for.
+Real local Ray and Serve, the real CPU engine (smallest model)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import httpx
 import pytest
 
 from pipeline.trial.replicas import (
-    app_name, claim_standby, delete_study_apps, live_app, release, standby_name, start_engine, start_standby,
+    app_name, claim_standby, delete_study_apps, launch_fresh, live_app, release, standby_name, start_engine,
+    start_standby,
 )
 from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
@@ -112,3 +115,38 @@ def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fre
     while standby_name(STUDY) in serve.status().applications and time.monotonic() < deadline:
         time.sleep(0.5)
     assert standby_name(STUDY) not in serve.status().applications
+
+
+def test_phases_are_reported_and_equal_engine_settings_share_one_launch(serve_url, tmp_path):
+    """Defects 2.4 and section 3 of the GPU review: the start's phases come back with their seconds (and go in the
+    engine log); the next config with the same engine settings runs on the same engine process, its corpus swapped
+    at runtime; `launch_fresh` (a finalist's next run) starts a new one anyway."""
+    release(STUDY)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('"def add(a, b):\\n    return a + b"\n')
+    ngram = {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 1, "external_sam_budget": 2}
+    first_app, _ = start_engine(STUDY, "p", serve_url, config(tmp_path, "p", {**ngram, "external_corpus": str(corpus)}),
+                                TIMEOUT_S)
+    first = replica_of(first_app.url)
+    assert first["launch"]["shared"] is False and first["startup_s"] > 0
+    assert {"stopping", "preflight", "loading", "corpus"} <= set(first["phases"])
+    assert all(seconds >= 0 for seconds in first["phases"].values())
+    assert "--speculative-ngram-external-corpus-path" not in first["argv"]  # loaded at runtime, timed
+    assert first["corpus"]["id"] == str(corpus) and first["corpus"]["load_s"] >= 0
+    listed = httpx.get(f"{first_app.url}/list_external_corpora", timeout=30).json()["corpus_token_counts"]
+    assert listed == {str(corpus): first["corpus"]["loaded_token_count"]} and listed[str(corpus)] > 0
+    log = httpx.get(f"{first_app.url}/replica/log", timeout=30).text
+    assert "[replica] start done: stopping" in log and "loading" in log
+
+    second_app, _ = start_engine(STUDY, "q", serve_url, config(tmp_path, "q", ngram), TIMEOUT_S)
+    second = replica_of(second_app.url)
+    assert second["launch"]["shared"] is True and second["pid"] == first["pid"] and second["startup_s"] is None
+    assert httpx.get(f"{second_app.url}/list_external_corpora", timeout=30).json()["corpus_token_counts"] == {}
+    assert generate(second_app.url)
+    assert "launch shared" in httpx.get(f"{second_app.url}/replica/log", timeout=30).text
+
+    launch_fresh(STUDY)
+    third_app, _ = start_engine(STUDY, "r", serve_url, config(tmp_path, "r", ngram), TIMEOUT_S)
+    third = replica_of(third_app.url)
+    assert third["launch"]["shared"] is False and third["pid"] != first["pid"] and not group_alive(first["pid"])
+    assert generate(third_app.url)

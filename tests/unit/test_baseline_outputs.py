@@ -7,7 +7,8 @@ import pytest
 from pipeline.config import TrialConfig, load_study
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.records.tracking import Tracker
-from pipeline.trial.lifecycle import Outcome, TrialContext, _compare, baseline_outputs, lost_requests
+from pipeline.trial.lifecycle import (Measurement, Outcome, TrialContext, _compare, baseline_outputs,
+                                      lost_requests)
 from serve.spec import NgramSpec
 
 
@@ -52,9 +53,11 @@ def test_a_driver_in_another_folder_compares_with_the_baseline_outputs_from_mlfl
     other = context(tracker, parent, tmp_path / "driver2")
     assert [r.output_ids for r in baseline_outputs(other)] == [(1, 2, 3), (4, 5, 6)]
     ngram = TrialConfig(spec=NgramSpec())
-    outcome, reason, report = _compare(other, ngram, [record(0), record(1, ids=(4, 5, 6))])
+    same = Measurement(records=[record(0), record(1, ids=(4, 5, 6))])
+    outcome, reason, report = _compare(other, ngram, same)
     assert (outcome, reason) == (Outcome.COMPLETE, "") and report is not None and report.passed
-    outcome, _, report = _compare(other, ngram, [record(0), record(1, ids=(4, 5, 9))])
+    differ = Measurement(records=[record(0), record(1, ids=(4, 5, 9))])
+    outcome, _, report = _compare(other, ngram, differ)
     assert outcome is Outcome.NOT_EQUIVALENT and not report.passed
 
 
@@ -63,4 +66,4 @@ def test_only_a_complete_baseline_is_a_reference(tracker, tmp_path):
     log_baseline(tracker, parent, [record(0)], outcome="UNHEALTHY")
     ctx = context(tracker, parent, tmp_path)
     assert baseline_outputs(ctx) is None
-    assert _compare(ctx, TrialConfig(), [record(0)])[0] is Outcome.COMPLETE  # the baseline is its own reference
+    assert _compare(ctx, TrialConfig(), Measurement(records=[record(0)]))[0] is Outcome.COMPLETE  # the baseline is its own reference

@@ -138,16 +138,8 @@ def test_capture_settings_from_the_command_line():
         CaptureSettings.model_validate({"dir": "/tmp/cap", "sample_rate": 0})
 
 
-class _Req:
-    def __init__(self, body):
-        self._body = json.dumps(body).encode()
-
-    async def body(self):
-        return self._body
-
-
 def _observe(capture, route, body, response):
-    return asyncio.run(capture.observe(route, _Req(body), response))
+    return asyncio.run(capture.observe(route, body, response))  # the request as the ingress parsed it
 
 
 async def _drain(response):
@@ -240,9 +232,10 @@ def test_warmup_sentinel_becomes_a_shared_corpus_file(tmp_path):
     assert lines == ["alpha", "beta"]
     again, same = corpus_for_trial(trial, warm, tmp_path)
     assert same.path == written.path  # content-addressed: every trial of the study shares it
-    info = {"internal_states": [{"external_corpora": {written.path: 7}}], "startup_time": {"load_external_corpus": 0.5}}
-    assert corpus_record(info, written) == {"corpus_documents": 2.0, "corpus_bytes": float(written.bytes),
-                                            "corpus_tokens": 7.0, "corpus_load_s": 0.5}
+    # what the engine lists (GET /list_external_corpora) and the replica's record of its runtime load
+    listed, loaded = {written.path: 7}, {"id": written.path, "load_s": 0.5, "loaded_token_count": 7}
+    assert corpus_record(listed, loaded, written) == ({"corpus_documents": 2.0, "corpus_bytes": float(written.bytes),
+                                                       "corpus_tokens": 7.0, "corpus_load_s": 0.5}, None)
 
 
 def test_no_corpus_passes_through_and_a_user_file_is_read_to_be_shipped(tmp_path):

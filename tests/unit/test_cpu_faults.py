@@ -82,3 +82,47 @@ def test_start_faults_exit_or_sleep_and_say_so_in_the_log(caplog):
     assert slept == [12.0]
     assert "TEST FAULT exit-at-start: exiting with code 7" in caplog.text
     assert "TEST FAULT armed: slow-start=12" in caplog.text
+
+
+def test_batch_noise_parses_and_needs_a_positive_scale():
+    assert parse_fault("batch-noise=0.5") == Fault(kind="batch-noise", value=0.5)
+    with pytest.raises(FaultSpecError, match="batch-noise needs a logit noise scale > 0"):
+        parse_fault("batch-noise=0")
+
+
+def test_batch_noise_follows_the_rounds_batch_composition_and_spares_the_prefill():
+    """On a tiny random Llama: a request decodes the same tokens whenever its rounds are composed the same way, other
+    tokens when they are not (another request id), the same first token always; without the switch, exact decoding."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from serve.engines.cpu.decode import Decoder, Request, StopRules
+    from serve.engines.cpu.faults import install
+    from serve.engines.cpu.runner import ModelRunner
+    from serve.engines.cpu.verify import Sampling
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
+
+    def decode(rid: str, noise: bool) -> list[int]:
+        decoder = Decoder(ModelRunner(model), None, None)
+        engine = SimpleNamespace(config=SimpleNamespace(test_faults=(parse_fault("batch-noise=2"),) if noise else ()),
+                                 speculative=False, decoder=decoder, scheduler=SimpleNamespace(decoder=decoder),
+                                 runner=decoder.runner)
+        install(None, engine)  # type: ignore[arg-type]
+        assert (decoder.logit_noise is not None) == noise
+        req = Request(rid=rid, prompt_ids=[5, 17, 42, 8], sampling=Sampling(temperature=0.0),
+                      rules=StopRules(max_new_tokens=24), seed=0)
+        while not req.finished:
+            engine.scheduler.decoder.step_many([req])
+        return req.output_ids
+
+    exact = decode("a", noise=False)
+    assert decode("b", noise=False) == exact
+    first, again, other = decode("a", True), decode("a", True), decode("b", True)
+    assert first == again  # the same compositions: the same numerics
+    assert other != first and exact not in (first, other)  # other compositions: other tokens
+    assert first[0] == other[0] == exact[0]  # the prefill's token is exact

@@ -16,7 +16,6 @@ and requests keep streaming meanwhile (the decode worker drafts from the corpora
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from http import HTTPStatus
 from typing import Any
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse
 from serve.engines.cpu.corpus import ExternalCorpora
 from serve.engines.cpu.engine import Engine, encoder_of
 from serve.engines.cpu.speculators import NgramSpeculator
+from serve.http_limits import BadJson, parse_json
 
 __all__ = ["register_corpus_routes", "NOT_ENABLED", "LOAD_IN_PROGRESS"]
 
@@ -51,9 +51,9 @@ def _add_failed(message: str) -> JSONResponse:
 async def _json_object(http: HttpRequest) -> dict[str, Any] | str:
     """The body as a dict, or the message to answer with."""
     try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return f"body: not valid JSON ({err})"
+        body = parse_json(await http.body())  # strict: deep nesting or a 5000-digit number is a 400, not a 500
+    except BadJson as err:
+        return f"body: {err}"
     if not isinstance(body, dict):
         return f"body: expected a JSON object, got {type(body).__name__}"
     return body

@@ -15,7 +15,7 @@ request did not finish in prefill, and spec_accept_length = completion_tokens / 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -115,6 +115,9 @@ class Decoder:
         self.runner = runner
         self.tokenizer = tokenizer
         self.speculator = speculator
+        # Test-only (`--test-fault batch-noise`, faults.py): perturbs every decode/verify step's logits the way
+        # batched GPU numerics do; None (always, outside that switch) leaves decoding exact.
+        self.logit_noise: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def step(self, req: Request) -> StepStats:
         """One target forward for `req`: its prefill, or one draft + verify step."""
@@ -161,7 +164,8 @@ class Decoder:
                     rows = firsts[offset:offset + step.first]
                     offset += step.first
                     try:
-                        results[i] = self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, rows=rows))
+                        results[i] = self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, rows=rows,
+                                                                                 noise=self.logit_noise))
                     except Exception as err:  # noqa: BLE001
                         results[i] = err
         return [results[i] for i in range(len(reqs))]
@@ -198,7 +202,8 @@ class Decoder:
 
     def _verify_drafted(self, req: Request, step: _Drafted) -> StepStats:
         hidden = self.runner.forward(req.cache, step.tokens, step.positions, step.visible)
-        return self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, first=step.first))
+        return self._accept(req, step, hidden, _LazyLogits(self.runner, hidden, first=step.first,
+                                                           noise=self.logit_noise))
 
     def _draft(self, req: Request) -> _Drafted:
         """Propose a tree rooted at the last token and lay it out as the target forward's queries."""
@@ -221,11 +226,14 @@ class Decoder:
         kept = self._append(req, emitted)
         tree = step.tree
         req.spec_verify_ct += 1
-        req.spec_num_correct_drafts += kept - 1
+        # SGLang counts the drafts its verify accepted, also those a stop rule then cuts off (batch_result_processor:
+        # num_correct_drafts_per_req), so the last step of a length-capped request counts them too.
+        correct = len(accepted)
+        req.spec_num_correct_drafts += correct
         req.spec_num_proposed_drafts += len(tree.tokens)
-        if len(req.correct_histogram) < kept:
-            req.correct_histogram.extend([0] * (kept - len(req.correct_histogram)))
-        req.correct_histogram[kept - 1] += 1
+        if len(req.correct_histogram) <= correct:
+            req.correct_histogram.extend([0] * (correct + 1 - len(req.correct_histogram)))
+        req.correct_histogram[correct] += 1
         if self.speculator is not None:
             self.speculator.observe(req, [a - 1 for a in accepted])
         return StepStats(verify=True, emitted=kept, proposed=len(tree.tokens))
@@ -274,16 +282,21 @@ class _LazyLogits:
     reaches one."""
 
     def __init__(self, runner: ModelRunner, hidden: torch.Tensor, first: int = 0,
-                 rows: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None,
+                 noise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._runner = runner
         self._hidden = hidden
+        self._noise = noise
         batch = runner.logits(hidden[:first]) if rows is None else rows
+        if noise is not None:
+            batch = noise(batch)
         self._rows: dict[int, torch.Tensor] = {i: batch[i] for i in range(int(batch.shape[0]))}
 
     def __call__(self, index: int) -> torch.Tensor:
         row = self._rows.get(index)
         if row is None:
-            row = self._runner.logits(self._hidden[index:index + 1])[0]
+            row = self._runner.logits(self._hidden[index:index + 1])
+            row = (self._noise(row) if self._noise is not None else row)[0]
             self._rows[index] = row
         return row
 

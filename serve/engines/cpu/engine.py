@@ -75,8 +75,7 @@ class Engine:
         speculator = self.decoder.speculator
         if isinstance(speculator, NgramSpeculator):
             state["ngram_trie_nodes"] = speculator.cache.num_nodes
-            if speculator.corpora is not None:
-                state["external_corpora"] = speculator.corpora.list()
+        # Loaded corpora are listed where SGLang lists them, `GET /list_external_corpora` (corpus_routes.py), not here
         info.update({
             "version": ENGINE_VERSION, "engine": "cpu", "model_dir": self.model_dir, "draft_model_dir": self.draft_dir,
             "torch_threads": torch.get_num_threads(), "forward": self.runner.backend, "verify_cost": self.verify_cost,
@@ -170,11 +169,9 @@ def build_engine(config: EngineConfig) -> Engine:
         verify_cost = cached_verify_cost(runner, model_dir, config.dtype, config.verify_probe_seconds,
                                          STARTUP_PROBE_SIZES, refresh=config.verify_probe_refresh)
         timings["verify_cost_probe"] = time.monotonic() - t0
-    t0 = time.monotonic()
+    # SGLang loads a start-up corpus inside its scheduler's start and reports no time of its own for it, so neither
+    # does this engine: a trial times the corpus it loads through `POST /add_external_corpus` (serve/replica.py).
     speculator = make_speculator(config, draft_runner, tokenizer)
-    if isinstance(config.spec, NgramSpec) and config.spec.external_corpus is not None:
-        # a cost paid at every restart: the trial records it
-        timings["load_external_corpus"] = time.monotonic() - t0
     decoder = Decoder(runner, tokenizer, speculator)
     scheduler = Scheduler(decoder, config.max_running_requests, config.max_queued_requests,
                           config.max_total_tokens or 4 * context_length)

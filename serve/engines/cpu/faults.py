@@ -14,6 +14,13 @@ SPEC is `KIND[=VALUE][@speculative|@baseline]`:
                           is a correct but uniformly slower one (a config that cannot beat the baseline).
 - `wrong-tokens`          the first output token of every answer is replaced by the next token id (the engine decodes
                           on from the true token, so only what the client sees is wrong).
+- `batch-noise=SIGMA`     decoding becomes numerically batch-dependent, as bf16 on a GPU under continuous batching is:
+                          every decode/verify step's logits get Gaussian noise of standard deviation SIGMA (logit
+                          units), drawn from a generator seeded by the round's batch composition (each request's id and
+                          length). Request ids are fresh per request, so no two runs see the same noise, the baseline
+                          diverges from itself, and a lossless config diverges from the baseline exactly as much (its
+                          tokens are argmaxes of equally noisy logits). Prefill logits stay exact: a first token never
+                          flips, so `wrong-tokens` stays visible on every answer. For equivalence-mode tests.
 Generation requests are `POST /generate`, `/v1/completions` and `/v1/chat/completions`; other routes are never faulty.
 `@speculative` arms the fault only when `--speculative-algorithm` is set, `@baseline` only when it is not. One study's
 trials share `extra_flags`, so this is how a study gets a faulty speculative trial next to a correct baseline (which
@@ -25,6 +32,7 @@ Parsing and the per-request decision are pure; `before_start` and `install` appl
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -49,7 +57,8 @@ CRASH_EXIT_CODE = 70  # EX_SOFTWARE: distinguishable from a clean exit and from 
 DEFAULT_EXIT_CODE = 3
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
-Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "slow-steps", "wrong-tokens"]
+Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "slow-steps", "wrong-tokens",
+               "batch-noise"]
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
     "slow-start": ("seconds > 0", float),
@@ -57,9 +66,10 @@ _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value 
     "hang-after": ("a request count >= 0", int),
     "slow-steps": ("a slow-down factor > 1", float),
     "wrong-tokens": ("no value", None),
+    "batch-noise": ("a logit noise scale > 0", float),
 }
 _USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, crash-after=N, "
-          "hang-after=N, slow-steps=FACTOR, wrong-tokens")
+          "hang-after=N, slow-steps=FACTOR, wrong-tokens, batch-noise=SIGMA")
 
 
 class FaultSpecError(ValueError):
@@ -107,7 +117,7 @@ def parse_fault(text: str) -> Fault:
 def _in_range(kind: str, value: float) -> bool:
     if kind == "exit-at-start":
         return 1 <= value <= 255
-    if kind == "slow-start":
+    if kind in ("slow-start", "batch-noise"):
         return value > 0
     if kind == "slow-steps":
         return value > 1
@@ -171,6 +181,9 @@ def install(app: FastAPI, engine: Any) -> None:
     if "wrong-tokens" in active:
         wrong = _WrongFirstToken(engine.decoder, engine.runner.vocab_size)
         engine.scheduler.decoder = wrong  # type: ignore[assignment]
+    if "batch-noise" in active:
+        noisy = _BatchNoise(engine.scheduler.decoder, engine.decoder, float(active["batch-noise"].value or 0.0))
+        engine.scheduler.decoder = noisy  # type: ignore[assignment]
     if "slow-steps" in active:
         slow = _SlowSteps(engine.scheduler.decoder, float(active["slow-steps"].value or 1.0))
         engine.scheduler.decoder = slow  # type: ignore[assignment]
@@ -242,6 +255,32 @@ class _SlowSteps:
         results = self._inner.step_many(reqs)
         time.sleep((self._factor - 1) * (time.perf_counter() - started))
         return results
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _BatchNoise:
+    """Decoder stand-in: seeds the round's logit noise from its batch composition, then runs the round; `decoder`
+    (the real one) adds that noise to every decode/verify logit through its `logit_noise` hook."""
+
+    def __init__(self, inner: Any, decoder: Decoder, sigma: float) -> None:
+        import torch
+
+        self._inner = inner
+        self._sigma = sigma
+        self._generator = torch.Generator()
+        decoder.logit_noise = self._perturb
+
+    def step_many(self, reqs: Sequence[Request]) -> list[Any]:
+        composition = repr(sorted((r.rid, len(r.tokens)) for r in reqs)).encode()
+        self._generator.manual_seed(int.from_bytes(hashlib.sha256(composition).digest()[:8], "little"))
+        return self._inner.step_many(reqs)
+
+    def _perturb(self, logits: Any) -> Any:
+        import torch
+
+        return logits + self._sigma * torch.randn(logits.shape, generator=self._generator, dtype=logits.dtype)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

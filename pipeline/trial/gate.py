@@ -1,0 +1,187 @@
+"""A search trial's equivalence gate and the baseline's passes it needs, per `promotion.equivalence` mode.
+
+- `exact`: a trial's measured outputs against the baseline trial's (its MLflow run's `requests.parquet`).
+- `baseline-noise`: the baseline trial measures twice in one launch (flush, warm-up, measure, then again: the second
+  pass shares the launch, serve/launch.py), and its second pass (`NOISE_ARTIFACT`) is the noise a trial's divergence
+  is tested against (`pipeline.decide.noise`). Cost: one more measurement of the baseline, no launch.
+- `deterministic`: the baseline and every compared trial measure once more on an engine started with the engine
+  kind's deterministic-inference flags (`Engine.deterministic_flags`; SGLang's `--enable-deterministic-inference`),
+  whose greedy outputs do not depend on the batch; those outputs must be identical, while the trial's throughput is
+  the one measured without the flags. Cost: one more launch and measurement per compared trial and for the baseline
+  (a different command line cannot share a launch). On an engine that is batch-invariant as it is (the CPU engine
+  in fp32) `deterministic` is `exact`, with no extra launch.
+Each measurement runs through the trial's own `measure` (`pipeline.trial.lifecycle.measure_config`), handed in by
+the caller: this module does not import the lifecycle, which imports it.
+
+Finalists are compared with the baseline's re-runs at their own level instead (`pipeline.study.finalists`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.decide.equivalence import EquivalenceReport, judge
+from pipeline.decide.noise import run_outputs, self_divergence
+from pipeline.measure.summary import RequestRecord
+from pipeline.search.pruning import baseline_run
+from serve.engines import engine_for
+from serve.engines.base import ReplicaConfig
+
+__all__ = ["NOISE_ARTIFACT", "DETERMINISTIC_ARTIFACT", "effective_mode", "deterministic_flags", "with_flags",
+           "records_json", "records_from_json", "baseline_pass", "Passes", "baseline_passes", "Verdict",
+           "judge_trial", "reports_measurement"]
+
+NOISE_ARTIFACT = "equivalence/noise_requests.json"
+DETERMINISTIC_ARTIFACT = "equivalence/deterministic_requests.json"
+
+# measure(ctx, config, label, log_dir) -> a Measurement (records, failure, launches), as the lifecycle's
+Measure = Callable[[Any, Any, str, Path], Any]
+
+
+def deterministic_flags(study: Any) -> list[str] | None:
+    """What the study's engine kind adds to start deterministically ([] = batch-invariant as it is)."""
+    engine = study.engine
+    return engine_for(engine.kind).deterministic_flags(ReplicaConfig(engine=engine.kind, model=study.model.target,
+                                                                     dtype=study.model.dtype, device=engine.device))
+
+
+def effective_mode(study: Any) -> str:
+    """The study's equivalence mode as it runs: `deterministic` on a batch-invariant engine is `exact`."""
+    mode = study.promotion.equivalence
+    return "exact" if mode == "deterministic" and not deterministic_flags(study) else mode
+
+
+def with_flags(ctx: Any, flags: Sequence[str]) -> Any:
+    """`ctx` (a TrialContext) whose engines start with `flags` added to `engine.extra_flags`."""
+    study = ctx.study
+    engine = study.engine.model_copy(update={"extra_flags": [*study.engine.extra_flags, *flags]})
+    return dataclasses.replace(ctx, study=study.model_copy(update={"engine": engine}))
+
+
+def records_json(records: Sequence[RequestRecord]) -> str:
+    """A pass's measured requests as JSON (a run artifact)."""
+    return json.dumps([dataclasses.asdict(r) for r in records if r.phase == "measure"])
+
+
+def records_from_json(text: str) -> list[RequestRecord]:
+    out = []
+    for item in json.loads(text):
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in item.items()}
+        out.append(RequestRecord(**fields))
+    return out
+
+
+def baseline_pass(ctx: Any, artifact: str) -> list[RequestRecord] | None:
+    """The records of a pass (`artifact`) of the study's COMPLETE baseline trial, None when it has none."""
+    run = baseline_run(ctx.tracker, ctx.parent_run_id)
+    if run is None:
+        return None
+    try:
+        path = ctx.tracker.client().download_artifacts(run.info.run_id, artifact)
+    except Exception:  # noqa: BLE001 - MLflow raises its own errors for a missing artifact
+        return None
+    return records_from_json(Path(path).read_text())
+
+
+@dataclass
+class Passes:
+    """What the baseline's equivalence pass adds to its run: artifacts, metrics (its noise pass against its first:
+    `self_*`, the engine's own divergence at the search level), launches, and why it failed (None: fine)."""
+
+    texts: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    launches: int = 0
+    problem: str | None = None
+
+
+def _failure(m: Any) -> str | None:
+    return f"{m.failure[0].value}: {m.failure[1]}" if m.failure else None
+
+
+def baseline_passes(ctx: Any, config: Any, records: Sequence[RequestRecord], label: str, log_dir: Path,
+                    measure: Measure) -> Passes:
+    """After the baseline trial's measurement (`records`): its noise pass (`baseline-noise`) or its deterministic
+    pass."""
+    out = Passes()
+    if config.spec.algorithm != "none" or ctx.study.workload.temperature > 0:
+        return out
+    mode = effective_mode(ctx.study)
+    if mode == "baseline-noise":
+        m = measure(ctx, config, f"{label}-noise", log_dir / "noise")
+        out.texts[NOISE_ARTIFACT], out.launches = records_json(m.records), m.launches
+        out.problem = _failure(m)
+        if out.problem is None:
+            own = self_divergence(config.concurrency, [run_outputs(records), run_outputs(m.records)])
+            out.metrics = {f"self_{k}": float(v) for k, v in (("identical_share", own.identical_share),
+                                                              ("token_agreement", own.token_agreement),
+                                                              ("first_div_p50", own.first_divergence_p50))
+                           if v is not None}
+    elif mode == "deterministic":
+        m = measure(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
+                    log_dir / "deterministic")
+        out.texts[DETERMINISTIC_ARTIFACT], out.launches = records_json(m.records), m.launches
+        out.problem = _failure(m)
+    if out.problem:
+        out.texts.pop(NOISE_ARTIFACT, None)
+        out.texts.pop(DETERMINISTIC_ARTIFACT, None)
+    return out
+
+
+@dataclass
+class Verdict:
+    """A search trial's equivalence: `passed` None = not compared (`reason` says why)."""
+
+    passed: bool | None
+    reason: str
+    report: EquivalenceReport | None = None
+    launches: int = 0
+
+
+def judge_trial(ctx: Any, config: Any, records: Sequence[RequestRecord], label: str, log_dir: Path,
+                measure: Measure, baseline: Sequence[RequestRecord] | None) -> Verdict:
+    """A speculative trial's outputs against the baseline's, by the study's mode (module docstring). `baseline`: the
+    baseline trial's measured outputs (None: it did not complete)."""
+    policy = ctx.study.promotion
+    if config.spec.algorithm == "none":
+        return Verdict(True, "")
+    if ctx.study.workload.temperature > 0:
+        return Verdict(None, "sampling (temperature > 0): outputs are not compared")
+    if baseline is None:
+        return Verdict(None, "no baseline outputs to compare with (the baseline did not complete)")
+    mode = effective_mode(ctx.study)
+    if mode == "exact":
+        report = judge("exact", baseline, [records], threshold=policy.equivalence_threshold)
+        return Verdict(report.passed, report.reason, report)
+    if mode == "baseline-noise":
+        noise = baseline_pass(ctx, NOISE_ARTIFACT)
+        if noise is None:
+            return Verdict(None, "not compared: the baseline has no second pass to measure its own noise with")
+        report = judge("baseline-noise", baseline, [records], baseline_others=[noise],
+                       alpha=policy.equivalence_alpha)
+        return Verdict(report.passed, report.reason, report)
+    reference = baseline_pass(ctx, DETERMINISTIC_ARTIFACT)
+    if reference is None:
+        return Verdict(None, "not compared: the baseline has no deterministic-inference pass")
+    m = measure(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
+                log_dir / "deterministic")
+    if m.failure:
+        return Verdict(False, f"the deterministic-inference pass failed, so equivalence is not shown: {_failure(m)}",
+                       launches=m.launches)
+    report = judge("deterministic", reference, [m.records], threshold=1.0)
+    return Verdict(report.passed, report.reason, report, m.launches)
+
+
+def reports_measurement(outcome: str, study: Any) -> bool:
+    """Whether a finished search trial tells Optuna its measured objective (else the worst value). COMPLETE and
+    PRUNED do. NOT_EQUIVALENT does under `baseline-noise`: there it is a sign test's verdict at `equivalence_alpha`,
+    wrong for up to that share of lossless configs, on a measurement that is sound; reporting the worst value would
+    steer the search away from a region by that luck. The trial still cannot be a finalist. Under `exact` and
+    `deterministic` a mismatch is certain, and the worst value keeps the search away from it."""
+    if outcome in ("COMPLETE", "PRUNED"):
+        return True
+    return outcome == "NOT_EQUIVALENT" and effective_mode(study) == "baseline-noise"
