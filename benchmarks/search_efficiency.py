@@ -2,14 +2,18 @@
 
 Two steps. `record` measures every point of an enumerable search space (default `search_spaces/grid-small.yaml`)
 on the CPU engine with the normal trial protocol (`pipeline.trial.lifecycle.run_trial`: Serve replica, flush, warm-up,
-measure, equivalence against the baseline, MLflow), repeats a few points to measure run-to-run noise, and writes
-one Parquet row per measurement to `benchmarks/data/`. `replay` then treats that grid as a response surface with
-the measured noise (`benchmarks/search_replay.py`) and compares, over many seeds: our Optuna configuration, random
-search, the full grid and a one-knob-at-a-time tier search. The replay is a replay of measured data, not new
+measure, equivalence against the baseline, MLflow), every point `--runs` times (run after run, for the run-to-run
+noise), with simulate-first's context (prompt ids recorded, the baseline answering the whole warm-up split), and
+writes one Parquet row per measurement to `benchmarks/data/<grid>.parquet` and every request of every trial to
+`<grid>-requests.parquet`. `replay` then treats that grid as a response surface with the measured noise
+(`benchmarks/search_replay.py`) and compares, over many seeds: our Optuna configuration, random search, the full grid
+and a one-knob-at-a-time tier search; with the requests file, also the simulator's predictions against every point
+and simulate-first's launches (`benchmarks/simulate_replay.py`). The replay is a replay of measured data, not new
 measurements, and is deterministic for a seed.
 
-    python benchmarks/search_efficiency.py record --quick   # ~30 min on 2 cores: 31 points + 6 repeats
-    python benchmarks/search_efficiency.py record           # twice the measured prompts and tokens (~1 h)
+    python benchmarks/search_efficiency.py record --quick   # 31 points x 3 runs on 2 cores
+    python benchmarks/search_efficiency.py record           # twice the measured prompts and tokens
+    python benchmarks/search_efficiency.py record --quick --workload code-edit --space benchmarks/data/grid-other.yaml
     python benchmarks/search_efficiency.py replay --quick   # 20 seeds, ~1 min
 
 `replay` prints a second table: trials and engine-seconds to within 2% of the best, early stopping
@@ -29,39 +33,47 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote,  # noqa: E402
-                                      run_method, stop_rates, trials_to_reach, warmup_requests)
+                                      read_grid, run_method, stop_rates, trials_to_reach, warmup_requests)
 from pipeline.search.stopping import StoppingPolicy, VerifyCost  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 # --quick measures with the default study's workload (templated, 4 prompts x 24 tokens); the full record doubles the
 # measured prompts and tokens, so each point's number is steadier.
 FULL_WORKLOAD = {"workload.warmup_prompts": 8, "workload.measure_prompts": 8, "workload.max_new_tokens": 48}
-# The CPU engine's verify-cost curve for the early-stopping replay: docs/benchmarks.md "Verify cost", the "old x N=1"
-# row (2 threads, this machine), the forward the grid was recorded with; it is also the cheaper (more lenient) of
-# the two measured curves, so the analytic bound errs towards continuing.
+# The CPU engine's verify-cost curve for the early-stopping replay of a grid recorded without one (a recording keeps its
+# engine's own curve in its metadata): docs/benchmarks.md "Verify cost", the "old x N=1" row (2 threads, this machine),
+# the forward the first grid was recorded with; the cheaper (more lenient) of the two measured curves.
 GRID_VERIFY_COST = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1.19, 1.45, 1.38, 1.75, 1.78, 1.78,
                                                                    1.88, 2.05, 2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
 
 
-def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
+def record(space_name: str, out: Path, quick: bool, runs: int, workload: str | None = None) -> None:
+    """Every point of the space measured `runs` times, run after run (all points once, then again: drift spreads
+    over every point alike), on fresh trials through `run_trial` with simulate-first's context (requests record
+    their prompt ids; the baseline answers the whole warm-up split), so the simulator can replay the baseline.
+    Writes `out` (one row per measurement) and `<out stem>-requests.parquet` (every request of every trial)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
     from pipeline.config import load_study
+    from pipeline.measure.summary import to_records
     from pipeline.records.tracking import Tracker, default_tracking_uri
     from pipeline.search.space import grid_points, load_space, resolve
     from pipeline.study.driver import build_context, connect_ray
     from pipeline.trial.lifecycle import run_trial
     from serve.spec import draft_token_count
 
-    overrides = {"name": "grid", "search_space": space_name, **({} if quick else FULL_WORKLOAD)}
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per downloaded file otherwise
+    overrides = {"name": "grid", "search_space": space_name, **({} if quick else FULL_WORKLOAD),
+                 **({"workload.source": workload} if workload else {})}
     study = load_study(None, overrides)
     space_path = study.search_space_path()
     space = load_space(space_path)
@@ -69,51 +81,86 @@ def record(space_name: str, out: Path, quick: bool, repeats: int) -> None:
     folder = Path(tempfile.mkdtemp(prefix="specdec-grid-"))
     tracker = Tracker(default_tracking_uri(folder), "grid", artifact_dir=folder / "mlartifacts")
     parent = tracker.start_study("grid", "", resume=False)
-    ctx = build_context(study, folder, connect_ray(study.name, "local"), tracker, parent)
-    print(f"recording {len(points)} points of {space_path.name} (+ repeats) into {out}; MLflow: {folder}", flush=True)
+    ctx = build_context(study, folder, connect_ray(study.name, "local"), tracker, parent, simulated=True)
+    print(f"recording {len(points)} points of {space_path.name} x {runs} runs into {out}; MLflow: {folder}",
+          flush=True)
     rows: list[dict] = []
+    requests: list[dict] = []
+    verify_cost: dict = {}
+    started = time.monotonic()
 
     def measure(index: int, params: dict, run: int) -> None:
         resolution = resolve(space, params, study)
         result = run_trial(ctx, f"p{index}-r{run}", resolution)
         s = result.summary
+        client = tracker.client()
+        metrics = client.get_run(result.run_id).data.metrics if result.run_id else {}
         rows.append({"point": index, "run": run, "params": json.dumps(params, sort_keys=True),
                      "algorithm": params["algorithm"], "outcome": result.outcome.value, "reason": result.reason[:500],
                      "tput_tok_s": s.tput_tok_s if s else None, "accept_len": s.accept_len if s else None,
-                     "draft_tokens": draft_token_count(resolution.config.spec) if resolution.config else 0})
+                     "draft_tokens": draft_token_count(resolution.config.spec) if resolution.config else 0,
+                     "time_total_s": metrics.get("time_total_s"), "time_measure_s": metrics.get("time_measure_s")})
+        if result.run_id:
+            with tempfile.TemporaryDirectory() as tmp:
+                table = pq.read_table(client.download_artifacts(result.run_id, "requests.parquet", tmp))
+                if index == 0 and not verify_cost:
+                    info = json.loads(Path(client.download_artifacts(result.run_id, "server_info.json",
+                                                                     tmp)).read_text())
+                    verify_cost.update(info.get("verify_cost") or {})
+            for r in to_records(table):
+                requests.append({"point": index, "run": run, "phase": r.phase, "prompt_index": r.prompt_index,
+                                 "ok": r.ok, "start_s": r.start_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+                                 "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                                 "spec_verify_ct": r.spec_verify_ct,
+                                 "spec_num_correct_drafts": r.spec_num_correct_drafts,
+                                 "prompt_ids": list(r.prompt_ids or ()), "output_ids": list(r.output_ids)})
         print(f"  point {index} run {run}: {result.outcome.value} {rows[-1]['tput_tok_s'] or 0:.2f} tok/s  {params}",
               flush=True)
 
-    for i, params in enumerate(points):
-        measure(i, params, 0)
-    # Noise: the baseline, the best and the median point measured `repeats` times in all, on fresh replicas.
-    done = sorted((r for r in rows if r["outcome"] == "COMPLETE" and r["point"] != 0), key=lambda r: r["tput_tok_s"])
-    again = dict.fromkeys([0] + ([done[-1]["point"], done[len(done) // 2]["point"]] if done else []))
-    for run in range(1, repeats):
-        for i in again:
-            measure(i, points[i], run)
+    for run in range(runs):
+        for i, params in enumerate(points):
+            measure(i, params, run)
     meta = {"space_file": space_path.name, "space_yaml": space_path.read_text(), "model": study.model.target,
-            "workload": study.workload.model_dump_json(), "engine": study.engine.kind,
-            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs",
+            "workload": study.workload.model_dump_json(), "engine": study.engine.kind, "runs": runs,
+            "warmup_indexes": json.dumps([w.index for w in ctx.warmup]),
+            "measure_indexes": json.dumps([m.index for m in ctx.measure]),
+            "max_new_tokens": json.dumps({str(r.index): r.max_new_tokens for r in (*ctx.warmup, *ctx.measure)}),
+            "verify_cost": json.dumps(verify_cost), "seed": study.seed,
+            "machine": _machine(), "threads": str(torch.get_num_threads()),
             "torch": torch.__version__, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "command": "python benchmarks/search_efficiency.py record" + (" --quick" if quick else "")}
+            "seconds": f"{time.monotonic() - started:.0f}",
+            "command": "python benchmarks/search_efficiency.py record" + (" --quick" if quick else "")
+            + (f" --workload {workload}" if workload else "") + (f" --space {space_name}"
+                                                                 if space_name != "grid-small" else "")}
     table = pa.Table.from_pylist(rows).replace_schema_metadata({k: str(v) for k, v in meta.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out)
-    print(f"wrote {len(rows)} measurements to {out}")
+    pq.write_table(pa.Table.from_pylist(requests), requests_path(out))
+    print(f"wrote {len(rows)} measurements to {out} and {len(requests)} requests to {requests_path(out)} "
+          f"in {time.monotonic() - started:.0f} s")
+
+
+def requests_path(grid: Path) -> Path:
+    return grid.with_name(f"{grid.stem}-requests.parquet")
+
+
+def _machine() -> str:
+    """CPU model and the ISA flags that decide the kernels, from /proc/cpuinfo."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return f"{platform.machine()} {model}, {os.cpu_count()} CPUs, flags {' '.join(isa) or '-'}"
 
 
 def load_surface(path: Path) -> tuple[Surface, dict[str, str]]:
-    import pyarrow.parquet as pq
-
-    from pipeline.search.space import load_space
-
-    table = pq.read_table(path)
-    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(meta["space_yaml"])
-    space = load_space(f.name)
-    os.unlink(f.name)
+    table, meta, space = read_grid(path)
     by_point: dict = {}
     for row in table.to_pylist():
         by_point.setdefault(key(json.loads(row["params"])), []).append(row)
@@ -201,9 +248,14 @@ def replay_early_stopping(path: Path, seeds: int, budget: int | None, startup: i
     workload = json.loads(meta.get("workload", "{}"))
     n = len(surface.mean)
     budget = budget or math.ceil(0.25 * n)
+    recorded = json.loads(meta.get("verify_cost") or "{}")  # the recording engine's own curve, when it kept one
+    curve = (VerifyCost(sizes=tuple(recorded["sizes"]), relative=tuple(recorded["relative"]))
+             if recorded.get("sizes") else GRID_VERIFY_COST)
+    curve_name = ("the recording engine's own curve (its /server_info)" if recorded.get("sizes")
+                  else "the CPU engine curve (GRID_VERIFY_COST)")
     on = EarlyStop(enabled=True, requests=requests or int(workload.get("measure_prompts", 4)),
                    tokens=int(workload.get("max_new_tokens", 24)), request_sigma=request_sigma, start_s=start_s,
-                   verify_cost=GRID_VERIFY_COST if verify_cost else None,
+                   verify_cost=curve if verify_cost else None,
                    policy=StoppingPolicy(alpha=alpha) if alpha else StoppingPolicy())
     off = dataclasses.replace(on, enabled=False)
     base_mean = surface.mean[surface.baseline]
@@ -213,7 +265,7 @@ def replay_early_stopping(path: Path, seeds: int, budget: int | None, startup: i
           f"per-request spread floor {on.policy.request_spread_floor}), checked after each of the first "
           f"{on.requests - 1} of {on.requests} measured requests x {on.tokens} tokens; per-request spread "
           f"{request_sigma} (assumed: the grid has no per-request traces); verify cost "
-          f"{'the CPU engine curve (GRID_VERIFY_COST)' if verify_cost else 'off (cost 1, as for SGLang)'}; "
+          f"{curve_name if verify_cost else 'off (cost 1, as for SGLang)'}; "
           f"baseline step time = 1 / the run's baseline throughput\n- engine-seconds per trial: {start_s} s start "
           f"+ warm-up and measured requests at the point's modelled speed; every point once without stopping "
           f"(the grid): {grid_total:.0f} engine-s\n")
@@ -259,7 +311,8 @@ def main() -> None:
     rec.add_argument("--quick", action="store_true",
                      help="the default study's workload (4 measured prompts x 24 tokens) instead of 8 x 48")
     rec.add_argument("--space", default="grid-small", help="an enumerable search space (name or path)")
-    rec.add_argument("--repeats", type=int, default=3, help="measurements of the noise points (>= 2)")
+    rec.add_argument("--runs", type=int, default=3, help="measurements of every point (>= 2: the noise)")
+    rec.add_argument("--workload", help="another workload than the default study's (bundled name or file)")
     rec.add_argument("--out", type=Path, help="Parquet file (default benchmarks/data/<space>[-quick].parquet)")
     rep = sub.add_parser("replay", help="compare search methods on a recorded grid (fast, deterministic)")
     rep.add_argument("--quick", action="store_true", help="20 seeds instead of 100")
@@ -282,10 +335,11 @@ def main() -> None:
     rep.add_argument("--stop-repeats", type=int, default=200, help="fresh trials per point for the stop rates")
     args = parser.parse_args()
     if args.step == "record":
-        if args.repeats < 2:
-            parser.error(f"--repeats {args.repeats}: the noise needs at least 2 measurements of a point")
-        stem = Path(args.space).stem + ("-quick" if args.quick else "")
-        record(args.space, args.out or DATA / f"{stem}.parquet", args.quick, args.repeats)
+        if args.runs < 2:
+            parser.error(f"--runs {args.runs}: the noise needs at least 2 measurements of a point")
+        stem = Path(args.space).stem + (f"-{Path(args.workload).stem}" if args.workload else "") \
+            + ("-quick" if args.quick else "")
+        record(args.space, args.out or DATA / f"{stem}.parquet", args.quick, args.runs, args.workload)
     else:
         data = args.data or DATA / "grid-small-quick.parquet"
         if not data.exists():
@@ -307,6 +361,12 @@ def main() -> None:
         replay_early_stopping(data, seeds, args.budget, args.startup_trials, args.request_sigma,
                               args.engine_start_s, not args.no_verify_cost, args.stop_repeats,
                               args.measure_requests, args.alpha)
+        if requests_path(data).exists():  # recorded with every request: the simulator's tables too
+            from benchmarks.simulate_replay import load_recorded, print_tables
+            from pipeline.config import load_study
+
+            surface, _ = load_surface(data)
+            print_tables(load_recorded(data, requests_path(data)), surface, seeds, load_study(None, {}).promotion)
 
 
 if __name__ == "__main__":

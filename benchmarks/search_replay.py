@@ -47,6 +47,25 @@ def key(params: dict[str, Any]) -> Point:
     return tuple(sorted(params.items()))
 
 
+def read_grid(path: Any) -> tuple[Any, dict[str, str], SearchSpace]:
+    """A recorded grid's Arrow table, its metadata and the search space it was recorded on (kept in the metadata)."""
+    import os
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from pipeline.search.space import load_space
+
+    table = pq.read_table(path)
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(meta["space_yaml"])
+    try:
+        return table, meta, load_space(f.name)
+    finally:
+        os.unlink(f.name)
+
+
 @dataclass(frozen=True)
 class Surface:
     """Measured means per point (0 where the point did not complete), the noise, and the draft tokens per point."""
@@ -296,7 +315,8 @@ def promote(surface: Surface, run: Run, budget: int, seed: int, finalists: int =
             policy: PromotionPolicy | None = None) -> Promotion:
     """The pipeline's end of study on the first `budget` trials: the best `finalists` distinct completed configs and
     the baseline re-measured `runs` times each (fresh noise), then `pipeline.decide.decision.decide`."""
-    rng = np.random.default_rng([seed, 99, METHODS.index(run.method)])
+    # a method outside METHODS (benchmarks/simulate_replay.py's simulate-first) draws after them
+    rng = np.random.default_rng([seed, 99, METHODS.index(run.method) if run.method in METHODS else len(METHODS)])
     trials = run.trials[:budget]
     base = surface.baseline
     ranked: list[Point] = []

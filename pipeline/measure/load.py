@@ -32,12 +32,19 @@ from pipeline.measure.summary import RequestRecord
 @dataclass(frozen=True)
 class LoadRequest:
     """One request. `input_ids`, when set, is sent instead of `text` (a chat prompt rendered by `chat_input_ids`);
-    `text` stays a readable view for logs and digests."""
+    `text` stays a readable view for logs and digests. `prompt_ids`, when set, is the text tokenized as the engine
+    tokenizes it (`tokenizer.encode(text)`): recorded with the request, never sent."""
 
     index: int
     text: str
     max_new_tokens: int
     input_ids: tuple[int, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
+
+    @property
+    def known_ids(self) -> tuple[int, ...] | None:
+        """The prompt's token ids as the engine sees them, when the client knows them."""
+        return self.input_ids if self.input_ids is not None else self.prompt_ids
 
 
 def chat_input_ids(messages: Sequence[tuple[str, str]], tokenizer: Any) -> tuple[int, ...]:
@@ -57,19 +64,24 @@ def target_tokenizer(target: str) -> Any:
     return tokenizer_for(target)
 
 
-def requests_of(prompts: Sequence[Any], target: str | None = None, tokenizer: Any = None) -> tuple[LoadRequest, ...]:
+def requests_of(prompts: Sequence[Any], target: str | None = None, tokenizer: Any = None,
+                prompt_ids: bool = False) -> tuple[LoadRequest, ...]:
     """LoadRequests for workload prompts; chat prompts are rendered with the target's tokenizer (loaded once, only
-    when the workload has chat prompts)."""
+    when the workload has chat prompts, or for `prompt_ids`: text prompts then carry their token ids as the engine
+    tokenizes them, with its default special tokens, for the records)."""
     items = []
     for p in prompts:
-        ids = None
-        if getattr(p, "messages", None):
+        ids = known = None
+        if getattr(p, "messages", None) or prompt_ids:
             if tokenizer is None:
                 if target is None:
-                    raise ValueError("workload: chat prompts need the target model to render its chat template")
+                    raise ValueError("workload: chat prompts (and prompt ids) need the target model's tokenizer")
                 tokenizer = target_tokenizer(target)
+        if getattr(p, "messages", None):
             ids = chat_input_ids(p.messages, tokenizer)
-        items.append(LoadRequest(p.index, p.text, p.max_new_tokens, ids))
+        elif prompt_ids:
+            known = tuple(int(t) for t in tokenizer.encode(p.text))
+        items.append(LoadRequest(p.index, p.text, p.max_new_tokens, ids, known))
     return tuple(items)
 
 
@@ -232,6 +244,7 @@ async def _one(client: httpx.AsyncClient, item: LoadRequest, *, phase: str, conc
         spec_accept_length=meta.get("spec_accept_length"),
         finish_reason="error" if error else finish_text, error=error,
         output_ids=tuple(_output_ids(state.chunks_ids, completion)) if not error else (),
+        prompt_ids=item.known_ids,
     )
 
 

@@ -19,7 +19,9 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-PHASES: tuple[str, ...] = ("warmup", "measure")
+# `reference`: requests a trial sends after its measurement only to record their answers (the baseline answers the
+# rest of the warm-up split for the acceptance simulator, pipeline/simulate); never part of a summary.
+PHASES: tuple[str, ...] = ("warmup", "measure", "reference")
 
 REQUEST_SCHEMA: pa.Schema = pa.schema(
     [
@@ -41,8 +43,9 @@ REQUEST_SCHEMA: pa.Schema = pa.schema(
         pa.field("error", pa.string()),
         pa.field("output_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("output_sha1", pa.string(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32())),
     ],
-    metadata={"specdec_tuner.request_schema": "1"},
+    metadata={"specdec_tuner.request_schema": "2"},
 )
 
 
@@ -59,10 +62,12 @@ class RequestRecord:
     `itl_s` holds the gaps between streamed chunks after the first one (a chunk may carry several tokens when
     speculation accepts drafts). A failed request sets `error` (its `finish_reason` is then e.g. "error").
     `output_sha1` may be left empty: it is then computed from `output_ids`; if given it must match them.
+    `prompt_ids`: the prompt's token ids as the engine saw them, when the client knew them (sent as `input_ids`, or
+    the text tokenized as the engine tokenizes it); None otherwise. The acceptance simulator replays them.
     """
 
     request_id: str
-    phase: Literal["warmup", "measure"]
+    phase: Literal["warmup", "measure", "reference"]
     prompt_index: int
     concurrency: int
     start_s: float
@@ -79,6 +84,7 @@ class RequestRecord:
     error: str | None = None
     output_ids: tuple[int, ...] = ()
     output_sha1: str = ""
+    prompt_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         where = f"request {self.request_id!r}"
@@ -104,6 +110,8 @@ class RequestRecord:
         object.__setattr__(self, "itl_s", itl)
         object.__setattr__(self, "output_ids", ids)
         object.__setattr__(self, "output_sha1", digest)
+        if self.prompt_ids is not None:
+            object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
 
     @property
     def ok(self) -> bool:
@@ -116,6 +124,7 @@ class RequestRecord:
 
 
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RequestRecord))
+_LATER_FIELDS: frozenset[str] = frozenset({"prompt_ids"})  # schema 2
 
 
 def to_table(records: Iterable[RequestRecord]) -> pa.Table:
@@ -132,12 +141,14 @@ def to_records(table_or_records: pa.Table | Iterable[RequestRecord]) -> list[Req
             if not isinstance(r, RequestRecord):
                 raise TypeError(f"records[{i}] must be a RequestRecord, got {type(r).__name__}")
         return records
-    missing = [n for n in _FIELD_NAMES if n not in table_or_records.column_names]
+    # columns added to the schema later (an older table lacks them): read as their default
+    missing = [n for n in _FIELD_NAMES if n not in table_or_records.column_names and n not in _LATER_FIELDS]
     if missing:
         raise ValueError(
             f"request table lacks column(s) {missing}; it must follow pipeline.measure.summary.REQUEST_SCHEMA "
             f"(columns {list(_FIELD_NAMES)})")
-    return [RequestRecord(**{n: row[n] for n in _FIELD_NAMES}) for row in table_or_records.to_pylist()]
+    present = [n for n in _FIELD_NAMES if n in table_or_records.column_names]
+    return [RequestRecord(**{n: row[n] for n in present}) for row in table_or_records.to_pylist()]
 
 
 def chunks(total: int, size: int) -> list[range]:

@@ -129,6 +129,7 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
               f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
               "workload: {warmup_prompts: 8, measure_prompts: 4, max_new_tokens: 12}\n"
+              "search: {strategy: tpe}\n"  # a search over launches resumed across drivers
               "engine: {start_timeout_s: 300, extra_flags: ['--test-fault', 'slow-steps=3@baseline']}\n")
     # The first driver only searches (finalists 0: no re-runs); the promotion policy may change on resume
     # (pipeline/study/resume.py), and the promotion that matters here is the second driver's.

@@ -1,58 +1,6 @@
-"""The draft tree every draft source hands the verifier, and SGLang's layout of a built tree."""
+"""The draft tree every draft source hands the verifier, kept in `serve.ngram.drafttree` (torch-free). This name
+stays for the engine's modules and tests."""
 
-from __future__ import annotations
-
-from dataclasses import dataclass
+from serve.ngram.drafttree import DraftTree, layout
 
 __all__ = ["DraftTree", "layout"]
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """Draft nodes in topological order (every parent before its children). The root -- the last real token of
-    the sequence -- is NOT included. parents[i] is the index in `tokens` of node i's parent, or -1 if its parent is
-    the root."""
-
-    tokens: tuple[int, ...]
-    parents: tuple[int, ...]
-    num_real: int  # nodes that came from the trie; the rest are SGLang-style pads (token 0, children of the root)
-
-    def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(
-                "DraftTree: tokens and parents must have the same length, "
-                f"got {len(self.tokens)} and {len(self.parents)}"
-            )
-        if not 0 <= self.num_real <= len(self.tokens):
-            raise ValueError(f"DraftTree: num_real must be in [0, {len(self.tokens)}], got {self.num_real}")
-        for i, parent in enumerate(self.parents):
-            if not -1 <= parent < i:
-                raise ValueError(f"DraftTree: parents[{i}] must be -1 or an earlier index, got {parent}")
-
-    def depths(self) -> tuple[int, ...]:
-        """Depth of each node, 1 for children of the root."""
-        out: list[int] = []
-        for parent in self.parents:
-            out.append(1 if parent < 0 else out[parent] + 1)
-        return tuple(out)
-
-
-def layout(tree_tokens: list[int], tree_parents: list[int], budget: int) -> DraftTree:
-    """A built tree (position 0 the root) as a DraftTree: breadth-first like SGLang's fillResult, root dropped, then
-    pads (token 0 under the root) up to `budget` nodes."""
-    kids: list[list[int]] = [[] for _ in tree_tokens]
-    for pos in range(1, len(tree_tokens)):
-        kids[tree_parents[pos]].append(pos)
-    order = list(kids[0])
-    for pos in order:  # grows while iterating: a breadth-first walk
-        order.extend(kids[pos])
-    index = {0: -1}
-    tokens: list[int] = []
-    parents: list[int] = []
-    for pos in order:
-        index[pos] = len(tokens)
-        tokens.append(tree_tokens[pos])
-        parents.append(index[tree_parents[pos]])
-    num_real = len(tokens)
-    pads = budget - num_real
-    return DraftTree(tuple(tokens) + (0,) * pads, tuple(parents) + (-1,) * pads, num_real)

@@ -1,9 +1,12 @@
 """The verify-cost curve: how long one target forward of N query tokens (a chain, N = 1..16) takes after a
-128-token context, relative to N = 1. It is ISA-specific (reference: fp32 steps up ~2x at N = 4 on AVX-512 machines;
+128-token context, relative to N = 1; and the round table: one scheduler round of b requests x N queries each in one
+batched forward, the LM head per row count, and one step at a longer context (`measure_round_cost`, what the
+pipeline's step-cost model reads). It is ISA-specific (reference: fp32 steps up ~2x at N = 4 on AVX-512 machines;
 bf16 with AMX stays ~1.0-1.2x up to 16) and it decides which draft sizes can pay, so the engine reports it.
 
-Measuring it costs ~1.5 s of every engine start, and every trial starts an engine; the curve depends only on the
-model, the dtype, the thread count, the forward implementation and the machine. So `cached_verify_cost` measures it
+Measuring it costs ~1.5 s (the curve) + ~9 s (the round table, SmolLM2-135M on 2 cores) of an engine start, and every
+trial starts an engine; both depend only on the model, the dtype, the thread count, the forward implementation and
+the machine. So `cached_verify_cost` measures it
 once per such key and keeps it on disk under `cache_root()/probe/`; `refresh=True` (`--verify-probe-refresh`)
 measures again and overwrites the entry (after a hardware change the key changes by itself)."""
 
@@ -23,14 +26,21 @@ from serve.engines.cpu.llama import FORWARD_VERSION
 from serve.engines.cpu.models import cache_root
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
 
-__all__ = ["measure_verify_cost", "cached_verify_cost", "probe_key", "PROBE_SIZES", "STARTUP_PROBE_SIZES"]
+__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "probe_key", "PROBE_SIZES",
+           "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
 
 PROBE_SIZES = tuple(range(1, 17))
 # At engine start-up: the curve's shape at a third of the cost (~2 s instead of ~4.5 s for a 135M model on 2 cores).
 # benchmarks/cpu_engine.py measures every size.
 STARTUP_PROBE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 CONTEXT_TOKENS = 128
-PROBE_VERSION = 2  # bump when the measurement itself changes; the forward has its own version in the key
+PROBE_VERSION = 3  # bump when the measurement itself changes; the forward has its own version in the key
+# The round table (`measure_round_cost`): requests per round and passes. Rows past the GGUF kernel's limit (24) run
+# on fp32, a step in the curve the table shows.
+ROUND_BATCHES = (1, 2, 4)  # larger batches: extrapolated linearly in rows by the cost model
+ROUND_PASSES = 3
+LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
+LONG_CONTEXT_TOKENS = 512
 
 
 def measure_verify_cost(runner: ModelRunner, budget_s: float, sizes: tuple[int, ...] = PROBE_SIZES,
@@ -72,6 +82,82 @@ def measure_verify_cost(runner: ModelRunner, budget_s: float, sizes: tuple[int, 
     }
 
 
+def measure_round_cost(runner: ModelRunner, widths: tuple[int, ...], batches: tuple[int, ...] = ROUND_BATCHES,
+                       passes: int = ROUND_PASSES) -> dict:
+    """One scheduler round's verify forward over `batches` x `widths`: b requests, each with its own cache of
+    CONTEXT_TOKENS tokens, each querying `w` chain tokens, in one `forward_many` (every weight read once, as
+    `Decoder.step_many` runs a round), plus the logits of the b roots; the LM head separately for `LM_HEAD_ROWS` rows
+    (a round computes the logits of every root and real draft node in one matmul); and one request at
+    LONG_CONTEXT_TOKENS (how the cost grows with the context). The fastest of `passes` (another process on the
+    machine only ever adds time); milliseconds. The pipeline's step-cost model (pipeline/simulate/cost.py) reads it
+    from `/server_info`'s `verify_cost`."""
+    started = time.monotonic()
+    gen = torch.Generator().manual_seed(1)
+    batches = batches if runner.batches else (1,)  # on HF modules a round is one forward per request
+    caches = []
+    for _ in range(max(batches)):
+        cache = runner.new_cache()
+        runner.prefill(cache, torch.randint(0, runner.vocab_size, (CONTEXT_TOKENS,), generator=gen).tolist())
+        caches.append(cache)
+
+    def timed(b: int, w: int) -> float:
+        items = [(cache, torch.randint(0, runner.vocab_size, (w,), generator=gen).tolist(),
+                  range(CONTEXT_TOKENS, CONTEXT_TOKENS + w), chain_visibility(CONTEXT_TOKENS, w))
+                 for cache in caches[:b]]
+        t0 = time.perf_counter()
+        hiddens = runner.forward_many(items)
+        runner.logits(torch.cat([h[:1] for h in hiddens]))
+        elapsed = time.perf_counter() - t0
+        for cache in caches[:b]:
+            runner.keep(cache, CONTEXT_TOKENS, [])
+        return elapsed * 1000.0
+
+    hidden = runner.forward(caches[0], [0], [CONTEXT_TOKENS], chain_visibility(CONTEXT_TOKENS, 1))
+    runner.keep(caches[0], CONTEXT_TOKENS, [])
+
+    def head(rows: int) -> float:
+        t0 = time.perf_counter()
+        runner.logits(hidden.expand(rows, -1).contiguous())
+        return (time.perf_counter() - t0) * 1000.0
+
+    long_cache = runner.new_cache()
+    runner.prefill(long_cache, torch.randint(0, runner.vocab_size, (LONG_CONTEXT_TOKENS,), generator=gen).tolist())
+
+    def long_step() -> float:
+        t0 = time.perf_counter()
+        out = runner.forward(long_cache, [0], [LONG_CONTEXT_TOKENS], chain_visibility(LONG_CONTEXT_TOKENS, 1))
+        runner.logits(out)
+        elapsed = time.perf_counter() - t0
+        runner.keep(long_cache, LONG_CONTEXT_TOKENS, [])
+        return elapsed * 1000.0
+
+    timed(1, 1)  # warm-up
+    cells: dict[tuple[int, int], list[float]] = {(b, w): [] for b in batches for w in widths}
+    heads: dict[int, list[float]] = {r: [] for r in LM_HEAD_ROWS}
+    longs: list[float] = []
+    shorts: list[float] = []
+    for _ in range(max(1, passes)):
+        for b, w in cells:
+            cells[b, w].append(timed(b, w))
+        for rows in heads:
+            heads[rows].append(head(rows))
+        longs.append(long_step())
+        shorts.append(timed(1, 1))
+    return {
+        "batches": list(batches),
+        "widths": list(widths),
+        "ms": [[round(min(cells[b, w]), 3) for w in widths] for b in batches],
+        "lm_head_rows": list(LM_HEAD_ROWS),
+        "lm_head_ms": [round(min(heads[r]), 3) for r in LM_HEAD_ROWS],
+        "context_tokens": CONTEXT_TOKENS,
+        "long_context_tokens": LONG_CONTEXT_TOKENS,
+        "long_context_ms": round(min(longs), 3),
+        "short_context_ms": round(min(shorts), 3),
+        "passes": max(1, passes),
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
 def probe_key(model_dir: Path, dtype: str, backend: str, sizes: tuple[int, ...],
               weights_mode: str = "fp32") -> dict:
     """What the curve depends on. The model is identified by its dir and its weight files' sizes and mtimes (a
@@ -109,6 +195,7 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
         if stored is not None and stored.get("key") == key:
             return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
     curve = measure_verify_cost(runner, budget_s, sizes)
+    curve["round_cost"] = measure_round_cost(runner, sizes)
     entry = {"key": key, "curve": curve, "measured_at": round(time.time(), 3)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,7 +1,8 @@
 """Draft sources. Both produce `ngram.DraftTree`s, so one verifier (`decode.Decoder`) serves both.
 
 - `NgramSpeculator`: SGLang NGRAM. One global trie shared by all requests, kept until `/flush_cache`, on SGLang
-  0.5.23's schedule (`NGRAMWorker._prepare_draft_tokens` / `_update_ngram_corpus`):
+  0.5.23's schedule (`NGRAMWorker._prepare_draft_tokens` / `_update_ngram_corpus`), run by
+  `serve.ngram.schedule.NgramDrafter` (torch-free: the pipeline's acceptance simulator replays the same code):
   - a verify step inserts the last `max_trie_depth` tokens of prompt+output as they were when it drafted, i.e. the
     window ending at the verify root. SGLang inserts before the step's accepted tokens reach `output_ids`, so the
     trie is one step behind: a request's final accepted block is never inserted. The prefill inserts nothing, and
@@ -24,63 +25,38 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.engines.cpu.corpus import ExternalCorpora, draft_with_corpora
+from serve.engines.cpu.corpus import ExternalCorpora
 from serve.engines.cpu.decode import Request
-from serve.engines.cpu.ngram import DraftTree, MatchState, NgramCache
+from serve.engines.cpu.ngram import DraftTree, NgramCache
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
+from serve.ngram.schedule import DraftState, NgramDrafter
 
 __all__ = ["NgramSpeculator", "StandaloneSpeculator"]
 
 
-@dataclass
-class _NgramState:
-    match: MatchState = field(default_factory=MatchState)
-    drafted_in: int = -1  # the round of this request's last draft
-
-
 class NgramSpeculator:
+    """The engine's side of `serve.ngram.schedule.NgramDrafter` (the schedule itself lives there, shared with the
+    pipeline's acceptance simulator): the request's drafting state rides on `req.draft_state`."""
+
     def __init__(
         self, cache: NgramCache, num_draft_tokens: int, max_trie_depth: int, *,
         corpora: ExternalCorpora | None = None, external_sam_budget: int = 0,
     ) -> None:
-        if isinstance(external_sam_budget, bool) or not isinstance(external_sam_budget, int) \
-                or not 0 <= external_sam_budget <= num_draft_tokens - 1:
-            raise ValueError(
-                "ngram: 0 <= external_sam_budget <= num_draft_tokens - 1 must hold, "
-                f"got external_sam_budget={external_sam_budget!r}, num_draft_tokens={num_draft_tokens}; "
-                "the corpora's nodes come out of the draft budget"
-            )
         self.cache = cache
         self.num_draft_tokens = num_draft_tokens
         self.corpora = corpora  # kept across /flush_cache, as SGLang keeps them
-        self._sam_budget = external_sam_budget
-        self._depth = max_trie_depth
-        self._round = 0
-        self._pending: list[list[int]] = []  # this round's insert windows, in draft order
-        self._rounds_driven = False  # has a scheduler called begin_round?
+        # validates external_sam_budget against the cache's num_draft_tokens (the engine builds both from one spec)
+        self._drafter = NgramDrafter(cache, external_sam_budget, corpora.snapshot if corpora is not None else None)
 
     def begin_round(self) -> None:
         """Land the previous round's inserts: every request of that round has drafted."""
-        self._rounds_driven = True
-        self._land()
+        self._drafter.begin_round()
 
     def propose(self, req: Request) -> DraftTree:
-        state: _NgramState | None = req.draft_state
+        state: DraftState | None = req.draft_state
         if state is None:
-            state = req.draft_state = _NgramState()
-        if not self._rounds_driven or state.drafted_in == self._round:
-            # No scheduler (a caller stepping the Decoder itself): every draft is a round of its own, SGLang with a
-            # batch of one. A second draft in one round means a round began without begin_round: land first too.
-            self._land()
-        state.drafted_in = self._round
-        tokens = req.tokens
-        if self.corpora is not None and self._sam_budget:
-            tree = draft_with_corpora(self.cache, self.corpora.snapshot(), self._sam_budget, tokens[-self._depth:],
-                                      state.match, len(tokens))
-        else:
-            tree = self.cache.draft(tokens[-self._depth:], state.match, len(tokens))
-        self._pending.append(tokens[-self._depth:])
-        return tree
+            state = req.draft_state = DraftState()
+        return self._drafter.propose(state, req.tokens)
 
     def observe(self, req: Request, accepted: list[int]) -> None:
         pass  # the insert was queued at propose time: the window ending at the verify root
@@ -89,14 +65,7 @@ class NgramSpeculator:
         req.draft_state = None  # SGLang erases the match state; its queued insert still lands
 
     def reset(self) -> None:
-        self._pending.clear()
-        self.cache.reset()
-
-    def _land(self) -> None:
-        for window in self._pending:
-            self.cache.insert(window)
-        self._pending.clear()
-        self._round += 1
+        self._drafter.reset()
 
 
 @dataclass

@@ -1,0 +1,359 @@
+"""simulate-first on the driver (`search.strategy`, pipeline/config/search.py): the state between Tune's questions
+"what next?" and its answers "this trial ended", with the MLflow reads and writes that needs.
+
+1. The first suggestion is the enqueued baseline (as in every study). Nothing else is suggested until it has ended.
+2. When it completed: its requests (all phases: warm-up, measurement and `reference`, the rest of the warm-up split)
+   and `/server_info` are read from its MLflow run; the simulator (pipeline/simulate) is built on its answers, the
+   cost model fitted to it, and the space explored on the predictions (`simulated.explore`), printed in one line.
+   If the baseline failed, or its records cannot be replayed, the rest of the study is today's search (TPE), said so.
+3. Each further suggestion is the best predicted config not yet launched, kept apart from the launched ones
+   (`simulated.pick`), enqueued in the Optuna study with its prediction as a user attribute.
+4. When a launch completes, its prediction (every predicted figure, `predicted_<figure>`) and its relative error on
+   the first objective (`prediction_error`) go on its MLflow run; the cost model is refitted on every completed
+   launch and the remaining configs re-ranked; if the median error exceeds `error_threshold`, the study says so and
+   adds `widen_by` launches (never past budget.max_trials). A launch stopped early (PRUNED) counts as a prediction
+   that missed; one that measured nothing (a failed launch, a refused config) is replaced by the next best. The
+   study's parent run carries `simulate/predictions.json` (predicted vs measured per launch, the cost model) and
+   `simulate_median_error`.
+After the launches the searcher answers FINISHED: Tune ends, and the study finalizes as usual on measured trials.
+
+The plan pickles small (Tune checkpoints its searcher): the simulator, records and replays are rebuilt from MLflow
+on first use after a restore.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.measure.summary import RequestRecord, to_records
+from pipeline.search.pruning import baseline_run
+from pipeline.search.simulated import Explored, Predicted, explore, misses, pick, rank
+from pipeline.search.space import SearchSpace, baseline_point, resolve
+from pipeline.simulate.cost import CostModel
+from pipeline.simulate.predict import PREDICTION_ATTR
+from pipeline.simulate.simulator import Simulator, base_cost, relative_error
+from pipeline.simulate.workload import Unsimulable, answers_of, corpus_automaton
+from serve.ngram.sam import SuffixAutomaton
+from serve.spec import NgramSpec
+
+__all__ = ["PREDICTION_ATTR", "SimulateFirstPlan"]
+
+
+class SimulateFirstPlan:
+    """Driver-side state of a simulate-first search. `ctx` is the study's TrialContext."""
+
+    def __init__(self, ctx: Any, space: SearchSpace) -> None:
+        self.ctx = ctx
+        self.space = space
+        settings = ctx.study.search.simulate
+        self.budget = min(settings.launches + 1, ctx.study.budget.max_trials)  # launches, the baseline included
+        self.suggested: list[str] = []  # Tune trial ids, in order (the baseline first)
+        self.predicted: dict[str, dict[str, Any]] = {}  # trial id -> {"params", "figures"}
+        self.outcomes: dict[str, dict[str, Any]] = {}  # trial id -> {"outcome", "run_id", "measured", "error"}
+        self.fallback: str | None = None  # why the rest of the study is TPE
+        self.widened = 0
+        self.explored_note = ""
+        self._cache: dict[str, Any] = {}  # simulator, cost, ranking, records: rebuilt after a restore
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": {}}
+
+    # ------------------------------------------------------------------ Tune's questions
+
+    @property
+    def baseline_id(self) -> str | None:
+        return self.suggested[0] if self.suggested else None
+
+    def waiting(self) -> bool:
+        """True while the baseline runs: nothing else can be predicted yet."""
+        return self.baseline_id is not None and self.baseline_id not in self.outcomes
+
+    def exhausted(self) -> bool:
+        return self.fallback is None and len(self.suggested) >= self.budget
+
+    def running(self) -> bool:
+        """A launch has not ended yet (it may still widen the budget)."""
+        return any(t not in self.outcomes for t in self.suggested)
+
+    def next_launch(self) -> Predicted | None:
+        """The next config to launch (None: nothing left worth launching); builds the simulator on first call."""
+        if not self._ready():
+            return None
+        settings = self.ctx.study.search.simulate
+        taken = [self.predicted[t]["params"] for t in self.suggested[1:] if t in self.predicted]
+        chosen = pick(self._cache["ranked"], 1, settings.min_distance, taken)
+        return chosen[0] if chosen else None
+
+    def on_suggested(self, trial_id: str, launch: Predicted | None) -> None:
+        self.suggested.append(trial_id)
+        if launch is not None:
+            self.predicted[trial_id] = {"params": launch.params, "figures": launch.figures,
+                                        "cost_launches": self._cache["cost"].launches,
+                                        "levels": self._at_levels(launch)}
+            metric = self.ctx.study.objective.metrics[0]
+            print(f"[simulate-first] launching {_describe(launch.params)}: predicted {metric}="
+                  f"{launch.figures.get(metric, float('nan')):.2f}"
+                  + (f", accept length {launch.figures['accept_len']:.2f}" if "accept_len" in launch.figures else ""),
+                  flush=True)
+
+    def on_complete(self, trial_id: str, result: dict[str, Any] | None) -> None:
+        result = result or {}
+        outcome, run_id = str(result.get("outcome", "FAILED")), str(result.get("mlflow_run_id") or "")
+        metric = self.ctx.study.objective.metrics[0]
+        entry: dict[str, Any] = {"outcome": outcome, "run_id": run_id, "measured": result.get(metric)
+                                 if outcome == "COMPLETE" else None, "error": None}
+        self.outcomes[trial_id] = entry
+        if trial_id == self.baseline_id:
+            if outcome != "COMPLETE":
+                self._fall_back(f"the baseline ended {outcome}: nothing to replay")
+            return
+        if trial_id not in self.predicted or self.fallback is not None:
+            return
+        predicted = self.predicted[trial_id]["figures"]
+        if outcome == "PRUNED":  # stopped early: it provably could not beat the baseline, a prediction that missed
+            entry["measured"] = result.get(metric)
+            entry["error"] = relative_error(predicted.get(metric), entry["measured"])
+            self._log_launch(trial_id, predicted, entry)
+            self._judge(metric)
+            self._log_study()
+            return
+        if outcome != "COMPLETE":  # nothing measured (failed launch, refused config): the next best takes its place
+            room = self.ctx.study.budget.max_trials - self.budget
+            if room > 0:
+                self.budget += 1
+                print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])} ended {outcome}: "
+                      "launching the next predicted config in its place", flush=True)
+            return
+        entry["error"] = relative_error(predicted.get(metric), entry["measured"])
+        self._log_launch(trial_id, predicted, entry)
+        self._refit(trial_id)
+        self._judge(metric)
+        self._log_study()
+
+    def adopt(self, ot_study: Any) -> bool:
+        """A resumed study whose baseline (and maybe launches) another driver ran: take them over from the Optuna
+        study (their predictions count for the error; their records are not refitted). True if there was one."""
+        from optuna.trial import TrialState
+
+        from pipeline.search.space import BASELINE_ATTR
+
+        trials = ot_study.get_trials(deepcopy=False)
+        base = next((t for t in trials if t.user_attrs.get(BASELINE_ATTR) and t.state == TrialState.COMPLETE), None)
+        if base is None:
+            return False
+        metric = self.ctx.study.objective.metrics[0]
+        self.suggested.append(f"previous-{base.number}")
+        self.outcomes[self.suggested[-1]] = {"outcome": "COMPLETE", "run_id": "", "measured": base.value,
+                                             "error": None}
+        for t in trials:
+            figures = t.user_attrs.get(PREDICTION_ATTR)
+            if not isinstance(figures, dict) or t.state not in (TrialState.COMPLETE, TrialState.FAIL,
+                                                                 TrialState.PRUNED):
+                continue
+            key = f"previous-{t.number}"
+            self.suggested.append(key)
+            self.predicted[key] = {"params": dict(t.params), "figures": figures, "cost_launches": 0}
+            measured = t.values[0] if t.state == TrialState.COMPLETE and t.values else None
+            self.outcomes[key] = {"outcome": t.state.name, "run_id": "", "measured": measured,
+                                  "error": relative_error(figures.get(metric), measured)}
+        print(f"[simulate-first] resumed: the baseline and {len(self.suggested) - 1} launch(es) ran before",
+              flush=True)
+        return True
+
+    # ------------------------------------------------------------------ building
+
+    def _ready(self) -> bool:
+        if self.fallback is not None:
+            return False
+        if "ranked" in self._cache:
+            return True
+        try:
+            self._build()
+        except (Unsimulable, ValueError, OSError) as exc:
+            self._fall_back(f"the baseline's answers cannot be replayed: {exc}")
+            return False
+        return True
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback = reason
+        print(f"[simulate-first] falls back to tpe for the rest of the budget: {reason}", flush=True)
+
+    def _build(self) -> None:
+        ctx, study = self.ctx, self.ctx.study
+        run = baseline_run(ctx.tracker, ctx.parent_run_id)
+        if run is None:
+            raise ValueError("no COMPLETE baseline run in MLflow")
+        records = _all_records(ctx.tracker, run.info.run_id)
+        server_info = _server_info(ctx.tracker, run.info.run_id)
+        simulator = Simulator(answers_of(records), ctx.warmup, ctx.measure, arrival=study.workload.arrival,
+                              seed=study.seed, corpora=self._corpora, lag=study.search.simulate.lag_rounds)
+        base = base_cost(records, server_info.get("verify_cost"), study.search_concurrency)
+        baseline_config = resolve(self.space, {"algorithm": "none", **baseline_point(self.space)}, study).config
+        launched = [(baseline_config, records)]
+        self._cache.update(simulator=simulator, base=base, launched=launched)
+        self._cache["cost"] = simulator.fitted(base, launched)
+        for trial_id in self.suggested[1:]:  # after a restore: the launches that completed since
+            self._remember_launch(trial_id)
+        settings = study.search.simulate
+        explored = explore(self.space, study, self._predict, points=settings.points, seconds=settings.seconds)
+        self._cache["explored"] = explored
+        self._cache["ranked"] = rank(explored.predicted, study)
+        self.explored_note = _explored_line(explored, self._cache["cost"])
+        print(f"[simulate-first] {self.explored_note}", flush=True)
+
+    def _at_levels(self, launch: Predicted) -> dict[str, float]:
+        """The launched config's predicted throughput and median e2e at the study's other concurrency levels (where
+        its finalist re-runs measure it), as `c<level>_<figure>`."""
+        out: dict[str, float] = {}
+        for level in self.ctx.study.concurrency[1:]:
+            figures = self._predict(launch.config.model_copy(update={"concurrency": level}))
+            out.update({f"c{level}_{k}": v for k, v in figures.items() if k in ("tput_tok_s", "e2e_p50_ms")})
+        return out
+
+    def _predict(self, config: Any) -> dict[str, float]:
+        try:
+            return self._cache["simulator"].predict(config, self._cache["cost"])
+        except (Unsimulable, ValueError, OSError):
+            return {}
+
+    def _corpora(self, trial: Any) -> tuple[SuffixAutomaton, ...]:
+        """The corpus a config's engine would load, as the engine loads it (cached per file)."""
+        from pipeline.measure.load import target_tokenizer
+        from pipeline.trial.corpus import corpus_for_trial
+
+        study = self.ctx.study
+        folder = Path(self.ctx.output_dir) / "simulate"
+        resolved, corpus = corpus_for_trial(trial, self.ctx.warmup, folder, target=study.model.target)
+        if corpus is None:
+            return ()
+        sams = self._cache.setdefault("sams", {})
+        if corpus.path not in sams:
+            tokenizer = self._cache.get("tokenizer") or target_tokenizer(study.model.target)
+            self._cache["tokenizer"] = tokenizer
+            spec: NgramSpec = resolved.spec
+            sams[corpus.path] = corpus_automaton(corpus.path, lambda text: tokenizer.encode(
+                text, add_special_tokens=False), spec.external_corpus_max_tokens)
+        return (sams[corpus.path],)
+
+    # ------------------------------------------------------------------ after a launch
+
+    def _remember_launch(self, trial_id: str) -> None:
+        entry = self.outcomes.get(trial_id)
+        if entry is None or entry["outcome"] != "COMPLETE" or not entry["run_id"] or trial_id not in self.predicted:
+            return
+        config = resolve(self.space, self.predicted[trial_id]["params"], self.ctx.study).config
+        records = _all_records(self.ctx.tracker, entry["run_id"])
+        self._cache["launched"].append((config, records))
+
+    def _refit(self, trial_id: str) -> None:
+        if "ranked" not in self._cache:  # after a restore: the build remembers every completed launch
+            self._ready()
+            return
+        self._remember_launch(trial_id)
+        cache = self._cache
+        cache["cost"] = cache["simulator"].fitted(cache["base"], cache["launched"])
+        explored: Explored = cache["explored"]
+        repredicted = [Predicted(p.params, p.config, self._predict(p.config)) for p in explored.predicted]
+        cache["ranked"] = rank(repredicted, self.ctx.study)
+
+    def _judge(self, metric: str) -> None:
+        settings = self.ctx.study.search.simulate
+        errors = [e["error"] for t, e in self.outcomes.items() if t in self.predicted]
+        median, missed = misses(errors, settings.error_threshold)
+        if median is None:
+            return
+        room = self.ctx.study.budget.max_trials - self.budget
+        if missed and settings.widen_by and room > 0:
+            extra = min(settings.widen_by, room)
+            self.budget += extra
+            self.widened += extra
+            print(f"[simulate-first] predictions miss: median |predicted - measured| / measured of {metric} = "
+                  f"{median:.1%} > {settings.error_threshold:.0%}; launching {extra} more (now {self.budget} "
+                  f"launches)", flush=True)
+        elif missed:
+            print(f"[simulate-first] predictions miss: median error {median:.1%} > {settings.error_threshold:.0%}, "
+                  f"and the budget ({self.ctx.study.budget.max_trials} trials) leaves no launch to add", flush=True)
+
+    def _log_launch(self, trial_id: str, predicted: dict[str, float], entry: dict[str, Any]) -> None:
+        if not entry["run_id"]:
+            return
+        try:
+            client = self.ctx.tracker.client()
+            now = int(time.time() * 1000)
+            from mlflow.entities import Metric
+
+            levels = self.predicted[trial_id].get("levels") or {}
+            metrics = [Metric(f"predicted_{k}", float(v), now, 0) for k, v in {**predicted, **levels}.items()]
+            if entry["error"] is not None:
+                metrics.append(Metric("prediction_error", float(entry["error"]), now, 0))
+            client.log_batch(entry["run_id"], metrics=metrics)
+            client.set_tag(entry["run_id"], "simulate.cost_launches", str(self.predicted[trial_id]["cost_launches"]))
+        except Exception as exc:  # noqa: BLE001 - bookkeeping must not end the search
+            print(f"[simulate-first] could not log the prediction of {trial_id}: {type(exc).__name__}: {exc}")
+        measured = entry["measured"]
+        error = entry["error"]
+        metric = self.ctx.study.objective.metrics[0]
+        print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: predicted {metric}="
+              f"{predicted.get(metric, float('nan')):.2f}, measured "
+              + (f"{measured:.2f}" if isinstance(measured, (int, float)) else "-")
+              + (f" ({error:.1%} off)" if error is not None else ""), flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        """Predicted vs measured per launch, the median error, the cost model: what the study run records."""
+        metric = self.ctx.study.objective.metrics[0]
+        rows = [{"trial_id": t, "params": p["params"], "predicted": p["figures"], **self.outcomes.get(t, {})}
+                for t, p in self.predicted.items()]
+        median, missed = misses([r.get("error") for r in rows], self.ctx.study.search.simulate.error_threshold)
+        cost: CostModel | None = self._cache.get("cost")
+        return {"metric": metric, "launches": rows, "median_error": median, "missed": missed,
+                "widened": self.widened, "fallback": self.fallback, "explored": self.explored_note,
+                "cost_model": cost.model_dump(mode="json") if cost is not None else None}
+
+    def _log_study(self) -> None:
+        summary = self.summary()
+        try:
+            client = self.ctx.tracker.client()
+            client.log_text(self.ctx.parent_run_id, json.dumps(summary, indent=2, default=str),
+                            "simulate/predictions.json")
+            if summary["median_error"] is not None:
+                client.log_metric(self.ctx.parent_run_id, "simulate_median_error", float(summary["median_error"]))
+            client.log_metric(self.ctx.parent_run_id, "simulate_launches", float(len(self.suggested)))
+        except Exception as exc:  # noqa: BLE001
+            print(f"[simulate-first] could not log the predictions: {type(exc).__name__}: {exc}")
+
+
+def _all_records(tracker: Any, run_id: str) -> list[RequestRecord]:
+    """A trial run's requests, every phase, from its `requests.parquet`."""
+    import pyarrow.parquet as pq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tracker.client().download_artifacts(run_id, "requests.parquet", tmp)
+        return to_records(pq.read_table(path))
+
+
+def _server_info(tracker: Any, run_id: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = tracker.client().download_artifacts(run_id, "server_info.json", tmp)
+        except Exception:  # noqa: BLE001 - MLflow raises several types for "no such artifact"
+            return {}
+        data = json.loads(Path(path).read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def _describe(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in params.items() if k != "algorithm") or "baseline"
+
+
+def _explored_line(explored: Explored, cost: CostModel) -> str:
+    shape = ("the engine's measured round table" if cost.shape == "measured"
+             else f"the prior shape (1 + {cost.alpha} x (rows - 1))")
+    return (f"simulated {explored.evaluated} config(s) ({explored.method}"
+            f"{'' if explored.complete or explored.method != 'every point' else ', stopped at the time cap'}) in "
+            f"{explored.seconds:.1f} s; step cost: {shape}, k={cost.k:.3g}, o={cost.o_ms:.2f} ms per request-round, "
+            f"prefill {cost.p0_ms:.1f} + {cost.p1_ms:.3f} x tokens ms, client gap {cost.gap_s * 1000:.1f} ms, "
+            f"fitted to {cost.launches} launch(es)")

@@ -1,0 +1,165 @@
+"""simulate-first's search over predictions (pure apart from Optuna): evaluate the space on the simulator, rank the
+predictions, pick the few to launch (diverse), and decide when the predictions miss enough to launch more.
+
+- `explore`: every point of the space when it has at most `points` (`grid_points`), else Optuna's TPE (the study's
+  own `tpe_sampler`, in memory) over the define-by-run space with the predicted objective(s); both stop at
+  `seconds`. The baseline is not a candidate (it is always launched); invalid points are skipped as they would be
+  INVALID trials.
+- `rank`: points that keep every SLA limit (predicted, at the search level) first; then non-dominated fronts of the
+  objectives (one objective: its order), each front by the first objective.
+- `pick`: greedily down the ranking, skipping a point that differs from an already chosen or launched one in fewer
+  than `min_distance` searched parameters; when that leaves too few, the distance is relaxed one step at a time.
+- `misses`: the median relative error of the launched predictions, and whether it exceeds the threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipeline.config import StudyConfig, TrialConfig
+from pipeline.decide.pareto import dominates
+from pipeline.decide.sla import check as sla_check
+from pipeline.errors import ConfigError
+from pipeline.search.space import SearchSpace, define_by_run, grid_points, resolve, tpe_sampler
+
+__all__ = ["Explored", "Predicted", "distance", "explore", "misses", "pick", "point_key", "rank"]
+
+Predict = Callable[[TrialConfig], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Predicted:
+    params: dict[str, Any]  # resolve params (Optuna names), what a launch enqueues
+    config: TrialConfig
+    figures: dict[str, float]  # predicted Summary figures at the search level
+
+    @property
+    def key(self) -> str:
+        return point_key(self.params)
+
+
+@dataclass(frozen=True)
+class Explored:
+    predicted: list[Predicted]
+    evaluated: int  # points simulated (valid ones)
+    seconds: float
+    method: str  # "every point" | "TPE over the predictions"
+    complete: bool  # every point of the space was simulated
+
+
+def point_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def explore(space: SearchSpace, study: StudyConfig, predict: Predict, *, points: int, seconds: float) -> Explored:
+    started = time.monotonic()
+    try:
+        grid = grid_points(space, limit=points)
+    except ConfigError:
+        grid = None
+    if grid is not None and len(grid) <= points + 1:  # +1: the baseline, never simulated here
+        out, timed_out = [], False
+        for params in grid:
+            if params.get("algorithm") == "none":
+                continue
+            if time.monotonic() - started > seconds:
+                timed_out = True
+                break
+            resolution = resolve(space, params, study)
+            if resolution.valid and resolution.config is not None:
+                out.append(Predicted(params, resolution.config, predict(resolution.config)))
+        return Explored(out, len(out), time.monotonic() - started, "every point", not timed_out)
+    return _tpe(space, study, predict, points, seconds, started)
+
+
+def _tpe(space: SearchSpace, study: StudyConfig, predict: Predict, points: int, seconds: float,
+         started: float) -> Explored:
+    import optuna
+
+    metrics, modes = study.objective.metrics, study.objective.modes
+    directions: list[Literal["maximize", "minimize"]] = ["maximize" if m == "max" else "minimize" for m in modes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        ot = optuna.create_study(directions=directions, sampler=tpe_sampler(study.seed, points))
+    sample = define_by_run(space)
+    seen: dict[str, Predicted] = {}
+    asked = 0
+    while asked < points and time.monotonic() - started <= seconds:
+        trial = ot.ask()
+        asked += 1
+        constants = sample(trial)  # first: it makes the suggestions trial.params then holds
+        params = {**trial.params, **constants}
+        resolution = resolve(space, params, study)
+        if not resolution.valid or resolution.config is None:
+            ot.tell(trial, state=optuna.trial.TrialState.FAIL)
+            continue
+        key = point_key(params)
+        if key not in seen:
+            seen[key] = Predicted(params, resolution.config, predict(resolution.config))
+        figures = seen[key].figures
+        ot.tell(trial, [figures.get(m, 0.0) for m in metrics])
+    return Explored(list(seen.values()), len(seen), time.monotonic() - started, "TPE over the predictions", False)
+
+
+def rank(predicted: Sequence[Predicted], study: StudyConfig) -> list[Predicted]:
+    metrics, modes = list(study.objective.metrics), list(study.objective.modes)
+    signs = [1.0 if m == "max" else -1.0 for m in modes]
+    level = study.search_concurrency
+
+    def feasible(p: Predicted) -> bool:
+        return all(v.ok for v in sla_check(study.objective.constraints, level, p.figures))
+
+    def row(p: Predicted) -> dict[str, Any]:
+        return {"name": p.key, **{m: p.figures.get(m, 0.0) for m in metrics}}
+
+    ordered: list[Predicted] = []
+    for group in ([p for p in predicted if feasible(p)], [p for p in predicted if not feasible(p)]):
+        pool = [(row(p), p) for p in group]
+        while pool:
+            front = [(r, p) for r, p in pool if not any(dominates(o, r, metrics, signs) for o, _ in pool if o is not r)]
+            front.sort(key=lambda item: (-item[0][metrics[0]] * signs[0], item[0]["name"]))
+            ordered.extend(p for _, p in front)
+            chosen = {id(r) for r, _ in front}
+            pool = [(r, p) for r, p in pool if id(r) not in chosen]
+    return ordered
+
+
+def distance(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """Searched parameters in which two points differ (a parameter one of them lacks counts as a difference)."""
+    return sum(1 for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def pick(ranked: Sequence[Predicted], count: int, min_distance: int,
+         taken: Sequence[dict[str, Any]] = ()) -> list[Predicted]:
+    """Up to `count` points down the ranking, each at least `min_distance` from the others and from `taken`."""
+    taken_keys = {point_key(t) for t in taken}
+    pool = [p for p in ranked if p.key not in taken_keys]
+    for floor in range(min_distance, -1, -1):
+        chosen: list[Predicted] = []
+        others = list(taken)
+        for p in pool:
+            if len(chosen) == count:
+                break
+            if all(distance(p.params, o) >= max(floor, 1) for o in others):
+                chosen.append(p)
+                others.append(p.params)
+        if len(chosen) == count or floor == 0:
+            return chosen
+    return []
+
+
+def misses(errors: Sequence[float | None], threshold: float) -> tuple[float | None, bool]:
+    """(median relative error of the known errors, whether it exceeds `threshold`)."""
+    import statistics
+
+    known = sorted(e for e in errors if e is not None)
+    if not known:
+        return None, False
+    median = statistics.median(known)
+    return median, median > threshold

@@ -1,0 +1,67 @@
+"""Which search a study runs (`search.strategy`, pipeline/config/search.py): `tpe` over launches, or
+`simulate-first` where the acceptance simulator can model every config of the space. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import StudyConfig
+from pipeline.search.space import SearchSpace
+from pipeline.simulate.predict import PREDICTABLE_METRICS
+from serve.engines import algorithms_of
+
+__all__ = ["SIMULATED_ALGORITHMS", "Strategy", "resolve_strategy"]
+
+# draft-free algorithms the simulator replays (NGRAM with SGLang 0.5.23's trie, schedule and external corpus)
+SIMULATED_ALGORITHMS = frozenset({"none", "ngram"})
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str  # "tpe" | "simulate-first"
+    reason: str  # why, in words for the dry run and the log
+
+    @property
+    def simulated(self) -> bool:
+        return self.name == "simulate-first"
+
+    def fall_back(self, problem: str) -> Strategy:
+        """tpe instead, for a reason found after the resolution (e.g. the prompts cannot be tokenized here)."""
+        return Strategy("tpe", f"falls back to tpe (every trial a launch): {problem}")
+
+
+def _unsimulable(study: StudyConfig, space: SearchSpace) -> str | None:
+    others = sorted(set(space.algorithms) - SIMULATED_ALGORITHMS)
+    if others:
+        return (f"the space has {others}: the simulator models draft-free NGRAM only (a draft model's proposals "
+                "need the draft model)")
+    if "ngram" not in algorithms_of(study.engine.kind):
+        return f"engine {study.engine.kind} has no SGLang NGRAM (its n-gram types are its own algorithms)"
+    if study.workload.temperature > 0:
+        return (f"workload.temperature={study.workload.temperature}: sampled outputs differ from the baseline's, "
+                "so its tokens do not fix the accept lengths")
+    unknown = [m for m in study.objective.metrics if m not in PREDICTABLE_METRICS]
+    if unknown:
+        return f"objective metric(s) {unknown} are not predicted (predicted: {list(PREDICTABLE_METRICS)})"
+    return None
+
+
+def resolve_strategy(study: StudyConfig, space: SearchSpace) -> Strategy:
+    """The strategy the study runs and why; an explicit simulate-first that cannot be simulated falls back to tpe
+    (said so in the reason), as auto does."""
+    wanted = study.search.strategy
+    if wanted == "tpe":
+        return Strategy("tpe", "search.strategy is tpe: every trial is a launch")
+    problem = _unsimulable(study, space)
+    if problem is None and study.budget.max_trials < 2:
+        problem = "budget.max_trials=1 launches the baseline only: nothing is left to predict"
+    if problem is not None:
+        return Strategy("tpe", "").fall_back(problem)
+    settings = study.search.simulate
+    launches = min(settings.launches + 1, study.budget.max_trials)
+    return Strategy("simulate-first", (
+        f"{'search.strategy is simulate-first' if wanted == 'simulate-first' else 'auto: the space is NGRAM-only'}"
+        f", greedy: the baseline is launched and answers the warm-up split, the simulator predicts every config "
+        f"(up to {settings.points} points, {settings.seconds:g} s), then {launches - 1} predicted config(s) are "
+        f"launched ({launches} of budget.max_trials={study.budget.max_trials} with the baseline; more, by "
+        f"{settings.widen_by} a launch, while the median prediction error exceeds {settings.error_threshold:.0%})"))

@@ -1,0 +1,129 @@
+"""The simulator of one study: the baseline's answers, the study's traffic and the cost model, turned into
+predicted figures for any simulable TrialConfig, and each measured launch into a point for the cost fit.
+
+Replays are memoized per config (a closed-loop replay does not depend on the cost model, so a refit re-times the
+cached rounds instead of replaying). Pure apart from reading corpus files through `corpora`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipeline.measure.summary import RequestRecord
+from pipeline.simulate.cost import CostModel, Launch, fit_cost, prefill_fit, round_table
+from pipeline.simulate.predict import decode_rounds, predicted_metrics, timed
+from pipeline.simulate.replay import Answer, Replay, replay
+from pipeline.simulate.workload import phases_for
+from serve.ngram.sam import SuffixAutomaton
+from serve.spec import NgramSpec
+
+__all__ = ["Simulator", "base_cost", "relative_error"]
+
+Corpora = Callable[[Any], Sequence[SuffixAutomaton]]  # TrialConfig -> the corpora its engine would load
+
+
+def base_cost(baseline: Sequence[RequestRecord], verify_cost: Any, concurrency: int) -> CostModel:
+    """The cost model before any fit: the engine's measured round table (else the prior shape), the prefill from the
+    baseline's TTFTs and the client gap from its window (measured requests only)."""
+    measured = [r for r in baseline if r.phase == "measure" and r.ok]
+    if not measured:
+        raise ValueError("simulate: the baseline has no successful measured request")
+    p0, p1 = prefill_fit([r.prompt_tokens for r in measured], [r.ttft_s or 0.0 for r in measured])
+    window = max(r.start_s + r.e2e_s for r in measured) - min(r.start_s for r in measured)
+    clients = min(concurrency, len(measured))
+    spare = clients * window - sum(r.e2e_s for r in measured)
+    gap = max(0.0, spare / (len(measured) - clients)) if len(measured) > clients else 0.0
+    table = round_table(verify_cost)
+    return CostModel(shape="measured" if table is not None else "prior", table=table, k=1.0, p0_ms=p0, p1_ms=p1,
+                     gap_s=gap)
+
+
+class Simulator:
+    """`answers`: prompt index -> the baseline's Answer; `warmup`/`measure`: the study's LoadRequests in order;
+    `arrival`: the study's workload.arrival; `corpora`: the external corpora of a config (None: no corpus); `lag`:
+    closed-loop rounds between a reply and its successor joining the engine's batch."""
+
+    def __init__(self, answers: dict[int, Answer], warmup: Sequence[Any], measure: Sequence[Any], *,
+                 arrival: Any = None, seed: int = 0, corpora: Corpora | None = None, lag: int = 0) -> None:
+        self.answers = answers
+        self.warmup = tuple(warmup)
+        self.measure = tuple(measure)
+        self.arrival = arrival
+        self.seed = seed
+        self.corpora = corpora
+        self.lag = lag
+        self._replays: dict[str, Replay] = {}
+
+    @property
+    def open_loop(self) -> bool:
+        return self.arrival is not None and self.arrival.open_loop
+
+    def _sams(self, trial: Any) -> Sequence[SuffixAutomaton]:
+        spec = trial.spec
+        if not isinstance(spec, NgramSpec) or spec.external_corpus is None or self.corpora is None:
+            return ()
+        return self.corpora(trial)
+
+    def replay(self, trial: Any, cost: CostModel | None = None) -> Replay:
+        """The trial's traffic replayed (with `cost` for open-loop arrivals, which need one)."""
+        key = trial.model_dump_json()
+        if cost is None and key in self._replays:
+            return self._replays[key]
+        phases = phases_for(trial, self.warmup, self.measure, self.answers, arrival=self.arrival, seed=self.seed,
+                            lag=self.lag)
+        result = replay(trial.spec, phases, sams=self._sams(trial), max_running=trial.max_running_requests,
+                        cost=cost.seconds if cost is not None and self.open_loop else None)
+        if cost is None or not self.open_loop:
+            self._replays[key] = result
+        return result
+
+    def predict(self, trial: Any, cost: CostModel) -> dict[str, float]:
+        """Predicted Summary figures of the trial's measurement."""
+        if self.open_loop:
+            requests = timed(self.replay(trial, cost), cost, already_timed=True)
+        else:
+            requests = timed(self.replay(trial), cost)
+        return predicted_metrics(requests, trial.spec.algorithm != "none")
+
+    def launch(self, trial: Any, records: Sequence[RequestRecord], cost: CostModel | None = None) -> Launch:
+        """A measured launch as a point of the cost fit: its measured requests' decode time against the rounds the
+        replay gives each of them (the records are the trial's, in the measurement's order). Open loop: the rounds
+        depend on the cost, so `cost` is the model they are replayed with."""
+        measured = [r for r in records if r.phase == "measure"]
+        rounds = decode_rounds(self.replay(trial, cost if self.open_loop else None))
+        if len(measured) != len(rounds) or any(not r.ok or r.ttft_s is None for r in measured):
+            raise ValueError("simulate: the launch's measured requests do not match its replay (a failed or "
+                             "missing request)")
+        return Launch(sum((r.e2e_s - (r.ttft_s or 0.0)) * 1000.0 for r in measured), rounds)
+
+    def fitted(self, base: CostModel, launched: Sequence[tuple[Any, Sequence[RequestRecord]]]) -> CostModel:
+        """`base` fitted to every launch that can be a point (a launch that lost a request cannot): the prefill line
+        to every launch's TTFTs (a prefill does not depend on the config, so each launch is more of the same sample;
+        the first launch of a study runs beside its start-up work and is slow), then k and o. Open loop: who shares a
+        round depends on the cost, so the fit is repeated on the rounds its own result gives (3 times)."""
+        ttfts = [r for _, records in launched for r in records if r.phase == "measure" and r.ok and r.ttft_s]
+        if ttfts:
+            p0, p1 = prefill_fit([r.prompt_tokens for r in ttfts], [r.ttft_s or 0.0 for r in ttfts])
+            base = base.model_copy(update={"p0_ms": p0, "p1_ms": p1})
+        model = base
+        for _ in range(3 if self.open_loop else 1):
+            points = []
+            for trial, records in launched:
+                try:
+                    points.append(self.launch(trial, records, model))
+                except ValueError:
+                    continue
+            if not points:
+                return base
+            model = fit_cost(base, points)
+        return model
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """|predicted - measured| / measured, None when either is missing or measured is 0."""
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return abs(predicted - measured) / abs(measured)
+

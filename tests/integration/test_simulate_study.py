@@ -1,0 +1,119 @@
+"""A simulate-first study end to end on the CPU engine (local Ray, Serve replicas, MLflow and Optuna on SQLite),
+with today's default budget of 8 trials: the baseline answers its warm-up split, the simulator ranks the space, and
+only the best predicted config is launched (2 launches, a quarter of the budget, more only if its prediction missed
+by more than the threshold), then the promotion rule re-measures it against the baseline as in every study.
+
+Asserted: what the pipeline does, not which way a measurement falls -- the launch count and the widening agree with
+the logged error, the predictions are on the trial run and the study run, the report has the plot, a decision was
+made on measured trials, and the launched config's accept lengths over HTTP equal the simulator's request by request
+(concurrency 1: the schedule is deterministic, so this is exact, not a tolerance). ~70 s on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import optuna
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_study
+from pipeline.measure.summary import to_records
+from pipeline.records.tracking import Tracker
+from pipeline.search.space import BASELINE_ATTR, load_space, resolve
+from pipeline.simulate.predict import PREDICTION_ATTR
+from pipeline.simulate.simulator import Simulator
+from pipeline.simulate.workload import answers_of
+from pipeline.study.driver import run_study, workload_requests
+
+pytestmark = pytest.mark.integration
+
+SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\nbranches:\n  ngram:\n"
+         "    num_draft_tokens: {type: int, low: 2, high: 8, step: 2}\n"
+         "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
+         "    max_trie_depth: {type: fixed, value: 12}\n    capacity: {type: fixed, value: 100000}\n"
+         "    warmup_requests: {type: categorical, choices: [0, 3]}\n")
+
+
+@pytest.fixture(scope="module")
+def simulated_study(tmp_path_factory):
+    out: Path = tmp_path_factory.mktemp("simulate-first")
+    space = out / "space.yaml"
+    space.write_text(SPACE)
+    study = load_study(None, {"name": "it-simulate", "output_dir": str(out), "search_space": str(space), "seed": 0,
+                              "workload.warmup_prompts": 3, "workload.measure_prompts": 2,
+                              "workload.max_new_tokens": 12, "promotion.finalists": 1,
+                              "engine.start_timeout_s": 300})
+    assert study.budget.max_trials == 8 and study.search.strategy == "auto"  # today's defaults
+    code = run_study(study, load_space(space))
+    return study, load_space(space), out, code
+
+
+def runs_of(study, out: Path):
+    tracker = Tracker(f"sqlite:///{out / 'mlflow.db'}", study.name)
+    runs = tracker.client().search_runs([tracker.experiment_id()], max_results=1000,
+                                        order_by=["attributes.start_time ASC"])
+    return tracker, runs
+
+
+def requests_of_run(tracker, run_id: str):
+    with tempfile.TemporaryDirectory() as tmp:
+        return to_records(pq.read_table(tracker.client().download_artifacts(run_id, "requests.parquet", tmp)))
+
+
+def test_only_the_predicted_best_is_launched_and_its_prediction_is_logged(simulated_study):
+    study, space, out, code = simulated_study
+    assert code == 0
+    tracker, runs = runs_of(study, out)
+    parent = next(r for r in runs if r.data.tags.get("specdec.kind") == "study")
+    summary = json.loads(Path(tracker.client().download_artifacts(
+        parent.info.run_id, "simulate/predictions.json", str(out))).read_text())
+    assert summary["fallback"] is None and summary["explored"].startswith("simulated 16 config(s) (every point)")
+    trials = optuna.load_study(study_name=study.name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+    # 2 launches, the baseline first; widening (a launch more per miss) only when the logged error says it missed
+    assert len(trials) == 2 + summary["widened"] <= study.budget.max_trials
+    assert trials[0].user_attrs.get(BASELINE_ATTR) and PREDICTION_ATTR not in trials[0].user_attrs
+    assert (summary["widened"] > 0) == bool(summary["missed"])
+    launched = [r for r in runs if r.data.tags.get("specdec.kind") == "trial" and r.data.params["spec.algorithm"]
+                == "ngram"]
+    assert len(launched) == len(trials) - 1
+    first = launched[0]
+    assert first.data.tags["outcome"] == "COMPLETE", first.data.tags.get("reason")
+    metrics = first.data.metrics
+    assert metrics["predicted_tput_tok_s"] > 0 and "prediction_error" in metrics
+    assert metrics["prediction_error"] == pytest.approx(
+        abs(metrics["predicted_tput_tok_s"] - metrics["tput_tok_s"]) / metrics["tput_tok_s"])
+    assert summary["median_error"] == pytest.approx(metrics["prediction_error"]) or len(launched) > 1
+    assert parent.data.metrics["simulate_median_error"] == pytest.approx(summary["median_error"])
+    # the best predicted point is what ran first
+    assert trials[1].user_attrs[PREDICTION_ATTR]["tput_tok_s"] == pytest.approx(metrics["predicted_tput_tok_s"])
+    # decision and promotion as in every study, on measured trials; the report plots predicted vs measured
+    assert parent.data.tags["decision"] in ("promote", "keep_baseline")
+    assert (out / "report" / "predicted_vs_measured.png").exists()
+
+
+def test_the_launched_config_accepts_exactly_what_the_simulator_replayed(simulated_study):
+    study, space, out, _ = simulated_study
+    tracker, runs = runs_of(study, out)
+    trials = [r for r in runs if r.data.tags.get("specdec.kind") == "trial"]
+    baseline = next(r for r in trials if r.data.params["spec.algorithm"] == "none")
+    records = requests_of_run(tracker, baseline.info.run_id)
+    # the baseline answered the rest of the warm-up split after its measurement, with prompt ids as the engine saw
+    assert {r.phase for r in records} == {"warmup", "measure", "reference"}
+    assert all(r.prompt_ids is not None and len(r.prompt_ids) == r.prompt_tokens for r in records)
+    warmup, measure = workload_requests(study, prompt_ids=True)
+    assert {r.prompt_index for r in records if r.phase != "measure"} == {w.index for w in warmup}
+    simulator = Simulator(answers_of(records), warmup, measure, seed=study.seed)
+    launched = next(r for r in trials if r.data.params["spec.algorithm"] == "ngram")
+    params = json.loads(launched.data.tags["optuna.params"])
+    config = resolve(space, params, study).config
+    replayed = simulator.replay(config).phase("measure")
+    measured = [r for r in requests_of_run(tracker, launched.info.run_id) if r.phase == "measure"]
+    # Verify steps and tokens per request are exact, so SGLang's accept length (tokens / verify steps) is. The raw
+    # correct-draft count is not compared: at the last step of a length-capped request the engine counts, as SGLang
+    # does, drafts its verify accepted beyond the cap, which no replay of the baseline's tokens can see.
+    assert [(r.spec_verify_ct, r.completion_tokens) for r in measured] == [
+        (r.spec_verify_ct, r.completion_tokens) for r in replayed]
+    assert all(m.spec_num_correct_drafts >= s.spec_num_correct_drafts for m, s in zip(measured, replayed))
+    assert launched.data.metrics["predicted_accept_len"] == pytest.approx(launched.data.metrics["accept_len"])
