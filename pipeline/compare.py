@@ -13,10 +13,13 @@ import argparse
 import csv
 import io
 import json
+import os
 import sys
 from typing import Any, Sequence
 
 from pipeline.errors import PipelineError, UserError
+from pipeline.records.labels import unique_names
+from pipeline.records.tracking import TRIAL_ID_TAG
 
 METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high",
            "ttft_p90_ms", "ttft_p99_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p90_ms", "e2e_p99_ms",
@@ -24,19 +27,28 @@ METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms"
 
 
 def rows_from_runs(runs: Sequence[Any], kind: str = "trial") -> list[dict[str, Any]]:
-    """MLflow runs -> rows, baseline first, then by throughput (failed trials last). Pure over run objects."""
+    """MLflow runs -> rows, baseline first, then by throughput (failed trials last). Pure over run objects.
+
+    `name` is the run name -- a trial's config label (`pipeline.records.labels`) -- made unique: a config the sampler
+    proposed twice gets ` #<trial id>` on its slower rows; `trial_id` is the Tune trial id (tag `trial_id`; None in
+    records from before it was kept)."""
     rows = []
     for run in runs:
         if run.data.tags.get("specdec.kind") != kind:
             continue
         params = dict(run.data.params)
         rows.append({
-            "run_id": run.info.run_id, "name": run.info.run_name, "outcome": run.data.tags.get("outcome", "?"),
+            "run_id": run.info.run_id, "name": run.info.run_name, "trial_id": run.data.tags.get(TRIAL_ID_TAG),
+            "outcome": run.data.tags.get("outcome", "?"),
             "reason": run.data.tags.get("reason", ""), "algorithm": params.get("spec.algorithm", "?"),
             "params": {k: v for k, v in sorted(params.items()) if k not in ("spec.algorithm", "trial.concurrency")},
             **{m: run.data.metrics.get(m) for m in METRICS},
         })
-    return order_rows(rows)
+    ordered = order_rows(rows)
+    names = unique_names([r["name"] for r in ordered], [r["trial_id"] or r["run_id"][:8] for r in ordered])
+    for row, name in zip(ordered, names):
+        row["name"] = name
+    return ordered
 
 
 def order_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -72,8 +84,10 @@ def _settings(row: dict[str, Any]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'trial':<24} {'algorithm':<10} {'outcome':<14} {'tok/s':>7} {'vs base':>7} {'accept':>6} "
-             f"{'ttft p50':>8}  settings"]
+    """The trials as a terminal table: each config's label (its settings: `pipeline.records.labels`), outcome,
+    throughput, ratio to the baseline, accept length, TTFT p50; a failed trial's reason and broken limits below it."""
+    width = max([len(r["name"]) for r in rows] + [6])
+    lines = [f"{'config':<{width}}  {'outcome':<14} {'tok/s':>7} {'vs base':>7} {'accept':>6} {'ttft p50':>8}"]
     for r in rows:
         ratio = f"{r['vs_baseline']:.2f}x" if r["vs_baseline"] else "-"
         accept = f"{r['accept_len']:.2f}" if r["accept_len"] else "-"
@@ -81,13 +95,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         mark = "  <- baseline" if r["baseline"] else ""
         if r.get("feasible") is False:
             mark += "  INFEASIBLE (SLA)"
-        lines.append(f"{r['name']:<24} {r['algorithm']:<10} {r['outcome']:<14} {r['tput_tok_s'] or 0:>7.2f} "
-                     f"{ratio:>7} {accept:>6} {ttft:>8}  {_settings(r)}{mark}")
+        tput = f"{r['tput_tok_s']:.2f}" if r["tput_tok_s"] else "-"
+        lines.append(f"{r['name']:<{width}}  {r['outcome']:<14} {tput:>7} {ratio:>7} {accept:>6} {ttft:>8}{mark}")
         if r["outcome"] != "COMPLETE" and r["reason"]:
-            lines.append(f"{'':<24} -> {r['reason'][:160]}")
+            lines.append(f"{'':<4}-> {r['reason'][:160]}")
         for text in r.get("sla") or []:
             if text.startswith("BROKEN"):
-                lines.append(f"{'':<24} -> {text}")
+                lines.append(f"{'':<4}-> {text}")
     return "\n".join(lines)
 
 
@@ -108,6 +122,17 @@ def read_levels(client: Any, runs: Sequence[Any]) -> Any:
             with open(path) as handle:
                 return LevelsDecision.model_validate_json(handle.read())
     return None
+
+
+def level_text(levels: Any) -> str:
+    """The per-level decision for a terminal: the level table with labels, then the policy and what no config could
+    do (`pipeline.decide.headline`)."""
+    from pipeline.decide.headline import decision_sentence, impossible_lines, level_table
+
+    lines = [level_table(levels), f"decision: {decision_sentence(levels)}"]
+    lines += [f"not possible: {line}" for r in levels.levels for line in impossible_lines(levels, r)]
+    lines.append(f"policy: {levels.policy.text}")
+    return "\n".join(lines)
 
 
 def format_rows(rows: list[dict[str, Any]], fmt: str) -> str:
@@ -135,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--finalists", action="store_true", help="show the finalists' re-measurements instead")
     parser.add_argument("--levels", action="store_true", help="show only the per-concurrency decision (table or json)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact read, on stdout
     from pipeline.config import load_study
     from pipeline.records.tracking import Tracker, default_tracking_uri
 
@@ -147,11 +173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 and not study.tracking.uri:
             raise PipelineError(f"no study found at {study.output_path()} (no mlflow.db); pass --output or --name")
         tracker = Tracker(uri, study.tracking.experiment or study.name)
+        if tracker.client().get_experiment_by_name(tracker.experiment) is None:  # experiment_id() would create it
+            raise PipelineError(f"no study named {tracker.experiment!r} in this tracking store; pass the study's "
+                                "--name (or --study / --output)")
         runs = tracker.client().search_runs([tracker.experiment_id()], max_results=5000)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from pipeline.decide.levels import format_level_table
 
     levels = read_levels(tracker.client(), runs)
     if args.levels:
@@ -159,14 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("error: this study has no per-concurrency decision (study/levels.json on its parent run)",
                   file=sys.stderr)
             return 1
-        print(levels.model_dump_json(indent=2) if args.format == "json" else format_level_table(levels))
+        print(levels.model_dump_json(indent=2) if args.format == "json" else level_text(levels))
         return 0
     rows = rows_from_runs(runs, "finalist" if args.finalists else "trial")
     if not args.finalists:
         mark_constraints(rows, study.objective.constraints, study.search_concurrency)
     print(format_rows(rows, args.format))
     if levels is not None and args.format == "table":
-        print("\nPer-concurrency decision:\n" + format_level_table(levels))
+        print("\nPer-concurrency decision:\n" + level_text(levels))
     return 0
 
 

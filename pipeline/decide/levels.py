@@ -100,6 +100,7 @@ class LevelRow(_Frozen):
     verdicts: tuple[Verdict, ...]
     refused: str | None = None
     winner: bool = False
+    runs_tok_s: tuple[float, ...] = ()  # each re-run's throughput (the speed-up's spread); empty in older records
 
 
 class LevelResult(_Frozen):
@@ -125,12 +126,15 @@ class LevelsDecision(_Frozen):
     policy: ServingPolicy
     finalists: str = ""
     reason: str
+    labels: dict[str, str] = Field(default_factory=dict, description="config id -> its readable label (display)")
 
 
 def decide_levels(levels: Sequence[LevelInput], policy: PromotionPolicy | None = None,
-                  constraints: Sequence[SlaConstraint] = (), finalists: str = "") -> LevelsDecision:
+                  constraints: Sequence[SlaConstraint] = (), finalists: str = "",
+                  labels: Mapping[str, str] | None = None) -> LevelsDecision:
     """Apply the per-level rule and derive the serving policy (module docstring). `finalists`: how the finalists were
-    chosen (carried into the reason). Raises ValueError on no levels, a repeated level, or what `decide` refuses
+    chosen (carried into the reason); `labels`: each config id's readable label, kept for the views
+    (`pipeline.decide.headline`). Raises ValueError on no levels, a repeated level, or what `decide` refuses
     (too few runs, duplicate ids)."""
     policy = policy or PromotionPolicy()
     if not levels:
@@ -142,7 +146,8 @@ def decide_levels(levels: Sequence[LevelInput], policy: PromotionPolicy | None =
     serving = serving_policy(results)
     lines = [f"concurrency {r.level}: {r.reason}" for r in results]
     reason = f"{serving.text}. " + (f"{finalists}. " if finalists else "") + " | ".join(lines)
-    return LevelsDecision(levels=results, policy=serving, finalists=finalists, reason=reason)
+    return LevelsDecision(levels=results, policy=serving, finalists=finalists, reason=reason,
+                          labels=dict(labels or {}))
 
 
 def _latencies(runs: Sequence[RunFigures]) -> dict[str, float | None]:
@@ -169,13 +174,14 @@ def _decide_level(entry: LevelInput, policy: PromotionPolicy, constraints: Seque
         return median / base.median if base.median > 0 else None
 
     rows = [LevelRow(id=BASELINE, median_tok_s=base.median, score=base.score, speedup=1.0 if base.median else None,
-                     latencies_ms=base_lat, verdicts=tuple(base_verdicts), winner=decision.winner is None)]
+                     latencies_ms=base_lat, verdicts=tuple(base_verdicts), winner=decision.winner is None,
+                     runs_tok_s=base.runs)]
     for cand in entry.candidates:
         stats = scores[cand.id] if cand.id in scores else run_stats([r.tput_tok_s for r in cand.runs])
         rows.append(LevelRow(id=cand.id, median_tok_s=stats.median, score=stats.score, speedup=speedup(stats.median),
                              latencies_ms=_latencies(cand.runs), verdicts=tuple(verdicts[cand.id]),
                              refused=refused.get(cand.id),
-                             winner=decision.winner == cand.id))
+                             winner=decision.winner == cand.id, runs_tok_s=stats.runs))
     reason = decision.reason
     if refused and not allowed:
         reason = "keep baseline: every finalist breaks an SLA limit at this level"

@@ -1,252 +1,216 @@
-"""The study report: PNG plots (shown by MLflow's artifact viewer) and one self-contained HTML page.
+"""The study report: one self-contained HTML page (and its PNGs, which MLflow's artifact viewer also shows).
 
-Plots: throughput per trial vs the baseline (with bootstrap CIs), throughput and accept length vs num_draft_tokens
-per algorithm, warm-up length vs accept length for NGRAM, NGRAM with an external corpus vs without, Optuna's optimization history and parameter importance,
-and the Pareto front when the study has several objectives (the promoted trial starred, trials that broke an SLA
-limit drawn as crosses and kept off the front). Every plot has an empty state (a study with one trial, or with every
-trial failed, still gets a complete report). With a per-level decision the page shows its level table; when NGRAM
-trials searched an external corpus, the corpus-vs-none table at equal draft tokens (`pipeline.trial.corpus`).
+Top to bottom: the headline (the decision in one sentence, the speed-up per level with its spread, what to deploy,
+what no config could do: `pipeline.decide.headline`), the speed-up-by-concurrency chart (two levels or more), the
+per-level table, the corpus comparison (a study that searched an external corpus), the trials table, then the plots
+the study has data for (`pipeline.records.plots`: each is left out when it would be empty or compare nothing).
+Configs are named by their labels. Laid out for a laptop screen: no table or image wider than the page.
+
+Another stage's plot joins `PLOTS`-style through `extra_plots`: (file name, caption, draw) where `draw(fig, ax)`
+returns False (nothing to show), True (drawn on `ax`) or its own matplotlib figure -- e.g. the predicted-vs-measured
+plot of the simulation stage, once predictions exist.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from pipeline.compare import format_table
-from pipeline.trial.corpus import corpus_comparison, corpus_label, format_corpus_table
+from pipeline.decide.headline import (BASELINE, TABLE_METRICS, Headline, limits_text, row_status, served_at,
+                                      speedup_spread)
+from pipeline.records import plots
+from pipeline.trial.corpus import corpus_comparison, format_corpus_table
 
-ALGO_COLORS = {"none": "#555555", "ngram": "#1f77b4", "eagle": "#2ca02c", "eagle3": "#d62728",
-               "standalone": "#9467bd"}
+Draw = Callable[[Any, Any], Any]  # (fig, ax) -> False | True | a Figure
+WIDE = ("throughput", "accept_length")  # full width; the other plots two to a row
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;padding:1.2em 1.5em;max-width:1100px;
+color:#222;line-height:1.4}
+h1{font-size:1.5em;margin:.2em 0 .6em}h2{font-size:1.15em;margin:1.6em 0 .5em;border-bottom:1px solid #ddd}
+.headline{border:1px solid #c9d7e8;background:#f4f8fc;border-radius:6px;padding:.8em 1.1em}
+.headline .decision{font-size:1.1em;margin:.2em 0 .5em}.badge{display:inline-block;padding:.05em .5em;
+border-radius:4px;font-size:.8em;font-weight:600;color:#fff;background:#2e7d32;margin-right:.4em}
+.badge.keep_baseline{background:#616161}.badge.no_baseline{background:#c62828}
+.impossible{background:#fff4e5;border-left:4px solid #ef6c00;padding:.4em .8em;margin:.4em 0}
+.deploy code{background:#eef1f4;padding:.1em .3em;border-radius:3px;word-break:break-all}
+ul{margin:.3em 0 .3em 1.2em;padding:0}
+table{border-collapse:collapse;width:100%;font-size:13px;margin:.4em 0}
+th,td{border-bottom:1px solid #e3e3e3;padding:.3em .45em;text-align:left;vertical-align:top}
+th{background:#f3f3f3;font-weight:600}td.num,th.num{text-align:right;white-space:nowrap}
+td.config{word-break:break-word;min-width:10em}td.note{word-break:break-word;color:#555;font-size:12px}
+tr.served td{background:#fff3e0;font-weight:600}tr.level-start td{border-top:2px solid #bbb}
+.bad{color:#c62828}.muted{color:#777}
+pre{background:#f6f6f6;padding:.8em;overflow-x:auto;font-size:12px;max-width:100%}
+figure{margin:.8em 0}img{max-width:100%;height:auto;border:1px solid #eee}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:0 1em}
+figcaption{font-size:12px;color:#555}
+"""
 
 
-def _figure() -> tuple[Any, Any]:
-    import matplotlib
+def _e(text: Any) -> str:
+    return html.escape(str(text))
 
-    matplotlib.use("Agg")  # no display: CI, servers
+
+def headline_html(headline: Headline) -> str:
+    """The headline as the page's first block: kind badge and sentence, one item per level, what was not possible,
+    what to deploy."""
+    levels = "".join(f"<li>{_e(line)}</li>" for line in headline.levels)
+    impossible = "".join(f"<div class='impossible'><b>Not possible:</b> {_e(line)}</div>"
+                         for line in headline.impossible)
+    notes = "".join(f"<p class='muted'>{_e(line)}</p>" for line in headline.notes)
+    deploy = f"<p class='deploy'><b>Deploy:</b> <code>{_e(headline.deploy)}</code></p>" if headline.deploy else ""
+    return (f"<section class='headline' id='headline'><p class='decision'><span class='badge {_e(headline.kind)}'>"
+            f"{_e(headline.kind.replace('_', ' ').upper())}</span>{_e(headline.decision)}</p>"
+            f"{f'<ul>{levels}</ul>' if levels else ''}{impossible}{notes}{deploy}</section>")
+
+
+def _tok(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def level_table_html(levels: Any) -> str:
+    """The per-level decision as an HTML table: per level each config, its median tok/s, speed-up with the runs'
+    range, latency medians, whether it is served, and the limits it breaks (figure and limit)."""
+    heads = "".join(f"<th class='num'>{_e(label)}</th>" for _, label in TABLE_METRICS)
+    body = []
+    for result in levels.levels:
+        served = served_at(levels, result.level)
+        for i, row in enumerate(result.rows):
+            name = "baseline" if row.id == BASELINE else levels.labels.get(row.id, row.id)
+            spread = speedup_spread(result, row)
+            speed = "-" if row.speedup is None else f"{row.speedup:.2f}x"
+            runs = f"{spread[0]:.2f}-{spread[1]:.2f}x" if spread and len(row.runs_tok_s) > 1 else "-"
+            cells = "".join(f"<td class='num'>{_ms(row.latencies_ms.get(m))}</td>" for m, _ in TABLE_METRICS)
+            broken = "; ".join(f"breaks {v.metric} &lt;= {v.max_ms:g} ms ({_ms(v.figure_ms)})"
+                               for v in row.verdicts if not v.ok)
+            classes = " ".join(c for c in ("served" if row.id == served else "", "level-start" if i == 0 else "") if c)
+            body.append(
+                f"<tr class='{classes}'><td class='num'>{result.level}</td><td class='config'>{_e(name)}</td>"
+                f"<td class='num'>{_tok(row.median_tok_s)}</td><td class='num'>{speed}</td>"
+                f"<td class='num'>{runs}</td>{cells}<td>{_e(row_status(levels, result, row))}</td>"
+                f"<td class='note bad'>{broken}</td></tr>")
+    limits = limits_text(levels)
+    return ("<table id='level-table'><thead><tr><th class='num'>in flight</th><th>config</th>"
+            "<th class='num'>tok/s</th><th class='num'>speed-up</th><th class='num'>runs</th>"
+            f"{heads}<th>status</th><th>limits broken</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"<p class='muted'>Medians over the re-runs; speed-up = median tok/s / the baseline's at the same level; "
+            f"runs = each re-run over the baseline's median.{(' Limits: ' + _e(limits) + '.') if limits else ''}"
+            f"</p><p><b>Serving policy:</b> {_e(levels.policy.text)}</p>"
+            + (f"<p class='muted'>{_e(levels.finalists)}</p>" if levels.finalists else ""))
+
+
+def trials_table_html(rows: list[dict[str, Any]], remeasured: bool = False) -> str:
+    """The search's trials (baseline first, then by throughput): config label, outcome, figures, and the reason of
+    a failed trial or the SLA limits a completed one broke. `remeasured`: the decision rests on re-runs."""
+    if not rows:
+        return "<p class='muted'>No trials recorded.</p>"
+    body = []
+    for r in rows:
+        ratio = f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-"
+        accept = f"{r['accept_len']:.2f}" if r.get("accept_len") else "-"
+        notes = ["the baseline"] if r.get("baseline") else []
+        if r["outcome"] != "COMPLETE" and r.get("reason"):
+            notes.append(str(r["reason"])[:300])
+        notes += [t for t in r.get("sla") or [] if t.startswith("BROKEN")]
+        body.append(f"<tr><td class='config'>{_e(r['name'])}</td><td>{_e(r['outcome'])}</td>"
+                    f"<td class='num'>{_tok(r.get('tput_tok_s'))}</td><td class='num'>{ratio}</td>"
+                    f"<td class='num'>{accept}</td><td class='num'>{_ms(r.get('ttft_p50_ms'))}</td>"
+                    f"<td class='note'>{_e('; '.join(notes))}</td></tr>")
+    return ("<table id='trials-table'><thead><tr><th>config</th><th>outcome</th><th class='num'>tok/s</th>"
+            "<th class='num'>vs baseline</th><th class='num'>accept length</th><th class='num'>TTFT p50</th>"
+            f"<th>note</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
+            "<p class='muted'>One measurement per trial during the search"
+            + ("; the decision above rests on the re-measured runs." if remeasured else ".") + "</p>")
+
+
+def _draw(out_dir: Path, name: str, draw: Draw, rows_hint: int = 0) -> Path | None:
+    """Run one plot; its PNG, or None when it had nothing to show."""
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(7.5, 4.2), dpi=100)
-
-
-def _empty(ax: Any, message: str) -> None:
-    ax.text(0.5, 0.5, message, ha="center", va="center", fontsize=11, color="#777777", transform=ax.transAxes)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def _complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r["outcome"] == "COMPLETE" and r.get("tput_tok_s") is not None]
-
-
-def _num(row: dict[str, Any], key: str) -> float | None:
-    value = row["params"].get(key)
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def plot_throughput(ax: Any, rows: list[dict[str, Any]]) -> None:
-    done = _complete(rows)
-    if not done:
-        _empty(ax, "no trial completed: nothing to plot")
-        return
-    names = [r["name"].replace("trial-", "") for r in done]
-    values = [r["tput_tok_s"] for r in done]
-    low = [max(0.0, v - (r.get("tput_ci_low") or v)) for v, r in zip(values, done)]
-    high = [max(0.0, (r.get("tput_ci_high") or v) - v) for v, r in zip(values, done)]
-    colors = [ALGO_COLORS.get(r["algorithm"], "#999999") for r in done]
-    bars = ax.bar(range(len(done)), values, yerr=[low, high], color=colors, capsize=3)
-    for bar, row in zip(bars, done):
-        if row.get("feasible") is False:  # broke an SLA limit: fast, but not an answer
-            bar.set_hatch("xx")
-            bar.set_edgecolor("#d62728")
-    base = next((r["tput_tok_s"] for r in done if r["algorithm"] == "none"), None)
-    if base:
-        ax.axhline(base, color="black", linestyle="--", linewidth=1, label=f"baseline {base:.1f} tok/s")
-        ax.legend(loc="best", fontsize=8)
-    ax.set_xticks(range(len(done)), names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("output tok/s (95% CI)")
-    ax.set_title("Throughput per trial")
-
-
-def _versus_draft_tokens(ax: Any, rows: list[dict[str, Any]], metric: str, label: str) -> None:
-    points = [(r["algorithm"], _num(r, "spec.num_draft_tokens"), r.get(metric)) for r in _complete(rows)]
-    points = [p for p in points if p[1] is not None and p[2] is not None]
-    if not points:
-        _empty(ax, f"no completed speculative trial with {label}")
-        return
-    for algorithm in sorted({p[0] for p in points}):
-        xs = [p[1] for p in points if p[0] == algorithm]
-        ys = [p[2] for p in points if p[0] == algorithm]
-        ax.scatter(xs, ys, label=algorithm, color=ALGO_COLORS.get(algorithm, "#999999"))
-    base = next((r.get(metric) for r in _complete(rows) if r["algorithm"] == "none"), None)
-    if base and metric == "tput_tok_s":
-        ax.axhline(base, color="black", linestyle="--", linewidth=1, label="baseline")
-    ax.set_xlabel("num_draft_tokens")
-    ax.set_ylabel(label)
-    ax.legend(fontsize=8)
-    ax.set_title(f"{label} vs num_draft_tokens")
-
-
-def plot_tput_vs_draft(ax: Any, rows: list[dict[str, Any]]) -> None:
-    _versus_draft_tokens(ax, rows, "tput_tok_s", "output tok/s")
-
-
-def plot_accept_vs_draft(ax: Any, rows: list[dict[str, Any]]) -> None:
-    _versus_draft_tokens(ax, rows, "accept_len", "accept length")
-
-
-def plot_warmup_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> None:
-    points = [(_num(r, "trial.warmup_requests"), r.get("accept_len")) for r in _complete(rows)
-              if r["algorithm"] == "ngram"]
-    points = [p for p in points if p[0] is not None and p[1] is not None]
-    if not points:
-        _empty(ax, "no completed NGRAM trial")
-        return
-    ax.scatter([p[0] for p in points], [p[1] for p in points], color=ALGO_COLORS["ngram"])
-    ax.set_xlabel("warm-up requests (after flush)")
-    ax.set_ylabel("accept length")
-    ax.set_title("NGRAM: warm-up length vs accept length")
-
-
-def plot_corpus_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """NGRAM with and without an external corpus: mean accept length (bars) and mean tok/s (labels) per corpus."""
-    done = [r for r in _complete(rows) if r["algorithm"] == "ngram" and r.get("accept_len") is not None]
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in done:
-        groups.setdefault(corpus_label(r["params"].get("spec.external_corpus")), []).append(r)
-    if not groups:
-        _empty(ax, "no completed NGRAM trial")
-        return
-    names = sorted(groups, key=lambda n: (n != "none", n))
-    accept = [sum(r["accept_len"] for r in groups[n]) / len(groups[n]) for n in names]
-    tput = [sum(r["tput_tok_s"] for r in groups[n]) / len(groups[n]) for n in names]
-    bars = ax.bar(range(len(names)), accept, color=["#999999" if n == "none" else ALGO_COLORS["ngram"]
-                                                    for n in names])
-    for bar, t, n in zip(bars, tput, names):
-        ax.annotate(f"{t:.1f} tok/s\n{len(groups[n])} trial(s)", (bar.get_x() + bar.get_width() / 2,
-                    bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("mean accept length")
-    ax.set_title("NGRAM: external corpus vs none")
-
-
-def _optuna_plot(fig: Any, ax: Any, study: Any, kind: str) -> Any:
-    """Optuna's own matplotlib plots draw into a new figure; fall back to an empty state when they cannot."""
-    import optuna
-
-    if study is None:
-        _empty(ax, "no Optuna study")
-        return fig
-    done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
-    needed = 1 if kind == "history" else 2
-    if len(done) < needed:
-        _empty(ax, f"{kind}: needs at least {needed} completed trial(s), have {len(done)}")
-        return fig
-    import matplotlib.pyplot as plt
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
-            name = "objective 0" if target else None
-            if kind == "history":
-                axes = optuna.visualization.matplotlib.plot_optimization_history(study, target=target,
-                                                                                 target_name=name or "Objective Value")
-            else:
-                axes = optuna.visualization.matplotlib.plot_param_importances(study, target=target)
+    fig, ax = plots.figure(rows_hint, width=9.0 if name in (*WIDE, "speedup_by_concurrency") else 6.4)
+    result = draw(fig, ax)
+    if result is False or result is None:
         plt.close(fig)
-        return axes.figure
-    except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importance with one distinct value
-        _empty(ax, f"{kind}: {str(exc)[:80]}")
-        return fig
+        return None
+    shown = result if hasattr(result, "savefig") else fig
+    shown.tight_layout()
+    path = out_dir / f"{name}.png"
+    shown.savefig(path)
+    plt.close(shown)
+    if shown is not fig:
+        plt.close(fig)
+    return path
 
 
-def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: list[str],
-                promoted: str | None = None) -> None:
-    """Trials in the plane of the first two objectives; the front (pipeline.decide.pareto, feasible trials only) joined;
-    infeasible trials (row `feasible` False) as red crosses; the promoted trial (row `name`) as a star."""
-    from pipeline.decide.pareto import pareto_front
-
-    done = [r for r in _complete(rows) if all(r.get(m) is not None for m in metrics[:2])]
-    if len(metrics) < 2:
-        _empty(ax, "single objective: no Pareto front")
-        return
-    if not done:
-        _empty(ax, "no completed trial with both objectives")
-        return
-    mx, my = metrics[:2]
-    feasible = [r for r in done if r.get("feasible") is not False]
-    infeasible = [r for r in done if r.get("feasible") is False]
-    front = pareto_front(feasible, metrics[:2], modes[:2])
-    ax.scatter([r[mx] for r in feasible], [r[my] for r in feasible], color="#bbbbbb", label="trials")
-    if infeasible:
-        ax.scatter([r[mx] for r in infeasible], [r[my] for r in infeasible], marker="x", color="#d62728",
-                   label="breaks an SLA limit")
-    front = sorted(front, key=lambda r: r[mx])
-    ax.plot([r[mx] for r in front], [r[my] for r in front], "o-", color="#1f77b4", label="Pareto front")
-    star = [r for r in done if promoted is not None and r["name"] == promoted]
-    if star:
-        ax.scatter([star[0][mx]], [star[0][my]], marker="*", s=260, color="#ff7f0e", edgecolor="black", zorder=5,
-                   label=f"promoted: {promoted}")
-    ax.set_xlabel(mx)
-    ax.set_ylabel(my)
-    ax.legend(fontsize=8)
-    ax.set_title("Pareto front")
+def _figure_html(path: Path, caption: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return (f"<figure id='fig-{path.stem}'><img alt='{_e(caption)}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
 
 
-def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], decision: str, ot_study: Any = None,
-                 metrics: list[str] | None = None, modes: list[str] | None = None, promoted: str | None = None,
-                 levels: Any = None) -> list[Path]:
-    """Write report.html and the PNGs into out_dir; returns every file written (HTML last). `promoted` = the
-    promoted trial's row name (starred on the Pareto plot); `levels` = a `pipeline.decide.levels.LevelsDecision`."""
-    import matplotlib.pyplot as plt
-
+def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], headline: Headline | None = None,
+                 decision: str = "", ot_study: Any = None, metrics: list[str] | None = None,
+                 modes: list[str] | None = None, promoted: str | None = None, levels: Any = None,
+                 extra_plots: Sequence[tuple[str, str, Draw]] = ()) -> list[Path]:
+    """Write report.html and the PNGs it shows into out_dir; returns every file written (HTML last). `headline`:
+    the decision (`decision` as plain text when there is none); `promoted` = the promoted trial's row name
+    (starred on the Pareto plot); `levels` = a `pipeline.decide.levels.LevelsDecision`; `extra_plots`: see the
+    module docstring."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.png"):  # a plot this run leaves out must not linger from an earlier one
+        old.unlink()
     metrics, modes = metrics or ["tput_tok_s"], modes or ["max"]
-    plots: list[tuple[str, Callable[[Any, Any], Any]]] = [
-        ("throughput", lambda f, a: plot_throughput(a, rows)),
-        ("tput_vs_draft_tokens", lambda f, a: plot_tput_vs_draft(a, rows)),
-        ("accept_vs_draft_tokens", lambda f, a: plot_accept_vs_draft(a, rows)),
-        ("warmup_vs_accept", lambda f, a: plot_warmup_vs_accept(a, rows)),
-        ("corpus_vs_accept", lambda f, a: plot_corpus_vs_accept(a, rows)),
-        ("optimization_history", lambda f, a: _optuna_plot(f, a, ot_study, "history")),
-        ("param_importance", lambda f, a: _optuna_plot(f, a, ot_study, "importance")),
-        ("pareto_front", lambda f, a: plot_pareto(a, rows, metrics, modes, promoted)),
+    headline = headline or Headline(kind="keep_baseline", decision=decision or "no decision recorded")
+    n_done = len(plots.complete(rows))
+    figures: list[tuple[str, str, Draw, int]] = [
+        ("speedup_by_concurrency", "Speed-up over the baseline by concurrency (served config bold, switch marked)",
+         lambda f, a: plots.plot_speedup_levels(a, levels), 0),
+        ("throughput", "Throughput by config (search measurement, 95% CI)",
+         lambda f, a: plots.plot_throughput(a, rows), n_done),
+        ("accept_length", "Accept length by config", lambda f, a: plots.plot_accept(a, rows), n_done),
+        ("tput_vs_draft_tokens", "Throughput vs draft tokens", lambda f, a: plots.plot_tput_vs_draft(a, rows), 0),
+        ("accept_vs_draft_tokens", "Accept length vs draft tokens",
+         lambda f, a: plots.plot_accept_vs_draft(a, rows), 0),
+        ("warmup_vs_accept", "NGRAM: warm-up length vs accept length",
+         lambda f, a: plots.plot_warmup_vs_accept(a, rows), 0),
+        ("corpus_vs_accept", "NGRAM: external corpus vs none", lambda f, a: plots.plot_corpus_vs_accept(a, rows), 0),
+        ("pareto_front", "Pareto front of the objectives",
+         lambda f, a: plots.plot_pareto(a, rows, metrics, modes, promoted), 0),
+        ("optimization_history", "Optuna: optimization history", lambda f, a: plots.plot_optuna(f, ot_study,
+                                                                                               "history"), 0),
+        ("param_importance", "Optuna: parameter importance", lambda f, a: plots.plot_optuna(f, ot_study,
+                                                                                           "importance"), 0),
+        *((name, caption, draw, 0) for name, caption, draw in extra_plots),
     ]
-    written = []
-    for name, draw in plots:
-        fig, ax = _figure()
-        result = draw(fig, ax)
-        figure = result if result is not None and hasattr(result, "savefig") else fig
-        figure.tight_layout()
-        path = out_dir / f"{name}.png"
-        figure.savefig(path)
-        plt.close(figure)
-        written.append(path)
-    images = "\n".join(
-        f'<figure><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        f"<figcaption>{p.stem.replace('_', ' ')}</figcaption></figure>" for p in written)
-    table = format_table(rows) if rows else "(no trials recorded)"
-    level_html = ""
+    drawn = {name: (path, caption) for name, caption, draw, hint in figures
+             if (path := _draw(out_dir, name, draw, hint)) is not None}
+    sections = [f"<h1>{_e(title)}</h1>", headline_html(headline)]
+    if "speedup_by_concurrency" in drawn:
+        sections.append(_figure_html(*drawn.pop("speedup_by_concurrency")))
     if levels is not None:
-        from pipeline.decide.levels import format_level_table
-
-        level_html = f"<h2>Per-concurrency decision</h2><pre>{html.escape(format_level_table(levels))}</pre>"
-    corpus_cells = corpus_comparison(rows)  # only when the study searched a corpus
-    corpus_html = (f"<h2>External corpus vs none (at equal draft tokens)</h2><pre>"
-                   f"{html.escape(format_corpus_table(corpus_cells))}</pre>" if corpus_cells else "")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}pre{background:#f6f6f6;padding:1em;"
-            "overflow-x:auto;font-size:12px}figure{display:inline-block;margin:0.5em}img{max-width:520px}</style>"
-            f"</head><body><h1>{html.escape(title)}</h1><h2>Decision</h2><p>{html.escape(decision)}</p>"
-            f"{level_html}{corpus_html}<h2>Trials</h2><pre>{html.escape(table)}</pre><h2>Plots</h2>{images}"
-            "</body></html>")
+        sections += ["<h2>Per-concurrency decision</h2>", level_table_html(levels)]
+    cells = corpus_comparison(rows)  # only when the study searched a corpus
+    if cells:
+        sections += ["<h2>External corpus vs none (at equal draft tokens)</h2>",
+                     f"<pre>{_e(format_corpus_table(cells))}</pre>"]
+    sections += ["<h2>Trials</h2>", trials_table_html(rows, remeasured=levels is not None)]
+    wide = [drawn.pop(name) for name in WIDE if name in drawn]  # bars named by labels: the page's width
+    if wide or drawn:
+        sections += ["<h2>Plots</h2>", *(_figure_html(path, caption) for path, caption in wide),
+                     f"<div class='grid'>{''.join(_figure_html(path, caption) for path, caption in drawn.values())}"
+                     "</div>"]
+    page = (f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+            f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{_e(title)}</title>"
+            f"<style>{CSS}</style></head><body>{''.join(sections)}</body></html>")
     report = out_dir / "report.html"
     report.write_text(page)
-    return written + [report]
+    paths = [p for name, caption, draw, hint in figures for p in [out_dir / f"{name}.png"] if p.exists()]
+    return paths + [report]

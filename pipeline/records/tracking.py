@@ -21,6 +21,11 @@ import pyarrow.parquet as pq
 
 STUDY_TAG = "specdec.study"
 KIND_TAG = "specdec.kind"  # "study" | "trial" | "finalist"
+# A trial run is named by its config label (`pipeline.records.labels.config_label`), which two trials of one config
+# share; the Tune trial id (also its folder under trials/) is this tag.
+TRIAL_ID_TAG = "trial_id"
+# The run's description in the MLflow UI (Markdown): the study run carries the headline of its decision.
+DESCRIPTION_TAG = "mlflow.note.content"
 # The experiment's kind, for the MLflow versions whose UI reads it. 3.17's UI ignores it (its navigation flag is on in
 # the OSS build): an experiment opens under the browser's GenAI / "Model training" switch, taken from the URL parameter
 # `workflowType`, else the browser's remembered choice, else GenAI; so a bare experiment URL lands on the GenAI
@@ -151,8 +156,12 @@ class Tracker:
         return run.info.run_id
 
     def finish_study(self, run_id: str, *, tags: dict[str, str], metrics: dict[str, float],
-                     texts: dict[str, str], status: str = "FINISHED") -> None:
+                     texts: dict[str, str], status: str = "FINISHED", description: str | None = None) -> None:
+        """The study run's decision: tags, metrics, text artifacts, and `description` (Markdown: the headline) as
+        the run's description in the MLflow UI."""
         client = self.client()
+        if description is not None:
+            tags = {**tags, DESCRIPTION_TAG: description[:5000]}
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
         for name, number in metrics.items():
@@ -169,19 +178,23 @@ class Tracker:
     def log_trial(self, parent_id: str, *, study_name: str, run_name: str, kind: str, config: dict[str, Any],
                   outcome: str, reason: str, metrics: dict[str, float], requests: pa.Table | None,
                   texts: dict[str, str], extra_tags: dict[str, str] | None = None,
-                  started_at: float | None = None) -> str:
+                  started_at: float | None = None, trial_id: str | None = None) -> str:
         """One child run with everything about a trial; returns its run id. `started_at` (a time.time()) makes the
-        run's duration in the MLflow UI the trial's, not just the logging's."""
+        run's duration in the MLflow UI the trial's, not just the logging's. `trial_id`: what identifies the record
+        when `run_name` does not (a trial's run name is its config label; TRIAL_ID_TAG); None = the run name does."""
         client = self.client()  # first: it waits for a warm-up still importing MLflow
         from mlflow.entities import Metric, Param
 
         # A trial interrupted after logging and then resumed logs again: keep only the newest record of it. The old
         # records are looked up now but deleted only once the new one is complete, so a crash in between leaves two
-        # records of the trial, never none.
-        older = [old.info.run_id for old in client.search_runs([self.experiment_id()], filter_string=(
-            f"tags.mlflow.parentRunId = '{parent_id}' and attributes.run_name = '{run_name}'"))]
+        # records of the trial, never none. A record from before trial ids were tagged is named `trial-<id>`.
+        where = f"tags.mlflow.parentRunId = '{parent_id}'"
+        keys = ([f"tags.`{TRIAL_ID_TAG}` = '{trial_id}'", f"attributes.run_name = 'trial-{trial_id}'"] if trial_id
+                else [f"attributes.run_name = '{run_name}'"])
+        older = sorted({old.info.run_id for key in keys for old in client.search_runs(
+            [self.experiment_id()], filter_string=f"{where} and {key}")})
         tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
-                "reason": reason[:4000], **(extra_tags or {})}
+                "reason": reason[:4000], **({TRIAL_ID_TAG: trial_id} if trial_id else {}), **(extra_tags or {})}
         start_ms = int(started_at * 1000) if started_at is not None else None
         run = client.create_run(self.experiment_id(), run_name=run_name, tags=tags, start_time=start_ms)
         run_id = run.info.run_id
@@ -209,3 +222,4 @@ class Tracker:
     def trial_runs(self, parent_id: str) -> list[Any]:
         return self.client().search_runs([self.experiment_id()], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
                                          max_results=5000)
+

@@ -1,7 +1,9 @@
-"""Per-concurrency answer end to end: a study with `concurrency: [1, 4]` and a TTFT limit (real CPU engine, local Ray,
-MLflow and Optuna on SQLite) ends with a level table in its output, its MLflow parent run, its report and
-`python -m pipeline.compare`; the production endpoint serves the promoted policy and `/v1/config` shows it; a
-two-engine policy routes a request to the high-concurrency engine when more than `switch_above` are in flight."""
+"""Per-concurrency answer end to end: a study with `concurrency: [1, 4]` and TTFT limits (real CPU engine, local Ray,
+MLflow and Optuna on SQLite) ends with a headline and a level table in its output, its MLflow parent run, its report
+and `python -m pipeline.compare`; the limit no config can meet at 4 in flight is said as such; trials are named by
+their config labels; the report reads well in a real browser; the production endpoint serves the promoted policy and
+`/v1/config` shows it; a two-engine policy routes a request to the high-concurrency engine when more than
+`switch_above` are in flight."""
 
 from __future__ import annotations
 
@@ -29,11 +31,15 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "it-levels"
 # Generous on purpose: the verdicts must show (figure and limit) without the CPU machine's load deciding the test.
 TTFT_LIMIT_MS = 120_000.0
+# And one no config can meet (a first token within 1 ms with 4 requests in flight through Serve's proxy): the level
+# a serving team must hear "no config meets it" about, never a baseline marked as the winner.
+IMPOSSIBLE_MS = 1.0
 # The baseline and one NGRAM trial (the finalist), 6 new tokens a request: the finalists' 2 configs x 2 levels x 3
 # runs are 12 engine starts, so the per-request cost is paid 60 times; nothing here depends on the output length.
 STUDY = {"name": NAME, "budget": {"max_trials": 2}, "concurrency": [1, 4],
          "workload": {"warmup_prompts": 2, "measure_prompts": 4, "max_new_tokens": 6},
-         "objective": {"constraints": [{"metric": "ttft_p99_ms", "max_ms": TTFT_LIMIT_MS}]},
+         "objective": {"constraints": [{"metric": "ttft_p99_ms", "max_ms": TTFT_LIMIT_MS},
+                                       {"metric": "ttft_p99_ms", "max_ms": IMPOSSIBLE_MS, "concurrency": 4}]},
          "promotion": {"finalists": 1, "runs": 3}, "engine": {"start_timeout_s": 300}}
 
 
@@ -51,6 +57,7 @@ def levels_study(tmp_path_factory):
     study_file = tmp / "study.yaml"
     study_file.write_text(yaml.safe_dump({**STUDY, "search_space": str(space), "output_dir": str(tmp / "out")}))
     done = run(["-m", "pipeline.tune", "--study", str(study_file)], timeout=1800)
+    (tmp / "tune.log").write_text(done.stdout + done.stderr)  # kept with the test's folder for a failure's reader
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return study_file, tmp / "out", done.stdout
 
@@ -76,16 +83,22 @@ def test_the_study_ends_with_a_level_table_in_its_output_mlflow_and_report(level
         assert {row.id for row in result.rows} >= {"baseline"} and len(result.rows) == 2
         for row in result.rows:
             assert row.median_tok_s > 0 and row.latencies_ms["ttft_p99_ms"] is not None
-            assert [v.metric for v in row.verdicts] == ["ttft_p99_ms"] and row.verdicts[0].max_ms == TTFT_LIMIT_MS
+            limits = [TTFT_LIMIT_MS] + ([IMPOSSIBLE_MS] if result.level == 4 else [])
+            assert [(v.metric, v.max_ms) for v in row.verdicts] == [("ttft_p99_ms", m) for m in limits]
+            assert len(row.runs_tok_s) == 3
     table = stdout.split("per-concurrency decision:\n", 1)[1]
     assert [line.split()[0] for line in table.splitlines()[1:5]] == ["1", "1", "4", "4"]
-    assert f"policy: {decision.policy.text}" in table and "ttft_p99_ms at concurrency 4:" in table
+    assert f"policy: {decision.policy.text}" in table
+    assert (f"limits: ttft_p99_ms <= {TTFT_LIMIT_MS:g} ms at 1, 4 in flight; ttft_p99_ms <= {IMPOSSIBLE_MS:g} ms "
+            "at 4 in flight") in table
+    assert "WINNER" not in stdout and "BROKEN" not in stdout
     tracker, parent = parent_run(out)
     files = {f.path for f in tracker.client().list_artifacts(parent.info.run_id, "study")}
-    assert {"study/levels.json", "study/levels.txt"} <= files
+    assert {"study/levels.json", "study/levels.txt", "study/headline.txt"} <= files
     assert parent.data.tags["serving_policy"] == decision.policy.text
+    assert parent.data.tags["mlflow.note.content"].startswith("**Decision (")  # the run's description: the headline
     report = (out / "report" / "report.html").read_text()
-    assert "Per-concurrency decision" in report and "ttft_p99_ms at concurrency 4" in report
+    assert "Per-concurrency decision" in report and "<table id='level-table'>" in report
     # The search saw the limit: each completed trial carries its figure for Optuna's constraints_func.
     trials = optuna.load_study(study_name=NAME, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
     done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -97,12 +110,88 @@ def test_the_study_ends_with_a_level_table_in_its_output_mlflow_and_report(level
     assert {lvl for _, lvl in levels} == {"1", "4"} and len(levels) == 4
 
 
+def test_the_headline_says_the_decision_and_what_no_config_can_do(levels_study):
+    """First in the study's closing output: the decision in one sentence, a line per level, the limit nobody meets
+    at 4 in flight with the figures and what to do about it, and the command file to run."""
+    _, out, stdout = levels_study
+    decision = logged_levels(out)
+    head = stdout.split("decision: ", 1)[1].split("\n=====", 1)[0].splitlines()
+    assert head[0].split(" -- ", 1)[0] in ("PROMOTE", "KEEP_BASELINE")
+    assert head[1].startswith("  1 in flight: ") and head[2].startswith("  4 in flight: ")
+    four = next(r for r in decision.levels if r.level == 4)
+    best = min(row.latencies_ms["ttft_p99_ms"] for row in four.rows)
+    assert best > IMPOSSIBLE_MS
+    impossible = [line for line in head if line.startswith("  Not possible: ")]
+    assert impossible[0].startswith(f"  Not possible: no config meets ttft_p99_ms <= {IMPOSSIBLE_MS:g} ms at 4 in "
+                                    "flight (best: ")
+    assert impossible[0].endswith("you need more capacity or a looser limit")
+    assert f"{best:.0f} ms" in impossible[0] or f"{best:.1f} ms" in impossible[0]
+    assert head[-1].startswith(f"  Deploy: run {out / 'deploy' / 'engine_command.sh'} (")
+    assert (out / "deploy" / "engine_command.sh").exists()
+    assert "(trial-" not in stdout and "final-0-" not in stdout  # no hashes where a label belongs
+
+
+def test_a_studys_console_is_free_of_third_party_banners(levels_study):
+    _, _, stdout = levels_study
+    for banner in ("TensorBoard", "tensorboard --logdir", "Token authentication", "Configuration for experiment",
+                   "View detailed results here", "Started a local Ray instance", "Creating initial MLflow"):
+        assert banner not in stdout, banner
+    baseline = next(line for line in stdout.splitlines() if line.startswith("[trial 1/2] none "))
+    assert "(the baseline)" in baseline and "best=0.00" not in baseline and "(-)" not in baseline
+
+
+def test_trial_runs_are_named_by_their_config_labels_and_keep_their_ids(levels_study):
+    from pipeline.config import TrialConfig
+    from pipeline.records.labels import config_label
+
+    _, out, stdout = levels_study
+    tracker, parent = parent_run(out)
+    client = tracker.client()
+    trials = [r for r in client.search_runs([tracker.experiment_id()], max_results=1000)
+              if r.data.tags.get("specdec.kind") == "trial"]
+    assert len(trials) == 2
+    for trial in trials:
+        config = TrialConfig.model_validate_json(
+            Path(client.download_artifacts(trial.info.run_id, "trial_config.json")).read_text())
+        assert trial.info.run_name == config_label(config)
+        assert (out / "trials" / trial.data.tags["trial_id"]).is_dir()  # the id: the trial's folder
+        assert trial.info.run_name in stdout  # the progress line and the trials table name it the same way
+    assert {t.info.run_name for t in trials} >= {"none"}
+
+
+def test_the_report_reads_well_in_a_browser_at_laptop_width(levels_study):
+    """The report of this two-level study in Chromium at 1280 px: headline first, the level table as HTML, the
+    speed-up chart drawn, no empty image, no sideways scroll. The screenshot is kept (test-artifacts/)."""
+    from tests.integration.report_page import read_report
+    from tests.integration.ui_helpers import CHROMIUM
+
+    if not CHROMIUM.exists():
+        pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api", reason="needs the playwright Python package (pip install playwright)")
+    _, out, _ = levels_study
+    decision = logged_levels(out)
+    shown = read_report(out / "report" / "report.html", "levels-study-report.png")
+    assert shown.first_section == "headline"
+    assert "no config meets ttft_p99_ms <= 1 ms at 4 in flight" in shown.headline
+    assert [cells[0] for cells in shown.level_rows] == ["1", "1", "4", "4"]
+    labels = {cells[1] for cells in shown.level_rows}
+    assert "baseline" in labels and labels - {"baseline"} <= set(decision.labels.values())
+    assert "fig-speedup_by_concurrency" in shown.figures
+    assert all(width > 0 for width in shown.figures.values()), shown.figures  # every image drew
+    assert shown.scroll_width <= shown.client_width, (shown.scroll_width, shown.client_width)
+    for empty in ("no Pareto front", "nothing to plot", "needs at least"):
+        assert empty not in shown.body_text
+    assert shown.screenshot.stat().st_size > 10_000
+
+
 def test_compare_shows_the_level_table_and_the_verdicts(levels_study):
     study_file, out, _ = levels_study
     shown = run(["-m", "pipeline.compare", "--study", str(study_file), "--output", str(out)], timeout=300)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "Per-concurrency decision:" in shown.stdout
-    assert "ttft_p99_ms at concurrency 1:" in shown.stdout and "ttft_p99_ms at concurrency 4:" in shown.stdout
+    assert f"limits: ttft_p99_ms <= {TTFT_LIMIT_MS:g} ms at 1, 4 in flight" in shown.stdout
+    assert f"not possible: no config meets ttft_p99_ms <= {IMPOSSIBLE_MS:g} ms at 4 in flight" in shown.stdout
+    assert all(label in shown.stdout for label in logged_levels(out).labels.values())  # configs by their labels
     as_json = run(["-m", "pipeline.compare", "--study", str(study_file), "--output", str(out), "--levels",
                    "--format", "json"], timeout=300)
     assert LevelsDecision.model_validate_json(as_json.stdout) == logged_levels(out)

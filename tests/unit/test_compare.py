@@ -41,8 +41,22 @@ def test_table_marks_baseline_and_shows_reasons():
     text = format_rows(rows_from_runs(RUNS), "table")
     lines = text.splitlines()
     assert lines[1].startswith("trial-a") and lines[1].endswith("<- baseline")
-    assert "2.00x" in lines[2] and "num_draft_tokens=4" in lines[2]
+    assert lines[2].startswith("trial-b") and "2.00x" in lines[2]
     assert "-> ngram: min_bfs_breadth" in text
+    assert "num_draft_tokens=4" in format_rows(rows_from_runs(RUNS), "csv")  # the settings, in full
+
+
+def test_trials_of_one_config_are_told_apart_by_their_trial_ids():
+    """Run names are config labels, which a config sampled twice shares: the slower record gets its trial id."""
+    label = "ngram BFS d4 b1 depth18 warm1"
+    runs = [run(label, "ngram", "COMPLETE", 30.0), run(label, "ngram", "COMPLETE", 32.0), run("none", "none",
+                                                                                            "COMPLETE", 20.0)]
+    runs[0].data.tags["trial_id"], runs[1].data.tags["trial_id"] = "aaa111", "bbb222"
+    rows = rows_from_runs(runs)
+    assert [r["name"] for r in rows] == ["none", label, f"{label} #aaa111"]
+    assert [r["trial_id"] for r in rows] == [None, "bbb222", "aaa111"]
+    lines = format_rows(rows, "table").splitlines()
+    assert lines[2].startswith(f"{label}  ") and lines[3].startswith(f"{label} #aaa111  ")
 
 
 def test_csv_and_json():

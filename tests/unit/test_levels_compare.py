@@ -10,7 +10,7 @@ from pipeline.compare import format_rows, main, mark_constraints
 from pipeline.config import SlaConstraint
 from pipeline.decide.levels import LEVELS_ARTIFACT, Candidate, LevelInput, RunFigures, decide_levels
 from pipeline.records.tracking import Tracker, default_tracking_uri
-from pipeline.records.report import plot_pareto
+from pipeline.records.plots import plot_pareto
 
 
 def rows() -> list[dict]:
@@ -72,8 +72,11 @@ def test_compare_cli_prints_level_table_and_verdicts(tmp_path: Path, capsys: pyt
     assert "INFEASIBLE (SLA)" in text and "400.0 ms > limit 200 ms" in text
     assert "Per-concurrency decision:" in text
     assert "policy: serve 'trial-2' up to concurrency 1; speculation off above 1" in text
+    assert "decision: serve 'trial-2' up to 1 in flight (1.50x at 1), the baseline above 1" in text
     assert main(["--study", str(study_file), "--levels"]) == 0
-    assert "WINNER" in capsys.readouterr().out
+    levels = capsys.readouterr().out
+    assert "SERVED" in levels and "WINNER" not in levels
+    assert "limits: ttft_p99_ms <= 200 ms at 1 in flight" in levels
 
 
 def test_pareto_plot_marks_promoted_and_infeasible() -> None:

@@ -1,0 +1,265 @@
+"""What a study prints while it runs: one line per finished trial (its config label, outcome, figure and how it
+compares with the baseline and the best so far), and progress through the long phases of a trial or a finalist
+re-run (starting the engine, warming up, measuring) when one takes long -- on a GPU node a model load takes minutes.
+
+Phases travel through the trial's own folder: `note_phase` appends one JSON line to `<folder>/phases.jsonl` (the
+trial process may be a Tune worker whose stdout the driver does not forward), and the driver reads them back
+(`PhaseWatcher`: Tune's callback during the search, `phase_echo` during the finalists' re-runs). A phase that ends
+quickly prints nothing; one still open after `SLOW_S` seconds prints a line, then one every `EVERY_S`. A trial on
+another node of a cluster writes its phases on that node: the driver then shows only the per-trial lines.
+
+The line logic (`ProgressBoard`, `PhaseState`) is pure; the file and Tune parts are thin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES_FILE = "phases.jsonl"
+SLOW_S = 10.0  # a phase open this long gets a line
+EVERY_S = 60.0  # and another one this often while it stays open
+PHASE_TEXT = {"engine": "starting the engine", "warmup": "warming up", "measure": "measuring"}
+
+
+def duration(seconds: float) -> str:
+    """`8 s`, `1 min 05 s`, `1 h 02 min`."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+# --- one line per finished trial -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ProgressBoard:
+    """The search's live view: `line()` for each finished trial. `mode` is the objective's (max or min); the
+    baseline's line shows its own figure, the others their ratio to it and the best speculative trial so far."""
+
+    total: int
+    metric: str
+    mode: str = "max"
+    done: int = 0
+    baseline: float | None = None
+    best: tuple[float, str] | None = None
+
+    def _better(self, value: float) -> bool:
+        return self.best is None or (value > self.best[0] if self.mode == "max" else value < self.best[0])
+
+    def line(self, *, label: str, algorithm: str, outcome: str, value: float | None, reason: str = "",
+             seconds: float | None = None) -> str:
+        self.done += 1
+        head = f"[trial {self.done}/{self.total}] {label:<40} {outcome:<14}"
+        took = f"  ({duration(seconds)})" if seconds is not None else ""
+        if outcome != "COMPLETE" or value is None:
+            return f"{head} {self.metric}=-{took}" + (f"  -- {reason[:200]}" if reason else "")
+        figure = f"{self.metric}={value:.2f}"
+        if algorithm == "none" and self.baseline is None:
+            self.baseline = value
+            return f"{head} {figure}  (the baseline){took}"
+        ratio = f"  {value / self.baseline:.2f}x baseline" if self.baseline else ""
+        if self._better(value):
+            self.best = (value, label)
+            return f"{head} {figure}{ratio}  (best so far){took}"
+        best_value, best_label = self.best or (value, label)  # not None here: _better is True while there is none
+        best = f"{best_value / self.baseline:.2f}x" if self.baseline else f"{best_value:.2f}"
+        return f"{head} {figure}{ratio}  (best: {best}, {best_label}){took}"
+
+
+# --- phases --------------------------------------------------------------------------------------------------------
+
+
+def note_phase(folder: Path, phase: str, **figures: Any) -> None:
+    """Append one phase event (`phase`, wall-clock `t`, figures) to the folder's phases file. Never raises: progress
+    is for the console, and a trial must not fail over it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / PHASES_FILE, "a") as handle:
+            handle.write(json.dumps({"phase": phase, "t": time.time(), **figures}, default=str) + "\n")
+    except OSError:
+        pass
+
+
+@dataclass
+class PhaseState:
+    """One trial's (or re-run's) phases as read so far; `update` takes events in order, `due(now)` the lines to print
+    now. `announce` also prints a line when the pass is measured (the finalists' re-runs, which have no Tune line)."""
+
+    who: str
+    announce: bool = False
+    phase: str | None = None
+    since: float = 0.0
+    printed_at: float | None = None
+    finished: bool = False
+    pending: list[str] = field(default_factory=list)
+
+    def update(self, event: dict[str, Any]) -> None:
+        phase, at = str(event.get("phase")), float(event.get("t") or 0.0)
+        if event.get("config") and not self.announce:  # a trial's folder is its Tune id: name it by its config
+            self.who = str(event["config"])
+        if phase == "engine":
+            self.finished = False
+        if phase == "ready":
+            if self.phase == "engine" and at - self.since >= SLOW_S:
+                self.pending.append(f"{self.who}: engine ready after {duration(at - self.since)}"
+                                    + _start_detail(event))
+        elif phase == "measured":
+            self.finished = True
+            if self.announce:
+                self.pending.append(f"{self.who}: {_measured(event)}")
+            return
+        if phase in PHASE_TEXT:
+            self.phase, self.since, self.printed_at = phase, at, None
+        elif phase == "ready":
+            self.phase = None
+
+    def due(self, now: float) -> list[str]:
+        out, self.pending = self.pending, []
+        if self.finished or self.phase is None:
+            return out
+        open_for = now - self.since
+        if open_for >= SLOW_S and (self.printed_at is None or now - self.printed_at >= EVERY_S):
+            self.printed_at = now
+            out.append(f"{self.who}: {PHASE_TEXT[self.phase]} ({duration(open_for)} so far)")
+        return out
+
+
+def _start_detail(event: dict[str, Any]) -> str:
+    """The engine's own start phases when the replica reported them (`phases`: name -> seconds)."""
+    phases = event.get("phases")
+    if isinstance(phases, dict) and phases:
+        return " (" + ", ".join(f"{k} {duration(float(v))}" for k, v in phases.items()
+                                if isinstance(v, (int, float))) + ")"
+    return ""
+
+
+def _measured(event: dict[str, Any]) -> str:
+    tput = event.get("tput_tok_s")
+    figure = f"{float(tput):.2f} tok/s" if isinstance(tput, (int, float)) else "no throughput"
+    outcome = event.get("outcome") or "?"
+    raw = event.get("timings")
+    timings: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    parts = [f"{name} {duration(float(timings[key]))}" for key, name in
+             (("engine_start_s", "engine start"), ("warmup_s", "warm-up"), ("measure_s", "measure"))
+             if isinstance(timings.get(key), (int, float))]
+    return f"{figure}, {outcome}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+class PhaseWatcher:
+    """Reads the phases files under `root` (`<root>/<name>/phases.jsonl`) as they grow and returns the lines due.
+    `who(name)` names a folder in the lines."""
+
+    def __init__(self, root: Path, who: Callable[[str], str] = str, announce: bool = False) -> None:
+        self.root = root
+        self.who = who
+        self.announce = announce
+        self.offsets: dict[Path, int] = {}
+        self.states: dict[Path, PhaseState] = {}
+
+    def poll(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        lines: list[str] = []
+        try:
+            paths = sorted(self.root.glob(f"*/{PHASES_FILE}"))
+        except OSError:
+            return lines
+        for path in paths:
+            state = self.states.get(path)
+            if state is None:
+                state = self.states[path] = PhaseState(who=self.who(path.parent.name), announce=self.announce)
+            for event in self._new_events(path):
+                state.update(event)
+            lines += state.due(now)
+        return lines
+
+    def _new_events(self, path: Path) -> list[dict[str, Any]]:
+        start = self.offsets.get(path, 0)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(start)
+                data = handle.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self.offsets[path] = start + end
+        events = []
+        for raw in data[:end].splitlines():
+            try:
+                events.append(json.loads(raw))
+            except ValueError:
+                continue
+        return events
+
+
+@contextlib.contextmanager
+def phase_echo(root: Path, interval_s: float = 1.0, prefix: str = "    ") -> Iterator[PhaseWatcher]:
+    """While the block runs (in this process: the finalists' re-runs), print the phase lines of the passes under
+    `root`, one line per measured pass."""
+    watcher = PhaseWatcher(root, announce=True)
+    watcher.poll()  # passes from before (a resumed study) are read now and not announced again
+    for state in watcher.states.values():
+        state.pending.clear()
+        state.finished = True
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            for line in watcher.poll():
+                print(prefix + line, flush=True)
+
+    thread = threading.Thread(target=loop, name="phase-echo", daemon=True)
+    thread.start()
+    try:
+        yield watcher
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for line in watcher.poll():
+            print(prefix + line, flush=True)
+
+
+# --- the search's Tune callback ------------------------------------------------------------------------------------
+
+
+def progress_callback(total: int, metric: str, mode: str, trials_dir: Path) -> Any:
+    """A Tune callback printing `ProgressBoard` lines as trials finish and, while they run, the slow phases their
+    folders under `trials_dir` report. The trial's final report carries `label` and `reason` (pipeline.study.driver)."""
+    from ray import tune
+
+    from pipeline.search.pruning import MEASURING
+
+    class Progress(tune.Callback):
+        def __init__(self) -> None:
+            self.board = ProgressBoard(total=total, metric=metric, mode=mode)
+            self.watcher = PhaseWatcher(trials_dir)
+            self.polled = 0.0
+
+        def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
+            now = time.time()
+            if now - self.polled >= 1.0:
+                self.polled = now
+                for line in self.watcher.poll(now):
+                    print(f"  {line}", flush=True)
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
+            if result.get("outcome") == MEASURING:  # a chunk's intermediate report, not a finished trial
+                return
+            value = result.get(metric)
+            print(self.board.line(label=str(result.get("label") or trial.config.get("algorithm", "?")),
+                                  algorithm=str(trial.config.get("algorithm", "?")),
+                                  outcome=str(result.get("outcome")),
+                                  value=float(value) if isinstance(value, (int, float)) else None,
+                                  reason=str(result.get("reason") or ""), seconds=result.get("time_total_s")),
+                  flush=True)
+
+    return Progress()
