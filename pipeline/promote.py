@@ -9,6 +9,7 @@ The promotion decision itself is pure and lives in `pipeline/decide/decision.py`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -28,6 +29,9 @@ def _parser() -> Any:
                         "serving config, its version and the engine command line (also printed after the others)")
     action.add_argument("--rollback", action="store_true", help="swap aliases production and previous")
     action.add_argument("--set-version", metavar="N", help="point production at registered version N")
+    from pipeline.loop.control import add_canary_arguments
+
+    add_canary_arguments(parser, action)  # --canary status|pause|resume|abort|promote (the closed loop's canary)
     parser.add_argument("--deploy", metavar="URL", help="after moving the alias, wait until the production endpoint "
                         "at URL (started with `python -m serve.production`, which follows the alias and rolls with "
                         "a new replica before the old one stops) serves the new version")
@@ -67,6 +71,22 @@ def show(tracker: Any, name: str) -> str:
             f"{serving.model_dump_json(indent=2)}\n\nengine command line:\n  {engine_command(serving)}")
 
 
+def existing_tracking(uri: str) -> None:
+    """Refuse (PipelineError) a tracking URI that holds no study: a SQLite file that does not exist, or a file
+    store. Promotion reads and moves what a study registered; it creates nothing."""
+    from urllib.parse import unquote
+
+    from pipeline.errors import PipelineError
+    from pipeline.preflight import check_tracking_uri
+
+    check_tracking_uri(uri, "--tracking-uri")
+    if uri.startswith("sqlite:///"):
+        path = Path(unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
+        if not path.is_file():
+            raise PipelineError(f"no study's MLflow database at {str(path)!r}: give the study's --output (or --name) "
+                                "or its --tracking-uri; nothing was created")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
@@ -77,12 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipeline.records.registry import PRODUCTION, production_version, rollback, set_production
 
     args = _parser().parse_args(argv)
+    if args.canary:
+        from pipeline.loop.control import canary_main
+
+        return canary_main(args)
     uri: str | None = None
     overrides = {k: v for k, v in {"name": args.name, "output_dir": args.output,
                                    "tracking.uri": args.tracking_uri}.items() if v}
     try:
         study = load_study(args.study, overrides)
         uri = study.tracking.uri or default_tracking_uri(study.output_path())
+        existing_tracking(uri)  # before Tracker: it would create an empty database where no study is
         tracker = Tracker(uri, study.tracking.experiment or study.name)
         name = study.tracking.registered_model or f"specdec-{study.name}"
         if args.rollback:

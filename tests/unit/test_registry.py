@@ -119,3 +119,50 @@ def test_a_config_file_is_validated_when_loaded(tmp_path):
     bad.write_text("engine: cpu\ntrial:\n  spec:\n    algorithm: ngram\n")
     with pytest.raises(ValueError, match="is not a serving config.*replica"):
         load_serving_config(None, str(bad))
+
+
+def test_a_candidate_is_registered_beside_production_which_stays(tracker, run_id):
+    from pipeline.records.registry import CANDIDATE, remove_alias
+
+    register_config(tracker, run_id, NAME, serving("a"), move_production=True)
+    # a re-tune registers its result, promote or keep-baseline, and never moves production
+    assert register_config(tracker, run_id, NAME, serving("keep_baseline", "none"), move_production=False,
+                           alias=CANDIDATE) == "2"
+    assert aliases(tracker) == {PRODUCTION: "1", CANDIDATE: "2"}
+    remove_alias(tracker, NAME, CANDIDATE)
+    remove_alias(tracker, NAME, CANDIDATE)  # gone already: nothing to do
+    assert aliases(tracker) == {PRODUCTION: "1"}
+    with pytest.raises(PipelineError, match="refusing to remove alias 'production'"):
+        remove_alias(tracker, NAME, PRODUCTION)
+
+
+def test_the_version_page_shows_the_spec_and_the_figures_and_links_its_logged_model(tracker, run_id):
+    import json
+
+    version = register_config(tracker, run_id, NAME, serving("a"), move_production=True)
+    client = tracker.client()
+    mv = client.get_model_version(NAME, version)
+    assert "| `spec.algorithm` | ngram |" in mv.description and "| `tput_tok_s` | 12.5 |" in mv.description
+    assert mv.tags["spec.algorithm"] == "ngram" and mv.tags["model"] == "smollm2-135m"
+    assert not [k for k in mv.tags if k.startswith("spec.") and k != "spec.algorithm"]  # every field at its default
+    assert mv.tags["measured.tput_tok_s"] == "12.5"
+    model = client.get_logged_model(mv.tags["model_id"])
+    assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": NAME, "version": version}]
+    assert model.model_id in mv.description
+
+
+def test_every_move_of_production_is_stamped_and_the_retune_reads_it(tracker, run_id):
+    import time
+
+    from pipeline.records.registry import PROMOTED_AT_TAG, production_since_ms
+
+    assert production_since_ms(tracker, NAME) is None
+    before = int(time.time() * 1000)
+    register_config(tracker, run_id, NAME, serving("a"), move_production=True)
+    register_config(tracker, run_id, NAME, serving("b"), move_production=True)
+    after = int(time.time() * 1000)
+    since = production_since_ms(tracker, NAME)
+    assert since is not None and before <= since <= after
+    rollback(tracker, NAME)
+    stamp = tracker.client().get_model_version(NAME, "1").tags[PROMOTED_AT_TAG]
+    assert int(stamp) >= since and production_since_ms(tracker, NAME) == int(stamp)
