@@ -17,6 +17,9 @@ import yaml
 
 from pipeline.config import StudyConfig, load_study, study_to_yaml
 from pipeline.errors import PipelineError, UserError
+from pipeline.preflight import check_study
+from serve.engines import describe_device
+from serve.engines.base import ReplicaConfig
 from pipeline.search.space import (
     Resolution, SearchSpace, define_by_run, enqueue_baseline, load_space, resolve, startup_trials, tpe_sampler,
 )
@@ -27,7 +30,8 @@ _OVERRIDES: list[tuple[str, str, Any, str]] = [
     ("--search-space", "search_space", str, "search-space file: a name in search_spaces/ or a path"),
     ("--output", "output_dir", str, "output folder (default: ./runs/<name>)"),
     ("--model", "model.target", str, "target model: cpu engine id (smollm2-135m, gemma3-270m, ...) or a path"),
-    ("--engine", "engine.kind", str, "engine: cpu (embedded, default) or sglang (GPU node)"),
+    ("--engine", "engine.kind", str, "engine: cpu (embedded, default), sglang (a GPU node; on a CPU its own server "
+                                     "from bash infra/install-sglang-cpu.sh) or llama_cpp"),
     ("--workload", "workload.source", str, "bundled workload (code-edit, free-text, templated) or a JSONL/Parquet file"),
     ("--trials", "budget.max_trials", int, "number of trials including the baseline"),
     ("--time-budget", "budget.time_budget_s", float, "seconds after which no new trial starts"),
@@ -105,13 +109,27 @@ def dry_run(study: StudyConfig, space: SearchSpace, samples: int | None) -> None
     samples = samples or study.budget.max_trials
     print("# resolved study (passwords in URLs masked)")
     print(study_to_yaml(study))
+    where = describe_device(ReplicaConfig(engine=study.engine.kind, model=study.model.target,
+                                          device=study.engine.device))
+    if where:
+        print(f"# engine: {where}")
     print(f"# search space: {study.search_space_path()} ({space.description or space.name})")
+    from pipeline.search.strategy import resolve_strategy
+
+    strategy = resolve_strategy(study, space)
+    print(f"# search: {strategy.name} -- {strategy.reason}")
+    if strategy.simulated:
+        print("# (simulate-first: the TPE sample below is what a fallback to tpe would start with)")
     startup = startup_trials(study.budget.max_trials)
     print(f"# sampler: the study's own TPE (seed {study.seed}, {startup} random start-up trials of "
           f"{study.budget.max_trials}); after the start-up the real study's picks depend on its results")
     print(f"# first {samples} trial configs (trial 0 is the baseline); nothing was started")
-    for number, resolution in enumerate(sample_configs(space, study, samples)):
+    sampled = sample_configs(space, study, samples)
+    for number, resolution in enumerate(sampled):
         print(f"  #{number:<3} {describe(resolution)}")
+    from pipeline.trial.launches import format_plan, plan_launches  # the trial stack's imports: a dry run only
+
+    print(format_plan(study, plan_launches(study, sampled)))
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -119,12 +137,25 @@ def resume_command(argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "pipeline.tune", *(a for a in argv if a != "--resume"), "--resume"])
 
 
-def quiet_libraries() -> None:
-    """Process-wide settings for a command-line run; a library call (run_study) leaves them to its caller."""
+def quiet_libraries(study: StudyConfig | None = None) -> None:
+    """Process-wide settings for a command-line run; a library call (run_study) leaves them to its caller. Each
+    turns off a library's own output at its source (no stdout filtering); a setting the user's environment already
+    has is kept."""
     import optuna
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a progress bar per downloaded config
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial, doubling ours
+    # Ray Tune's output engine prints an experiment table, a results path and a TensorBoard hint even at verbose=0;
+    # its classic engine at verbose=0 prints nothing (our progress callback prints the trials).
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # No automatic Tune loggers: the driver names the CSV and JSON ones, and the TensorBoard one is not wanted.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    if study is not None and study.ray.address is None:
+        # A new local Ray: token authentication, which Ray 2.60 turns on by default for one with a warning to set
+        # the mode; set, it is the same mode without the warning. (Joining a cluster keeps the user's mode.)
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # "Creating initial MLflow database tables..." on a new study's store
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 
 def quiet_serve() -> None:
@@ -141,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         study = load_study(args.study, overrides_from_args(args))
         space = load_space(study.search_space_path())
-        quiet_libraries()
+        check_study(study)  # what can be checked before Ray starts or a file is written (a dry run too)
+        quiet_libraries(study)
         if args.dry_run:
             dry_run(study, space, args.samples)
             return 0

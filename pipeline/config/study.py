@@ -4,16 +4,19 @@ and raises `ConfigError` with every problem named (file, dotted key, value, fix)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipeline.config.engine import EngineSettings, ModelSettings
-from pipeline.config.policy import BudgetSettings, ObjectiveSettings, PromotionPolicy
+from pipeline.config.engine import EngineSettings, ModelSettings, dtype_problem
+from pipeline.config.policy import BudgetSettings, ObjectiveSettings, PromotionPolicy, check_equivalence_setup
+from pipeline.config.search import SearchSettings
 from pipeline.config.workload import WorkloadSettings
 from pipeline.errors import ConfigError, format_validation_error
 from pipeline.redact import mask_study_dict
+from serve.engines import engine_for
+from serve.engines.base import ReplicaConfig
 from serve.spec import FrozenModel
 
 DEFAULT_STUDY_NAME = "default"
@@ -24,6 +27,9 @@ class TrackingSettings(FrozenModel):
     uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite under the output folder")
     experiment: str | None = Field(None, description="None = the study name")
     registered_model: str | None = Field(None, description="None = specdec-<study name>")
+    alias: Literal["production", "candidate"] = Field(
+        "production", description="where the result goes: production (a promotion moves it) or candidate "
+                                  "(registered beside production, which stays: a re-tune, docs/loop.md)")
 
 
 class StorageSettings(FrozenModel):
@@ -44,6 +50,7 @@ class StudyConfig(FrozenModel):
     workload: WorkloadSettings = Field(default_factory=WorkloadSettings)
     search_space: str = Field("default.yaml", description="a file in search_spaces/ or a path")
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    search: SearchSettings = Field(default_factory=SearchSettings)
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1, description="first = search level; finalists and baseline are re-measured at every level")
     promotion: PromotionPolicy = Field(default_factory=PromotionPolicy)
@@ -81,6 +88,23 @@ class StudyConfig(FrozenModel):
                     f"objective.constraints.{i}.concurrency={limit.concurrency} is not a measured level; "
                     f"concurrency={self.concurrency}. Fix: add {limit.concurrency} to concurrency, or name one of "
                     "the listed levels")
+        return self
+
+    @model_validator(mode="after")
+    def _dtype_for_engine(self) -> StudyConfig:
+        problem = dtype_problem(self.engine.kind, self.model.dtype)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _equivalence_setup(self) -> StudyConfig:
+        engine = engine_for(self.engine.kind)
+        flags = engine.deterministic_flags(ReplicaConfig(engine=self.engine.kind, model=self.model.target,
+                                                         dtype=self.model.dtype, device=self.engine.device))
+        problem = check_equivalence_setup(self.promotion, self.workload.measure_prompts, flags, engine.label)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

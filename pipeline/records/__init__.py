@@ -1,5 +1,6 @@
 """Records: what a study leaves behind. MLflow runs (one experiment per study, a parent run, a child run per trial,
-`tracking`), the model registry and its aliases (`registry`), and the study report's plots and HTML page
-(`report`). MLflow I/O lives here and nowhere else in the pipeline."""
+`tracking`), the model registry and its aliases (`registry`), the study report's plots and HTML page (`plots`,
+`report`), the configs' readable names (`labels`), the console lines a study prints (`console`) and the closed
+loop's cycle runs (`cycles`). MLflow I/O lives here and nowhere else in the pipeline."""
 
-__all__ = ["registry", "report", "tracking"]
+__all__ = ["console", "cycles", "labels", "plots", "registry", "report", "tracking"]

@@ -5,6 +5,7 @@ Called by `pipeline.tune` (the composition root) with a resolved `StudyConfig` a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
 from pipeline.errors import PipelineError
 from pipeline.measure.load import LoadRequest, requests_of
-from pipeline.search.pruning import MEASURING, intermediate_report
+from pipeline.search.pruning import intermediate_report
+from pipeline.records.console import progress_callback
+from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
 from pipeline.study.resume import (
@@ -24,8 +27,11 @@ from pipeline.study.resume import (
 from pipeline.decide.sla import constraint_user_attrs
 from pipeline.search.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
 from pipeline.search.space.sampler import constrained_search_class
+from pipeline.search.strategy import resolve_strategy
 from pipeline.trial.replicas import delete_study_apps, start_standby, study_apps
 from pipeline.trial.lifecycle import Outcome, TrialContext, replica_config, run_trial
+from pipeline.trial.launches import record_launches
+from pipeline.trial.gate import reports_measurement
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
 
@@ -53,10 +59,14 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
         tune.report(intermediate_report(records, stop, objective.metrics, objective.modes, SENTINEL, ctx.study.seed))
 
     result = run_trial(ctx, label, resolve(space, config, ctx.study), progress)
-    report: dict[str, Any] = {"outcome": result.outcome.value, "mlflow_run_id": result.run_id or ""}
+    report: dict[str, Any] = {"outcome": result.outcome.value, "mlflow_run_id": result.run_id or "",
+                              # for the driver's progress line (pipeline.records.console)
+                              "label": config_label(result.config) if result.config else params_label(config),
+                              "reason": result.reason[:300]}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
         # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/search/searcher.py)
-        value = result.objective(metric) if result.outcome in (Outcome.COMPLETE, Outcome.PRUNED) else None
+        # (and NOT_EQUIVALENT under baseline-noise: a statistical verdict on a sound measurement, reports_measurement)
+        value = result.objective(metric) if reports_measurement(result.outcome.value, ctx.study) else None
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
         report["accept_len"] = result.summary.accept_len or 1.0
@@ -71,38 +81,6 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
     tune.report(report)
 
 
-def _progress_callback(study_name: str, total: int, metric: str) -> Any:
-    from ray import tune
-
-    class Progress(tune.Callback):
-        """Live view: trial n/N, its outcome and objective, the best so far vs the baseline."""
-
-        def __init__(self) -> None:
-            self.done = 0
-            self.best: float | None = None
-            self.baseline: float | None = None
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
-            if result.get("outcome") == MEASURING:  # a chunk's intermediate report, not a finished trial
-                return
-            self.done += 1
-            algorithm = trial.config.get("algorithm", "?")
-            value = result.get(metric)
-            if result.get("outcome") == "COMPLETE":
-                if algorithm == "none" and self.baseline is None:
-                    self.baseline = value
-                elif self.best is None or value > self.best:
-                    self.best = value
-            vs = f"{self.best / self.baseline:.2f}x baseline" if self.best and self.baseline else "-"
-            params = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in trial.config.items() if k != "algorithm")
-            print(f"[trial {self.done}/{total}] {algorithm:<10} {result.get('outcome'):<14} {metric}={value:.2f}  "
-                  f"best={self.best or 0:.2f} ({vs})  {params}", flush=True)
-
-    # No per-trial teardown here: a worker's Serve app outlives its trial (the next trial restarts only the engine in
-    # it, pipeline/trial/replicas.py); `run_study` deletes the study's apps when the search ends.
-    return Progress()
-
-
 def connect_ray(study_name: str, address: str | None = None) -> str:
     """Start or join Ray, start Serve on a free local port (or find the port it already serves on); delete this
     study's trial apps left behind by a killed driver, and no one else's. Returns the Serve HTTP base URL."""
@@ -114,7 +92,10 @@ def connect_ray(study_name: str, address: str | None = None) -> str:
     if not ray.is_initialized():
         # No address = a new local Ray ("local"): never join whatever cluster `ray start` last left in /tmp/ray
         # (ray.init(None) would, even a dead one, or a long-lived one with other studies' apps).
-        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+        # WARNING: Ray's INFO lines (a local instance started, where its token was saved, Tune's checkpoint
+        # writes) are not the user's business; its warnings still show.
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     # When Serve already runs (a long-lived cluster, a second study in one process) the options above are not
     # applied: ask the controller which port it serves on (a private helper of Ray 2.60, which we pin).
@@ -130,21 +111,28 @@ def connect_ray(study_name: str, address: str | None = None) -> str:
     return f"http://{host}:{options.port}"
 
 
-def workload_requests(study: StudyConfig) -> tuple[tuple[LoadRequest, ...], tuple[LoadRequest, ...]]:
-    """The warm-up and measurement requests every trial of the study sends."""
+def workload_requests(study: StudyConfig, prompt_ids: bool = False
+                      ) -> tuple[tuple[LoadRequest, ...], tuple[LoadRequest, ...]]:
+    """The warm-up and measurement requests every trial of the study sends (`prompt_ids`: with text prompts'
+    token ids for the records, as simulate-first needs)."""
     workload = load_workload(study.workload.source, seed=study.seed, n_warmup=study.workload.warmup_prompts,
                              n_measure=study.workload.measure_prompts, max_new_tokens=study.workload.max_new_tokens)
 
     def items(prompts: Any) -> tuple[LoadRequest, ...]:
-        return requests_of(prompts, study.model.target)  # chat prompts: rendered with the target's template
+        # chat prompts: rendered with the target's template
+        return requests_of(prompts, study.model.target, prompt_ids=prompt_ids)
 
     return items(workload.warmup), items(workload.measure)
 
 
-def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str) -> TrialContext:
-    warmup, measure = workload_requests(study)
+def build_context(study: StudyConfig, out: Path, serve_url: str, tracker: Tracker, parent: str,
+                  simulated: bool = False) -> TrialContext:
+    """`simulated` (simulate-first): requests record their prompt ids and the baseline answers the whole warm-up
+    split (`TrialContext.reference`)."""
+    warmup, measure = workload_requests(study, prompt_ids=simulated)
+    reference = tuple({item.index: item for item in warmup}.values()) if simulated else ()
     return TrialContext(study=study, output_dir=str(out), serve_url=serve_url, tracker=tracker,
-                        parent_run_id=parent, warmup=warmup, measure=measure)
+                        parent_run_id=parent, warmup=warmup, measure=measure, reference=reference)
 
 
 def _identity(study: StudyConfig, space: SearchSpace) -> dict[str, str]:
@@ -203,12 +191,23 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     note = budget_note(recorded, study.budget.max_trials)
     if note:
         print(note, flush=True)
+    strategy = resolve_strategy(study, space)
+    print(f"search: {strategy.name} -- {strategy.reason}", flush=True)
 
     tracker = Tracker(study.tracking.uri or default_tracking_uri(out), study.tracking.experiment or study.name,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
     serve_url = connect_ray(study.name, study.ray.address)
-    ctx = build_context(study, out, serve_url, tracker, parent)
+    try:
+        ctx = build_context(study, out, serve_url, tracker, parent, simulated=strategy.simulated)
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        if not strategy.simulated:
+            raise
+        # simulate-first records the prompts' token ids, which needs the target's tokenizer on this machine
+        strategy = strategy.fall_back(f"the prompts' token ids cannot be computed here ({type(exc).__name__}: "
+                                      f"{str(exc)[:200]})")
+        print(f"search: {strategy.name} -- {strategy.reason}", flush=True)
+        ctx = build_context(study, out, serve_url, tracker, parent)
 
     # Tune's own checkpoint holds the budget it was started with: restore it only when that is still the budget.
     restoring = resume and note is None and tune.Tuner.can_restore(str(tune_path))
@@ -223,9 +222,15 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
                           search_level=study.search_concurrency)
     single = len(study.objective.metrics) == 1
     modes: list[str] = list(study.objective.modes)
-    searcher = constrained_search_class()(define_by_run(space), metric=study.objective.metrics[0] if single else
+    search_class, plan = constrained_search_class(), {}
+    if strategy.simulated:  # the launches after the baseline come from the simulator (pipeline/search/simulate_first.py)
+        from pipeline.search.simulate_first import SimulateFirstPlan
+        from pipeline.search.simulate_searcher import simulate_first_search_class
+
+        search_class, plan = simulate_first_search_class(), {"plan": SimulateFirstPlan(ctx, space)}
+    searcher = search_class(define_by_run(space), metric=study.objective.metrics[0] if single else
                             study.objective.metrics, mode=modes[0] if single else modes,
-                            sampler=sampler, storage=storage, study_name=study.name, seed=study.seed)
+                            sampler=sampler, storage=storage, study_name=study.name, seed=study.seed, **plan)
     # The trial process only drives HTTP and logs: a quarter CPU (Ray's resource name), the replica holds the engine.
     trainable = tune.with_resources(tune.with_parameters(_trainable, ctx=ctx, space=space),
                                     tune.PlacementGroupFactory([{"CPU": 0.25}]))
@@ -234,8 +239,14 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
 
     concurrency = engine_for(study.engine.kind).concurrent_replicas(
         replica_config(study, TrialConfig(), out), ray.cluster_resources())
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    # Tune's result files named explicitly: `python -m pipeline.tune` turns Tune's automatic loggers off, whose
+    # TensorBoard logger only adds a "run tensorboard" hint for files nobody needs (MLflow is the record).
+    progress = progress_callback(study.budget.max_trials, study.objective.metrics[0], study.objective.modes[0],
+                                 out / "trials")
     run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0,
-                                callbacks=[_progress_callback(study.name, study.budget.max_trials, study.objective.metrics[0])])
+                                callbacks=[progress, CSVLoggerCallback(), JsonLoggerCallback()])
     if restoring:
         # Same driver folder: Tune restores its own state and resumes unfinished trials as the same Optuna trials.
         # A trial interrupted after it reported (before Optuna was told) is not measured again: it reports what
@@ -273,7 +284,8 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
     settle_running(ot_study)  # Tune finished every trial it knows: a RUNNING one was stopped before reporting
     try:
-        code = finalize_study(ctx, ot_study)
+        code = finalize_study(dataclasses.replace(ctx, reference=()), ot_study)  # finalists answer no reference
+        record_launches(ctx)  # every trial's and finalist run's engine_launches, summed on the study run
     finally:  # this process's live app from the finalist re-runs
         delete_study_apps(study.name)
     print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)

@@ -11,6 +11,8 @@ action and writes the deployable winner (`deploy/`, carrying the policy) and `pr
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +23,27 @@ from pipeline.config import TrialConfig
 from pipeline.trial.corpus import corpus_comparison, format_corpus_table
 from pipeline.atomic import write_text_atomic
 from pipeline.decide.decision import Decision
+from pipeline.decide.headline import Deploy, Headline, level_table, levels_headline, search_only_headline
 from pipeline.study.finalists import measure_levels
-from pipeline.decide.levels import (BASELINE, LEVELS_ARTIFACT, LevelsDecision, decide_levels, format_level_table,
-                             routing_policy)
+from pipeline.decide.levels import BASELINE, LEVELS_ARTIFACT, LevelsDecision, decide_levels, routing_policy
 from pipeline.decide.pareto import choose_finalists
+from pipeline.records.console import phase_echo
+from pipeline.records.labels import slug
 from pipeline.records.tracking import runs_link
 from pipeline.redact import mask_url
 from pipeline.records.registry import register_config
+from pipeline.records.prediction_plot import prediction_plots
 from pipeline.records.report import write_report
 from pipeline.study.resume import workload_digest
 from pipeline.trial.lifecycle import TrialContext, shipped_replica_config
 from serve.engines.base import ReplicaConfig
-from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,
-                           RoutingPolicy, deploy_files, engine_command, serving_config)
+from serve.serving import (COMMAND_FILE, HIGH_COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE,
+                           Provenance, RoutingPolicy, ServingConfig, deploy_files, engine_command, serving_config)
 
 DEPLOY_DIR = "deploy"
 LEVELS_TEXT = "study/levels.txt"  # the level table as printed, beside LEVELS_ARTIFACT on the parent run
+HEADLINE_TEXT = "study/headline.txt"  # the headline as printed (also the parent run's MLflow description)
+RULE = "=" * 100
 
 
 def distinct_configs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -74,6 +81,19 @@ def _config_of(ctx: TrialContext, run_id: str) -> TrialConfig:
     return TrialConfig.model_validate(json.loads(Path(path).read_text()))
 
 
+def finalist_ids(names: list[str]) -> dict[str, str]:
+    """{finalist id: its label} for finalist rows named by their labels: the id is the label in the characters a
+    Serve app, a folder and a run name take (`pipeline.records.labels.slug`), made unique and never BASELINE. Pure."""
+    out: dict[str, str] = {}
+    for name in names:
+        base = slug(name) or "finalist"
+        found, k = base, 2
+        while found in out or found == BASELINE:
+            found, k = f"{base}-{k}", k + 1
+        out[found] = name
+    return out
+
+
 def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     """Print the trials, re-measure finalists, decide, promote; returns the exit code (0 also for keep-baseline)."""
     study = ctx.study
@@ -86,10 +106,13 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     ctx.tracker.log_vs_baseline({r["run_id"]: r["vs_baseline"] for r in rows if r.get("vs_baseline")})
     base_row = next((r for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
     if base_row is None:
-        print("\nno baseline measurement completed: nothing can be promoted (see the baseline trial's reason)")
-        write_study_report(ctx, ot_study, rows, "no baseline measurement completed: nothing was promoted")
-        ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "no_baseline"}, metrics={}, texts={},
-                                 status="FAILED")
+        reason = "no baseline measurement completed: nothing can be promoted (see the baseline trial's reason)"
+        headline = search_only_headline(reason, None, study.search_concurrency, None)
+        _print_headline(headline)
+        write_study_report(ctx, ot_study, rows, headline)
+        ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "no_baseline"}, metrics={},
+                                 texts={HEADLINE_TEXT: headline.text() + "\n"}, status="FAILED",
+                                 description=headline.markdown())
         return 1
     candidates = distinct_configs([r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"])
     finalists: list[dict[str, Any]] = []
@@ -106,40 +129,70 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
         reason = no_finalist_reason(study.promotion.finalists, any(r.get("feasible") is False for r in candidates))
         routing = RoutingPolicy(text="serve the baseline at every level (no finalist)", levels=list(study.concurrency),
                                 source=BASELINE)
-        version = _promote(ctx, model_name, base_config, "keep_baseline", BASELINE, base_row["run_id"], {}, routing)
+        version, serving = _promote(ctx, model_name, base_config, "keep_baseline", BASELINE, base_row["run_id"], {},
+                                    routing)
+        fastest = max(candidates, key=lambda r: r["tput_tok_s"] or 0.0, default=None)
+        best = (fastest["name"], fastest["vs_baseline"]) if fastest and fastest.get("vs_baseline") else None
+        headline = search_only_headline(reason, base_row["tput_tok_s"], study.search_concurrency,
+                                        _deploy(ctx, serving), best)
         ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "keep_baseline", "winner": "",
                                                           "registered_model": model_name,
                                                           "registered_version": version or ""},
-                                 metrics={}, texts={"decision.txt": reason})
-        print(f"\ndecision: KEEP_BASELINE -- {reason}")
-        write_study_report(ctx, ot_study, rows, reason)
+                                 metrics={}, texts={"decision.txt": reason, HEADLINE_TEXT: headline.text() + "\n"},
+                                 description=headline.markdown())
+        _print_headline(headline)
+        _print_deploy(ctx, serving)
+        write_study_report(ctx, ot_study, rows, headline)
         _print_footer(ctx, model_name, version, moved=False)
         return 0
     runs, levels = study.promotion.runs, list(study.concurrency)
     print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each, at concurrency "
           f"{levels} ...", flush=True)
+    labels = finalist_ids([row["name"] for row in finalists])
     configs, run_ids, names = {BASELINE: base_config}, {BASELINE: base_row["run_id"]}, {BASELINE: base_row["name"]}
-    for i, row in enumerate(finalists):
-        name = f"final-{i}-{row['name']}"
-        configs[name], run_ids[name], names[name] = _config_of(ctx, row["run_id"]), row["run_id"], row["name"]
-    inputs = measure_levels(ctx, base_config, [(n, c) for n, c in configs.items() if n != BASELINE], levels, runs)
-    levels_decision = decide_levels(inputs, study.promotion, study.objective.constraints, finalists=explanation)
-    table = format_level_table(levels_decision)
-    print("\nper-concurrency decision:\n" + table, flush=True)
+    for config_id, row in zip(labels, finalists):
+        configs[config_id], run_ids[config_id], names[config_id] = (_config_of(ctx, row["run_id"]), row["run_id"],
+                                                                    row["name"])
+    with phase_echo(Path(ctx.output_dir) / "finalists"):  # a line per re-run while they run
+        inputs = measure_levels(ctx, base_config, [(n, c) for n, c in configs.items() if n != BASELINE], levels,
+                                runs)
+    levels_decision = decide_levels(inputs, study.promotion, study.objective.constraints, finalists=explanation,
+                                    labels=labels)
+    table = level_table(levels_decision)
+    gap = _baseline_gap(ctx, rows, base_row, levels_decision)
     served = levels_decision.policy
     chosen_name = served.config or BASELINE
     # The lowest level decides what is served there, so its single-level decision is the promotion's kind.
     low = levels_decision.levels[0]
     kind = "promote" if served.config else "keep_baseline"
     chosen = next(r for r in low.rows if r.id == chosen_name)
-    version = _promote(ctx, model_name, configs[chosen_name], kind, chosen_name, run_ids[chosen_name],
-                       {"tput_tok_s": chosen.median_tok_s, "baseline_tput_tok_s": low.decision.baseline.median},
-                       routing_policy(levels_decision, {n: _served_replica(ctx, c) for n, c in configs.items()}))
-    write_study_report(ctx, ot_study, rows, f"{kind}: {levels_decision.reason}", levels=levels_decision,
-                       promoted=names[chosen_name] if served.config else None)
+    version, serving = _promote(ctx, model_name, configs[chosen_name], kind, chosen_name, run_ids[chosen_name],
+                                {"tput_tok_s": chosen.median_tok_s,
+                                 "baseline_tput_tok_s": low.decision.baseline.median},
+                                routing_policy(levels_decision,
+                                               {n: _served_replica(ctx, c) for n, c in configs.items()}))
+    headline = levels_headline(levels_decision, _deploy(ctx, serving))
+    _print_headline(headline)
+    print("\nper-concurrency decision:\n" + table, flush=True)
     _report(ctx, low.decision, model_name, version, [f for e in inputs for f in e.baseline_failures],
-            levels_decision, table)
+            levels_decision, table, headline, gap)
+    _print_deploy(ctx, serving)
+    write_study_report(ctx, ot_study, rows, headline, levels=levels_decision,
+                       promoted=names[chosen_name] if served.config else None)
+    _print_footer(ctx, model_name, version, moved=low.decision.kind == "promote")
     return 0
+
+
+def _deploy(ctx: TrialContext, serving: ServingConfig) -> Deploy:
+    folder = Path(ctx.output_dir) / DEPLOY_DIR
+    policy = serving.policy
+    two = policy is not None and policy.high is not None
+    return Deploy(command=str(folder / COMMAND_FILE), high_command=str(folder / HIGH_COMMAND_FILE) if two else None,
+                  switch_above=policy.switch_above if policy is not None else None)
+
+
+def _print_headline(headline: Headline) -> None:
+    print(f"\n{RULE}\n{headline.text()}\n{RULE}", flush=True)
 
 
 def _served_replica(ctx: TrialContext, config: TrialConfig) -> ReplicaConfig:
@@ -148,15 +201,17 @@ def _served_replica(ctx: TrialContext, config: TrialConfig) -> ReplicaConfig:
     return shipped_replica_config(ctx.study, config, ctx.warmup, Path(ctx.output_dir))[0]
 
 
-def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], decision: str,
+def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], headline: Headline,
                        levels: LevelsDecision | None = None, promoted: str | None = None) -> None:
     """HTML + PNGs beside the study and under the parent run's `report/` artifacts; never fails the study.
-    `levels`: the per-level decision (its table goes in the page); `promoted`: the promoted trial's row name."""
+    `levels`: the per-level decision (its table and speed-up chart go in the page); `promoted`: the promoted trial's
+    row name."""
     folder = Path(ctx.output_dir) / "report"
     try:
-        files = write_report(folder, title=f"specdec-tuner study '{ctx.study.name}'", rows=rows, decision=decision,
+        files = write_report(folder, title=f"specdec-tuner study '{ctx.study.name}'", rows=rows, headline=headline,
                              ot_study=ot_study, metrics=ctx.study.objective.metrics,
-                             modes=list[str](ctx.study.objective.modes), promoted=promoted, levels=levels)
+                             modes=list[str](ctx.study.objective.modes), promoted=promoted, levels=levels,
+                             extra_plots=prediction_plots(ot_study, ctx.study.objective.metrics[0]))
         for path in files:
             ctx.tracker.log_study_artifact(ctx.parent_run_id, path, "report")
         print(f"report: {folder / 'report.html'}")
@@ -165,10 +220,12 @@ def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, An
 
 
 def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str, source: str,
-             run_id: str | None, medians: dict[str, float], routing: RoutingPolicy) -> str | None:
+             run_id: str | None, medians: dict[str, float],
+             routing: RoutingPolicy) -> tuple[str | None, ServingConfig]:
     """Registry action, then the deployable winner in `<output>/deploy/` (also logged under the study run's `deploy/`)
-    and promoted.yaml. Keep-baseline registers the baseline only if nothing is in production yet. `routing`: the
-    per-level serving policy the config carries (production serves it)."""
+    and promoted.yaml; returns the registered version (None when nothing was registered) and the served config.
+    Keep-baseline registers the baseline only if nothing is in production yet. `routing`: the per-level serving
+    policy the config carries (production serves it)."""
     study = ctx.study
     prompts = [(r.index, r.text, r.max_new_tokens) for r in (*ctx.warmup, *ctx.measure)]
     provenance = Provenance(study=study.name, decision=kind, source=source, trial_run_id=run_id,
@@ -176,7 +233,8 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
                             workload_digest=workload_digest(prompts, study.workload.temperature), medians=medians)
     # The same function that built the trial's replica; the log folder is the trial's and is dropped.
     serving = serving_config(_served_replica(ctx, chosen), provenance, routing)
-    version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving, move_production=kind == "promote")
+    version = register_config(ctx.tracker, ctx.parent_run_id, model_name, serving, move_production=kind == "promote",
+                              alias=study.tracking.alias)
     folder = Path(ctx.output_dir) / DEPLOY_DIR
     # A password in the tracking URI is masked: deploy files are shared, secrets are set where they are deployed.
     source_args = ({"registered_model": model_name, "version": version,
@@ -191,38 +249,67 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
     promoted = Path(ctx.output_dir) / "promoted.yaml"
     write_text_atomic(promoted, yaml.safe_dump({**serving.model_dump(mode="json"), "registered_model": model_name,
                                                 "version": version}, sort_keys=False))
-    print(f"\nwinner's engine command line ({folder / COMMAND_FILE}):\n  {engine_command(serving)}")
+    return version, serving
+
+
+def _print_deploy(ctx: TrialContext, serving: ServingConfig) -> None:
+    folder = Path(ctx.output_dir) / DEPLOY_DIR
+    print(f"\nengine command line of the served config ({folder / COMMAND_FILE}):\n  {engine_command(serving)}")
     print(f"deploy files: {folder / SERVE_CONFIG_FILE} (serve deploy), {folder / RAYSERVICE_PATCH_FILE} (KubeRay)")
-    return version
+
+
+def baseline_gap(search_tok_s: float, reruns_tok_s: Sequence[float]) -> tuple[float, float]:
+    """(pooled, gap): the baseline's figure over its search run and its re-runs at the search level (median), and
+    how far the search run was from the re-runs' median (-0.1 = 10% below). Pure."""
+    reruns = statistics.median(reruns_tok_s)
+    return statistics.median([search_tok_s, *reruns_tok_s]), search_tok_s / reruns - 1
+
+
+def _baseline_gap(ctx: TrialContext, rows: list[dict[str, Any]], base_row: dict[str, Any],
+                  levels: LevelsDecision) -> dict[str, float]:
+    """Say how far the search's baseline was from its re-runs, and re-log every trial's `vs_baseline` against the
+    pooled baseline: the search compared each trial with one baseline run, the finalists with several."""
+    level = next((r for r in levels.levels if r.level == ctx.study.search_concurrency), None)
+    row = next((r for r in level.rows if r.id == BASELINE), None) if level else None
+    search = base_row.get("tput_tok_s")
+    if row is None or not row.runs_tok_s or not search:
+        return {}
+    pooled, gap = baseline_gap(search, row.runs_tok_s)
+    print(f"\nbaseline: the search measured {search:.2f} tok/s, its {len(row.runs_tok_s)} re-runs a median of "
+          f"{statistics.median(row.runs_tok_s):.2f} ({gap:+.1%}); vs_baseline in MLflow is now against the pooled "
+          f"median, {pooled:.2f} tok/s", flush=True)
+    ctx.tracker.log_vs_baseline({r["run_id"]: r["tput_tok_s"] / pooled for r in rows if r.get("tput_tok_s")})
+    return {"search_baseline_tok_s": search, "search_baseline_gap": gap, "baseline_pooled_tok_s": pooled}
 
 
 def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str | None, failures: list[str],
-            levels: LevelsDecision, table: str) -> None:
+            levels: LevelsDecision, table: str, headline: Headline, gap: dict[str, float]) -> None:
     """`decision`: the lowest level's (what is served there); `levels`: the whole per-level decision, logged on the
-    parent run as LEVELS_ARTIFACT (read by `python -m pipeline.compare`) and as a readable table."""
+    parent run as LEVELS_ARTIFACT (read by `python -m pipeline.compare`) and as a readable table; the headline is
+    the run's description. Prints the policy and, per level, the rule's own reason (bars, scores, why each lost)."""
     summary = {"decision": decision.kind, "winner": decision.winner or "", "registered_model": model_name,
                "registered_version": version or "", "serving_policy": levels.policy.text[:5000]}
     ctx.tracker.finish_study(
         ctx.parent_run_id, tags=summary,
         metrics={"baseline_score": decision.baseline.score, "baseline_median": decision.baseline.median,
-                 **({"bar": decision.bar} if decision.bar is not None else {})},
+                 **({"bar": decision.bar} if decision.bar is not None else {}), **gap},
         texts={"decision.json": decision.model_dump_json(indent=2), "decision.txt": levels.reason,
-               LEVELS_ARTIFACT: levels.model_dump_json(indent=2), LEVELS_TEXT: table + "\n"})
-    print(f"\ndecision: {decision.kind.upper()} -- {decision.reason}")
-    print(f"serving policy: {levels.policy.text}")
+               LEVELS_ARTIFACT: levels.model_dump_json(indent=2), LEVELS_TEXT: table + "\n",
+               HEADLINE_TEXT: headline.text() + "\n"},
+        description=headline.markdown())
+    print(f"policy: {levels.policy.text}")
     if levels.finalists:
         print(levels.finalists)
-    for c in decision.candidates:
-        print(f"  {c.id}: median {c.median:.2f} tok/s, MAD {c.mad:.2f}, score {c.score:.2f}"
-              + (f" -- {c.lost_because}" if c.lost_because else " -- winner"))
-    print(f"  baseline: median {decision.baseline.median:.2f} tok/s, score {decision.baseline.score:.2f}")
+    for result in levels.levels:
+        print(f"  at {result.level} in flight: {result.reason}")
     if failures:
         print("  baseline re-run failures: " + "; ".join(failures))
-    _print_footer(ctx, model_name, version, moved=decision.kind == "promote")
 
 
 def _print_footer(ctx: TrialContext, model_name: str, version: str | None, moved: bool) -> None:
-    if version:
+    if version and ctx.study.tracking.alias != "production":  # a re-tune: production stays where it is
+        print(f"registered {model_name} version {version} as alias '{ctx.study.tracking.alias}'")
+    elif version:
         print(f"registered {model_name} version {version} as alias 'production'"
               + ("" if moved else " (nothing was in production yet)"))
     else:

@@ -1,6 +1,7 @@
 """Trial: one configuration's life on an engine. Validate, start (or restart) the engine in the study's reusable Serve
 replica (`replicas`), read its settings back, flush, load a corpus when the config names one (`corpus`), warm up,
-measure, compare with the baseline, record (`lifecycle`). Every ending is an `Outcome` with its reason and logs:
+measure, compare with the baseline by the study's equivalence mode (`gate`), record (`lifecycle`); what launches
+cost and share (`launches`). Every ending is an `Outcome` with its reason and logs:
 a failed trial is a recorded result, never a crashed study."""
 
-__all__ = ["corpus", "lifecycle", "replicas"]
+__all__ = ["corpus", "gate", "launches", "lifecycle", "replicas"]

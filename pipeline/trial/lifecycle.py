@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,20 @@ from typing import Any
 import httpx
 
 from pipeline.config import StudyConfig, TrialConfig
-from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, ship_corpus
-from pipeline.decide.equivalence import EquivalenceReport, check_equivalence
+from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, listed_corpora, ship_corpus
+from pipeline.decide.equivalence import EquivalenceReport
 from pipeline.measure.load import LoadRequest, run_phase
 from pipeline.measure.summary import RequestRecord, Summary, summarize, to_table
 from pipeline.search.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
+from pipeline.records.console import note_phase
+from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker
-from pipeline.trial.replicas import cluster_cannot_host, live_app, release, start_engine
+from pipeline.trial.gate import baseline_passes, judge_trial
+from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, release, start_engine
 from pipeline.search.space import Resolution
-from serve.engines import engine_for
+from serve.engines import engine_for, pinned_settings
 from serve.engines.base import ConfigRejected, ReplicaConfig
-from serve.engines.settings import effective_diff
+from serve.engines.settings import effective_diff, effective_settings
 from serve.replica import log_tail
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
@@ -56,6 +60,9 @@ class TrialContext:
     parent_run_id: str
     warmup: tuple[LoadRequest, ...]
     measure: tuple[LoadRequest, ...]
+    # simulate-first (pipeline/search/simulate_first.py): prompts the baseline answers after its measurement, in a
+    # `reference` phase, so that the simulator has every warm-up answer; empty otherwise
+    reference: tuple[LoadRequest, ...] = ()
 
 
 
@@ -71,6 +78,8 @@ class Measurement:
     timings: dict[str, float] = field(default_factory=dict)
     corpus: dict[str, float] = field(default_factory=dict)  # corpus documents/bytes/tokens/load seconds
     replica: str = ""  # where the engine started: "reused" live replica, the study's "standby", a "new" app
+    launch: str = ""  # "new" engine launch, or "shared" with the previous config's (serve/launch.py)
+    launches: int = 0  # engine launches this pass cost (equivalence passes add theirs: pipeline/trial/gate.py)
 
 
 @dataclass
@@ -100,7 +109,8 @@ class TrialResult:
 def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> ReplicaConfig:
     engine = study.engine
     return ReplicaConfig(
-        engine=engine.kind, model=study.model.target, dtype=study.model.dtype, spec=trial.spec,
+        engine=engine.kind, model=study.model.target, dtype=study.model.dtype, device=engine.device,
+        attention_backend=engine.attention_backend, spec=trial.spec,
         max_running_requests=trial.max_running_requests, threads=engine.threads, weights=engine.weights,
         tp_size=engine.tp_size,
         replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
@@ -167,6 +177,7 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         return out
     clean = False  # measured without an engine or replica failure: the app may serve the next trial
     try:
+        note_phase(log_dir, "engine", config=config_label(trial))
         try:
             live, out.replica = start_engine(study.name, label, ctx.serve_url, config,
                                                     study.engine.start_timeout_s + 60)
@@ -185,8 +196,12 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         url = live.url
         with httpx.Client(base_url=url, timeout=30) as client:
             replica = client.get("/replica/argv").json()
+            launch = launch_of(replica, config)  # start phases' seconds, shared or not, the launch's own config
+            out.timings.update(launch.timings)
+            out.launch, out.launches = ("shared" if launch.shared else "new"), launch.launches
             if isinstance(replica.get("startup_s"), (int, float)):
                 out.timings["engine_start_s"] = float(replica["startup_s"])
+            note_phase(log_dir, "ready", phases=replica.get("phases"), **out.timings)
             prepared = replica.get("prepared") or {}
             out.server_info = client.get("/server_info").json()
             out.server_info.update(replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
@@ -194,9 +209,17 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
                                    node_checks=prepared)
             preflight = out.server_info.get("preflight")
             if isinstance(preflight, dict) and preflight.get("ok"):
-                out.diffs.update(effective_diff(config.spec, config.max_running_requests, preflight["resolved"]))
-            out.diffs.update(effective_diff(config.spec, config.max_running_requests, out.server_info))
-            out.corpus = corpus_record(out.server_info, corpus)  # its load time is paid at every engine start
+                out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
+                                                preflight["resolved"]))
+            out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests, out.server_info,
+                                            pinned_settings(launch.config)))
+            listed = listed_corpora(client) if config.spec.algorithm == "ngram" else None
+            if listed is not None:  # the trial's record of what its engine held (SGLang's list route)
+                out.server_info["list_external_corpora"] = listed
+            out.corpus, held_wrong = corpus_record(listed, replica.get("corpus"), corpus)  # load time: every start
+            if held_wrong:
+                out.failure = (Outcome.LAUNCH_FAILED, held_wrong)
+                return out
             refused = flush(client)
             if refused:
                 out.failure = (Outcome.TIMEOUT, refused)
@@ -206,9 +229,13 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
                       timeout_s=study.engine.request_timeout_s)
         # warmup_requests may exceed the warm-up split: cycle it (the trie then sees some prompts twice).
         warm = [ctx.warmup[i % len(ctx.warmup)] for i in range(trial.warmup_requests)] if ctx.warmup else []
+        if trial.spec.algorithm == "none":  # settle pass: see `settle_requests`
+            warm += settle_requests(ctx.measure)
+        note_phase(log_dir, "warmup", requests=len(warm))
         out.records += run_phase(url, warm, phase="warmup", **kwargs) if warm else []
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
+        note_phase(log_dir, "measure", requests=len(ctx.measure))
         measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
                                          arrival=study.workload.arrival, seed=study.seed)
         out.records += measured
@@ -218,6 +245,12 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             out.server_info["internal_states_after"] = after.get("internal_states")
         except (httpx.HTTPError, ValueError):
             pass
+        if trial.spec.algorithm == "none" and ctx.reference and not lost_requests(measured):
+            answered = {r.prompt_index for r in out.records if r.ok}
+            todo = [item for item in ctx.reference if item.index not in answered]
+            phase_start = time.monotonic()
+            out.records += run_phase(url, todo, phase="reference", **kwargs) if todo else []
+            out.timings["reference_s"] = time.monotonic() - phase_start
         # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
         out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
         clean = out.failure is None or out.failure[0] is Outcome.PRUNED
@@ -231,6 +264,14 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         if not clean:
             release(study.name)
         out.timings["total_s"] = time.monotonic() - started
+
+
+def settle_requests(measure: Sequence[LoadRequest]) -> list[LoadRequest]:
+    """The baseline's warm-up: one pass of the measured prompts, recorded as warm-up, never measured. The baseline has
+    no draft state to warm, but it is the study's first trial: measured at once it ran 9-15% below its own re-runs
+    (start-up work of Ray, Serve, the standby replica and MLflow still running, and an engine's first requests paying
+    first-use costs), which inflated every `vs_baseline` of the search and lowered early stopping's bar."""
+    return list(measure)
 
 
 def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
@@ -275,6 +316,8 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
     equivalence: EquivalenceReport | None = None
     summary: Summary | None = None
     watch, stopping_note = None, "not applied: the config is invalid"
+    gate_texts: dict[str, str] = {}  # the baseline's noise or deterministic pass (pipeline/trial/gate.py)
+    gate_metrics: dict[str, float] = {}
     if config is None or resolution.violations:
         outcome, reason = Outcome.INVALID, "; ".join(str(v) for v in resolution.violations)
     else:
@@ -282,7 +325,12 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
         checked = measure_and_check(ctx, config, label, trial_dir, watch)
         m, outcome, reason = checked.measurement, checked.outcome, checked.reason
         summary, equivalence = checked.summary, checked.equivalence
-    texts = {"engine.log": m.engine_log or "(no engine was started)",
+        if outcome is Outcome.COMPLETE:
+            passes = baseline_passes(ctx, config, m.records, label, trial_dir, measure_config)
+            gate_texts, gate_metrics, m.launches = passes.texts, passes.metrics, m.launches + passes.launches
+            if passes.problem:
+                reason = f"its equivalence pass failed, so no trial can be compared with it: {passes.problem}"
+    texts = {**gate_texts, "engine.log": m.engine_log or "(no engine was started)",
              "server_info.json": json.dumps(m.server_info, indent=2, default=str),
              "effective_diff.json": json.dumps({k: list(v) for k, v in m.diffs.items()}, indent=2, default=str),
              "timings.json": json.dumps(m.timings, indent=2)}
@@ -292,6 +340,8 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
     metrics.update(m.corpus)
     metrics.update(stop_metrics(watch.last if watch else None))
+    metrics["engine_launches"] = m.launches
+    metrics.update(gate_metrics)
     if equivalence is not None:
         metrics["equiv_identical_share"] = equivalence.identical_share
     # SGLang's own cumulative figure: only after its 40-batch window, reset by a flush; optional, and labelled so.
@@ -300,7 +350,8 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
     if server_avg is not None:
         metrics["server_window_accept_len"] = server_avg
     run_id = ctx.tracker.log_trial(
-        ctx.parent_run_id, study_name=study.name, run_name=f"trial-{label}", kind="trial",
+        ctx.parent_run_id, study_name=study.name, kind="trial", trial_id=label,
+        run_name=config_label(config) if config else params_label(resolution.params),
         config=config.model_dump(mode="json") if config else {"spec": {"algorithm": resolution.params.get("algorithm")}},
         outcome=outcome.value, reason=reason, metrics=metrics, requests=to_table(m.records) if m.records else None,
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
@@ -312,15 +363,20 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
                                  # engine restarted in the process's live replica, in the study's standby
                                  # replica, or in a fresh Serve app
                                  "serve_replica": m.replica,
-                                 "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str)},
+                                 # a launch of its own or the previous config's, shared (serve/launch.py)
+                                 "engine_launch": m.launch,
+                                 "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str),
+                                 # what the engine says it ran with (attention backend, running-request cap, ...)
+                                 "engine_effective": json.dumps(effective_settings(m.server_info), default=str)},
         started_at=started_at)
     return TrialResult(outcome, reason, config, summary, equivalence, run_id)
 
 
 def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_dir: Path,
-                      watch: Watch | None = None) -> Checked:
+                      watch: Watch | None = None, compare: bool = True) -> Checked:
     """The trial's judgement of one pass, shared by trials and finalist re-runs (never watched): measure, then INVALID
-    when the engine changed what the config means, then equivalence with the baseline's outputs (read from MLflow)."""
+    when the engine changed what the config means, then (`compare`) equivalence with the baseline trial's outputs
+    (read from MLflow; finalists compare with the baseline's re-runs at their level themselves)."""
     m = measure_config(ctx, config, label, log_dir, watch)
     outcome, reason = m.failure or (Outcome.COMPLETE, "")
     changed = _meaning_changed(config, m.diffs)
@@ -330,8 +386,10 @@ def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_di
     summary = summarize(m.records, seed=ctx.study.seed,
                         offered_rate_per_s=arrival.rate_per_s if arrival.open_loop else None) if m.records else None
     equivalence = None
-    if outcome is Outcome.COMPLETE:
-        outcome, reason, equivalence = _compare(ctx, config, m.records)
+    if outcome is Outcome.COMPLETE and compare:
+        outcome, reason, equivalence = _compare(ctx, config, m, label, log_dir)
+    note_phase(log_dir, "measured", outcome=outcome.value, tput_tok_s=summary.tput_tok_s if summary else None,
+               timings=m.timings)
     return Checked(m, outcome, reason, summary, equivalence)
 
 
@@ -342,18 +400,16 @@ def baseline_outputs(ctx: TrialContext) -> list[RequestRecord] | None:
     return run_records(ctx.tracker, run.info.run_id) if run is not None else None
 
 
-def _compare(ctx: TrialContext, config: TrialConfig, records: list[RequestRecord]) -> tuple[Outcome, str, Any]:
-    """Greedy outputs must match the baseline's by the policy threshold. The baseline itself is the reference: its
+def _compare(ctx: TrialContext, config: TrialConfig, m: Measurement, label: str = "compare",
+             log_dir: Path | None = None) -> tuple[Outcome, str, Any]:
+    """Greedy outputs against the baseline trial's, by the study's equivalence mode (pipeline/trial/gate.py;
+    `deterministic` measures once more, its launch counted in `m`). The baseline itself is the reference: its
     requests.parquet, logged with its run, is what later comparisons read (a baseline that lost a request never gets
     here: `lost_requests` made it TIMEOUT/UNHEALTHY)."""
-    if config.spec.algorithm == "none":
-        return Outcome.COMPLETE, "", None
-    if ctx.study.workload.temperature > 0:
-        return Outcome.COMPLETE, "sampling (temperature > 0): outputs are not compared", None
-    baseline = baseline_outputs(ctx)
-    if baseline is None:
-        return Outcome.COMPLETE, "no baseline outputs to compare with (the baseline did not complete)", None
-    report = check_equivalence(baseline, records, threshold=ctx.study.promotion.equivalence_threshold)
-    if not report.passed:
-        return Outcome.NOT_EQUIVALENT, report.reason, report
-    return Outcome.COMPLETE, "", report
+    needed = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
+    verdict = judge_trial(ctx, config, m.records, label, log_dir or Path(ctx.output_dir) / "trials" / label,
+                          measure_config, baseline_outputs(ctx) if needed else None)
+    m.launches += verdict.launches
+    if verdict.passed is False:
+        return Outcome.NOT_EQUIVALENT, verdict.reason, verdict.report
+    return Outcome.COMPLETE, "" if verdict.passed else verdict.reason, verdict.report
