@@ -5,11 +5,8 @@ Every engine is started once as a trial replica starts it (`EngineProcess`: the 
 `--weights`; the llama.cpp shim in front of llama-server) and stays up; only one engine is ever sent requests at a
 time. Each round sends the same greedy prompts to every engine, one prompt at a time, streamed through `/generate`
 (the load generator the studies use), in an order that rotates from round to round, so a slow phase of the machine
-falls on every engine alike. Per engine and round:
-- `e2e tok/s`    completion tokens / summed end-to-end seconds (prefill in: what a client sees);
-- `decode tok/s` tokens after the first / summed (end-to-end - time to first token) (prefill out);
-- `ttft ms`      median time to the first token (the prefill).
-Ratios are paired: per round, engine / reference engine, then the median and range over rounds. The resolved weights
+falls on every engine alike. Per engine and round: e2e tok/s (prefill in), decode tok/s (prefill out) and TTFT
+as `benchmarks/streamed.py` defines them. Ratios are paired: per round, engine / reference engine, then the median and range over rounds. The resolved weights
 mode of our engine (`/server_info` `weights_mode`, `weights_isa`) is printed, so a label cannot lie about what ran.
 Needs llama-server (bash infra/install-llama-cpp.sh) for the llama engines.
 
@@ -19,18 +16,15 @@ Needs llama-server (bash infra/install-llama-cpp.sh) for the llama engines.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.measure.load import LoadRequest, run_phase  # noqa: E402
-from serve.engines.base import ReplicaConfig  # noqa: E402
+from benchmarks.streamed import (  # noqa: E402
+    add_common_args, machine, prompt_items, rotated, spread, start_engine, streamed_pass,
+)
 from serve.replica import EngineProcess  # noqa: E402
 
 PROMPTS = [
@@ -47,45 +41,9 @@ ENGINES: dict[str, dict[str, Any]] = {
 }
 
 
-def machine() -> str:
-    """CPU model and the ISA flags that pick kernels here (AVX-512, AVX2, AMX), from /proc/cpuinfo."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma") if f in flags]
-    return f"{model}; flags {' '.join(isa) or 'none of avx512f/avx2/amx'}"
-
-
-def one_round(url: str, items: list[LoadRequest]) -> dict[str, float]:
-    records = run_phase(url, items, phase="measure", concurrency=1, timeout_s=900)
-    failed = [r.error for r in records if r.error]
-    if failed:
-        raise RuntimeError(f"{url}: {len(failed)} request(s) failed: {failed[0]}")
-    tokens = sum(r.completion_tokens for r in records)
-    e2e = sum(r.e2e_s for r in records)
-    decode_tokens = sum(max(r.completion_tokens - 1, 0) for r in records)
-    decode_s = sum(r.e2e_s - (r.ttft_s or 0.0) for r in records)
-    return {"e2e": tokens / e2e, "decode": decode_tokens / decode_s if decode_s > 0 else 0.0,
-            "ttft_ms": 1000 * statistics.median(r.ttft_s or 0.0 for r in records)}
-
-
-def spread(values: list[float], digits: int = 1) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2, help="every engine's threads (-t for llama-server)")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_common_args(parser, new_tokens=128)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
     parser.add_argument("--reference", default="llama-q4_1", help="ratios are engine / this engine")
     args = parser.parse_args()
@@ -93,26 +51,17 @@ def main() -> int:
     unknown = sorted(set(names + [args.reference]) - set(ENGINES))
     if unknown:
         parser.error(f"unknown engine(s) {unknown}; choose from {sorted(ENGINES)}")
-    items = [LoadRequest(index=i, text=p, max_new_tokens=args.new_tokens) for i, p in enumerate(PROMPTS[: args.prompts])]
+    items = prompt_items(PROMPTS[: args.prompts], args.new_tokens)
     print(f"machine: {machine()}\nthreads={args.threads} new_tokens={args.new_tokens} prompts={len(items)} "
           f"rounds={args.rounds} (alternating, rotated order), greedy, concurrency 1", flush=True)
     engines: dict[str, EngineProcess] = {}
     try:
         for name in names:  # started one after another; idle engines use no CPU
-            config = ReplicaConfig(**ENGINES[name], threads=args.threads, start_timeout_s=900,
-                                   log_dir=tempfile.mkdtemp(prefix=f"bench-{name}-"))
-            engines[name] = EngineProcess(config)
-            engines[name].wait_ready()
-            if ENGINES[name]["engine"] == "cpu":
-                info = httpx.get(f"{engines[name].url}/server_info", timeout=30).json()
-                print(f"{name}: weights_mode={info.get('weights_mode')} weights_isa={info.get('weights_isa')}",
-                      flush=True)
-            run_phase(engines[name].url, items[:1], phase="warmup", concurrency=1, timeout_s=900)
+            engines[name] = start_engine(name, ENGINES[name], args.threads, items)
         results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for round_no in range(args.rounds):
-            order = names[round_no % len(names):] + names[: round_no % len(names)]
-            for name in order:
-                results[name].append(one_round(engines[name].url, items))
+            for name in rotated(names, round_no):
+                results[name].append(streamed_pass(engines[name].url, items))
             print(f"round {round_no + 1}: " + ", ".join(f"{n} {results[n][-1]['e2e']:.1f}" for n in names),
                   flush=True)
     finally:

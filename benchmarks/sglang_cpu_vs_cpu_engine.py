@@ -7,11 +7,8 @@ the resolved mode printed) and stays up; only one engine is sent requests at a t
 in an order that rotates from round to round. A plain engine measures the prompts once. An NGRAM engine is flushed
 (`/flush_cache`: trie and counters), measures the prompts once ("cold": the trie holds only what these requests decode
 themselves) and then the same prompts again ("warm": the trie holds the first pass's outputs). Prompts are sent one
-at a time, streamed through `/generate` (the studies' load generator), greedy. Per engine, mode and round:
-- `e2e tok/s`    completion tokens / summed end-to-end seconds (prefill in: what a client sees);
-- `decode tok/s` tokens after the first / summed (end-to-end - time to first token) (prefill out);
-- `accept`       completion tokens / verify steps (SGLang's spec_accept_length, the prefill token included).
-Ratios are paired per round: our engine / SGLang in the same mode, median and range over rounds.
+at a time, streamed through `/generate` (the studies' load generator), greedy. Per engine, mode and round: e2e tok/s
+(prefill in), decode tok/s (prefill out) and accept length as `benchmarks/streamed.py` defines them. Ratios are paired per round: our engine / SGLang in the same mode, median and range over rounds.
 
     python benchmarks/sglang_cpu_vs_cpu_engine.py --threads 2 --new-tokens 64 --prompts 4 --rounds 3
 """
@@ -19,18 +16,16 @@ Ratios are paired per round: our engine / SGLang in the same mode, median and ra
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.llama_cpp_plain_decode import machine, spread  # noqa: E402
-from pipeline.measure.load import LoadRequest, run_phase  # noqa: E402
-from serve.engines.base import ReplicaConfig  # noqa: E402
+from benchmarks.streamed import (  # noqa: E402
+    add_common_args, machine, prompt_items, rotated, spread, start_engine, streamed_pass,
+)
 from serve.replica import EngineProcess  # noqa: E402
 from serve.spec import NgramSpec  # noqa: E402
 
@@ -52,27 +47,11 @@ PAIRS = {"plain": ("cpu-engine", "sglang"), "ngram-cold": ("cpu-engine-ngram", "
          "ngram-warm": ("cpu-engine-ngram", "sglang-ngram")}
 
 
-def measure(url: str, items: list[LoadRequest]) -> dict[str, float]:
-    records = run_phase(url, items, phase="measure", concurrency=1, timeout_s=900)
-    failed = [r.error for r in records if r.error]
-    if failed:
-        raise RuntimeError(f"{url}: {len(failed)} request(s) failed: {failed[0]}")
-    tokens = sum(r.completion_tokens for r in records)
-    decode_s = sum(r.e2e_s - (r.ttft_s or 0.0) for r in records)
-    steps = sum(r.spec_verify_ct or 0 for r in records)
-    return {"e2e": tokens / sum(r.e2e_s for r in records),
-            "decode": sum(max(r.completion_tokens - 1, 0) for r in records) / decode_s if decode_s > 0 else 0.0,
-            "accept": tokens / steps if steps else 1.0}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2, help="every engine's threads (SGLang: OMP_NUM_THREADS)")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_common_args(parser, new_tokens=64)
     args = parser.parse_args()
-    items = [LoadRequest(index=i, text=p, max_new_tokens=args.new_tokens) for i, p in enumerate(PROMPTS[: args.prompts])]
+    items = prompt_items(PROMPTS[: args.prompts], args.new_tokens)
     print(f"machine: {machine()}\nmodel smollm2-135m fp32, threads={args.threads} new_tokens={args.new_tokens} "
           f"prompts={len(items)} rounds={args.rounds} (alternating, rotated order), greedy, concurrency 1; "
           f"NGRAM draft {NGRAM.num_draft_tokens}, breadth {NGRAM.max_bfs_breadth}, BFS", flush=True)
@@ -80,28 +59,19 @@ def main() -> int:
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
         for name, fields in ENGINES.items():  # started one after another; idle engines use no CPU
-            config = ReplicaConfig(model="smollm2-135m", dtype="float32", threads=args.threads, start_timeout_s=900,
-                                   log_dir=tempfile.mkdtemp(prefix=f"bench-{name}-"), **fields)
-            engines[name] = EngineProcess(config)
-            engines[name].wait_ready()
-            info = httpx.get(f"{engines[name].url}/server_info", timeout=30).json()
-            print(f"{name}: started in {engines[name].startup_s:.1f} s; " + (
-                f"weights_mode={info.get('weights_mode')} weights_isa={info.get('weights_isa')}"
-                if fields["engine"] == "cpu" else f"attention_backend={info.get('attention_backend')} "
-                f"dtype={info.get('dtype')} version={info.get('version')}"), flush=True)
-            run_phase(engines[name].url, items[:1], phase="warmup", concurrency=1, timeout_s=900)
+            engines[name] = start_engine(name, {"dtype": "float32", **fields}, args.threads, items)
         names = list(ENGINES)
         for round_no in range(args.rounds):
-            for name in names[round_no % len(names):] + names[: round_no % len(names)]:
+            for name in rotated(names, round_no):
                 url = engines[name].url
                 if "spec" not in ENGINES[name]:
-                    results.setdefault((name, "plain"), []).append(measure(url, items))
+                    results.setdefault((name, "plain"), []).append(streamed_pass(url, items))
                     continue
                 flushed = httpx.post(f"{url}/flush_cache", timeout=60)
                 if flushed.status_code != 200:
                     raise RuntimeError(f"{name}: /flush_cache answered {flushed.status_code}: {flushed.text}")
-                results.setdefault((name, "ngram-cold"), []).append(measure(url, items))
-                results.setdefault((name, "ngram-warm"), []).append(measure(url, items))
+                results.setdefault((name, "ngram-cold"), []).append(streamed_pass(url, items))
+                results.setdefault((name, "ngram-warm"), []).append(streamed_pass(url, items))
             print(f"round {round_no + 1}: " + ", ".join(f"{n}/{m} {v[-1]['e2e']:.1f}" for (n, m), v in results.items()),
                   flush=True)
     finally:

@@ -7,6 +7,7 @@ missing and the command that installs it, so a run on a new machine says which g
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,6 +45,24 @@ TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fix
               "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
               "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
               "    capacity: {type: fixed, value: 100000}\n")
+
+
+# What `pipeline.tune.quiet_libraries` sets for a command-line run. A test that calls `main` in-process must not leave
+# them behind: RAY_AUTH_MODE=token left in a worker's environment makes the next local Ray's GCS demand a token its
+# driver (which read the mode once, at its first ray.init) never sends.
+CLI_ENVIRONMENT = ("RAY_AUTH_MODE", "RAY_AIR_NEW_OUTPUT", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS",
+                   "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+
+
+@pytest.fixture(autouse=True)
+def cli_environment_restored():
+    saved = {key: os.environ.get(key) for key in CLI_ENVIRONMENT}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -83,14 +83,15 @@ def test_counters_agree_per_request_and_server_wide(client):
     for m in metas:
         assert m["completion_tokens"] == NEW and m["prompt_tokens"] > 0 and m["e2e_latency"] > 0
         assert m["spec_accept_length"] == pytest.approx(m["completion_tokens"] / m["spec_verify_ct"])
-        assert m["completion_tokens"] == 1 + m["spec_verify_ct"] + m["spec_num_correct_drafts"]
+        # the last step's accepted drafts count even where max_new_tokens cut them off (as in SGLang)
+        assert 0 <= 1 + m["spec_verify_ct"] + m["spec_num_correct_drafts"] - m["completion_tokens"] < 7
         assert m["spec_num_proposed_drafts"] == 7 * m["spec_verify_ct"]
     assert metas[2]["spec_accept_length"] > metas[0]["spec_accept_length"]  # warm trie
     state = client.get("/server_info").json()["internal_states"][0]
     verify = sum(m["spec_verify_ct"] for m in metas)
     correct = sum(m["spec_num_correct_drafts"] for m in metas)
     assert state["spec_verify_ct"] == verify and state["spec_num_correct_drafts"] == correct
-    assert state["spec_emitted_tokens"] == correct + verify == sum(m["completion_tokens"] - 1 for m in metas)
+    assert state["spec_emitted_tokens"] == sum(m["completion_tokens"] - 1 for m in metas) <= correct + verify
     # SGLang's avg_spec_accept_length folds in every 40 decode batches (one request at a time: one verify step each)
     assert ("avg_spec_accept_length" in state) == (verify >= 40)
     assert state["num_finished_requests"] == 3 and state["completion_tokens"] == 3 * NEW

@@ -29,7 +29,7 @@ class _Decoder:
         req.output_ids.extend([1, 1] if verify else [1])
         if len(req.output_ids) >= req.rules.max_new_tokens:
             req.finish_reason = {"type": "length", "length": req.rules.max_new_tokens}
-        return StepStats(verify=verify, emitted=2 if verify else 1, proposed=3 if verify else 0)
+        return StepStats(verify=verify, emitted=2 if verify else 1, proposed=3 if verify else 0, correct=int(verify))
 
     def step_many(self, reqs: list[Request]) -> list[StepStats]:
         return [self.step(req) for req in reqs]  # the log keeps the order of steps within a round

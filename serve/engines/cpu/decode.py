@@ -6,10 +6,11 @@ the speculator sees the new tokens (the n-gram trie inserts, the draft model pru
 
 Invariant: the target cache holds the KV of `tokens[:-1]`; `tokens[-1]` (the root of the next tree) is not cached yet.
 
-Counters (per request, SGLang meta_info): `spec_verify_ct` = decode steps; per step `emitted` tokens are appended
-after stop-rule truncation and `emitted - 1` count as correct drafts (SGLang cuts accepted tokens at the finishing
-token the same way). Hence completion_tokens = 1 (prefill) + spec_verify_ct + spec_num_correct_drafts whenever the
-request did not finish in prefill, and spec_accept_length = completion_tokens / spec_verify_ct.
+Counters (per request, SGLang meta_info): `spec_verify_ct` = decode steps; per step the accepted drafts count as
+correct drafts, and the accepted drafts plus the bonus token are appended until a stop rule fires (SGLang cuts the
+appended tokens at the finishing token, but counts every draft its verify accepted). Hence completion_tokens =
+1 (prefill) + spec_verify_ct + spec_num_correct_drafts - (the tokens the last step's stop rule cut off), the cut being
+fewer than that step's tree size, and spec_accept_length = completion_tokens / spec_verify_ct.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class StepStats:
     """What one step did, for the server-wide counters."""
 
     verify: bool  # a decode/verify step (False: the prefill)
-    emitted: int
+    emitted: int  # tokens appended (after a stop rule's cut)
     proposed: int
+    correct: int = 0  # drafts the verify accepted (also those a stop rule then cut off)
 
 
 @dataclass(eq=False)
@@ -236,7 +238,7 @@ class Decoder:
         req.correct_histogram[correct] += 1
         if self.speculator is not None:
             self.speculator.observe(req, [a - 1 for a in accepted])
-        return StepStats(verify=True, emitted=kept, proposed=len(tree.tokens))
+        return StepStats(verify=True, emitted=kept, proposed=len(tree.tokens), correct=correct)
 
     def _append(self, req: Request, new_tokens: Sequence[int]) -> int:
         """Append tokens one by one, checking the stop rules after each (as SGLang does); returns how many were kept."""

@@ -27,7 +27,8 @@ Server-wide counters (since start or the last flush):
   = sum(completion_tokens - 1) / sum(spec_verify_ct).
 - `avg_spec_accept_length`, as SGLang 0.5.23 reports it (`metrics_reporter.py` `update_spec_metrics`,
   `report_decode_stats`; `internal_state.py` `_average_accept_length`): a round with at least one verify step is one
-  "decode batch"; it adds its verify steps (SGLang's batch size) and the tokens they emitted to a window; every
+  "decode batch"; it adds its verify steps (SGLang's batch size) and their accepted drafts + 1 each (before a stop
+  rule's cut, as SGLang's `get_num_generated_tokens`) to a window; every
   `DECODE_LOG_INTERVAL` (40) decode batches the window is folded into the totals; the key is present only once the
   totals hold a verify step, as totals_emitted / totals_verify_steps. So the last < 40 batches are missing, and
   right after start or a flush (which resets window, totals and the batch count) the key is absent.
@@ -256,7 +257,8 @@ class Scheduler:
                 stats = self._settle(ticket, result)
                 if stats is not None and stats.verify and self.decoder.speculator is not None:
                     verify += 1
-                    emitted += stats.emitted
+                    # SGLang's window adds correct drafts + 1 per request (get_num_generated_tokens), uncut
+                    emitted += stats.correct + 1
             with self._cond:
                 self.counters.end_round(verify, emitted)
 
@@ -275,7 +277,7 @@ class Scheduler:
                 if stats.verify and self.decoder.speculator is not None:
                     c.spec_verify_ct += 1
                     c.spec_emitted_tokens += stats.emitted
-                    c.spec_num_correct_drafts += stats.emitted - 1
+                    c.spec_num_correct_drafts += stats.correct
                     c.spec_num_proposed_drafts += stats.proposed
                 if req.finished:
                     c.num_finished_requests += 1
