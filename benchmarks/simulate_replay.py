@@ -2,7 +2,7 @@
 pipeline's simulator (`pipeline.simulate`) built on the grid's recorded baseline run, exactly as a study builds it
 on its baseline trial, against what every point measured.
 
-- `accuracy`: accept lengths request by request (the measured `spec_verify_ct` / `spec_num_correct_drafts` of every
+- `accuracy`: accept lengths request by request (the measured `spec_verify_ct` / `completion_tokens` of every
   run of every NGRAM point against the replay: exact or not), and throughput: the median relative error of the
   prediction against the point's mean over its runs, and the rank correlation (Spearman) over the points, with the
   cost model fitted to the baseline alone (what the study knows before its first launch) and after one launch.
@@ -130,9 +130,11 @@ def accuracy(rec: Recorded, surface: Surface) -> dict[str, Any]:
     accept_pred, accept_meas = [], []
     for point in spec_points:
         replayed = sim.replay(rec.config(point)).phase("measure")
-        want = [(r.spec_verify_ct, r.spec_num_correct_drafts) for r in replayed]
+        # verify steps and output tokens define the accept length; correct-draft counts differ by convention in the
+        # last, length-capped step (grids recorded before the engine counted those drafts as SGLang does)
+        want = [(r.spec_verify_ct, r.completion_tokens) for r in replayed]
         for run in range(rec.runs):
-            got = [(r.spec_verify_ct, r.spec_num_correct_drafts) for r in rec.records.get((point, run), [])
+            got = [(r.spec_verify_ct, r.completion_tokens) for r in rec.records.get((point, run), [])
                    if r.phase == "measure"]
             if got:
                 exact += sum(a == b for a, b in zip(got, want))
@@ -236,7 +238,7 @@ def print_tables(rec: Recorded, surface: Surface, seeds: int, policy: Any) -> No
           f"{cost.p0_ms:.1f} + {cost.p1_ms:.3f}/token ms, client gap {cost.gap_s * 1000:.1f} ms; replaying the "
           f"{acc['points']} NGRAM points took {acc['simulate_s']:.1f} s\n")
     print("| figure | simulated vs measured |\n|---|---|")
-    print(f"| accept length, request by request (verify steps and correct drafts of every measured request, every "
+    print(f"| accept length, request by request (verify steps and output tokens of every measured request, every "
           f"run) | {acc['requests_exact']}/{acc['requests']} identical |")
     print(f"| accept length per point, largest difference | {acc['accept_max_abs_diff']:.3f} |")
     print(f"| throughput, median abs. error (cost fitted to the baseline only) | {acc['tput_median_error']:.1%} "

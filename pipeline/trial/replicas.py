@@ -129,18 +129,9 @@ def start_standby(study_name: str, config: ReplicaConfig) -> bool:
 def claim_standby(study_name: str, serve_url: str, options: dict[str, Any], timeout_s: float) -> LiveApp | None:
     """The study's standby replica, claimed for this process (waiting while it deploys), or None: there is none, it
     failed, another process claimed it, or it has other `ray_actor_options` (then it is deleted: nobody can use it)."""
-    from ray import serve
-
     name = standby_name(study_name)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        app = serve.status().applications.get(name)
-        status = str(app.status) if app else "MISSING"
-        if status.endswith("RUNNING"):
-            break
-        if not (status.endswith("DEPLOYING") or status.endswith("NOT_STARTED")) or time.monotonic() > deadline:
-            return None
-        time.sleep(0.05)
+    if _app_status_when_settled(name, timeout_s) != "RUNNING":
+        return None
     try:
         response = httpx.post(f"{serve_url}/{name}/replica/claim", json=options, timeout=30)
         answer = response.json()
@@ -306,21 +297,35 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
     target = EngineReplica.options(ray_actor_options=actor_options(config)).bind(  # type: ignore[attr-defined]
         config.to_replica(), standby=True)
     serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        app = serve.status().applications.get(name)
-        status = str(app.status) if app else "MISSING"
-        if status.endswith("RUNNING"):
-            break
-        if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
-            raise RuntimeError(f"Serve app {name} is {status.split('.')[-1]}: {app_failure(name)}")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
-        time.sleep(0.05)
+    # just deployed: MISSING (not registered yet) and DELETING (a previous app of the name going) are still starting
+    status = _app_status_when_settled(name, timeout_s, (*_STARTING, "MISSING", "DELETING"))
+    if status is None:
+        raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
+    if status != "RUNNING":
+        raise RuntimeError(f"Serve app {name} is {status}: {app_failure(name)}")
     try:
         restart(live, config, fresh=True)
     except ReplicaUnusable as exc:
         raise RuntimeError(f"Serve app {name} did not take its engine: {exc}") from exc
+
+
+_STARTING = ("DEPLOYING", "NOT_STARTED")
+
+
+def _app_status_when_settled(name: str, timeout_s: float, starting: tuple[str, ...] = _STARTING) -> str | None:
+    """App `name`'s Serve status (RUNNING, DEPLOY_FAILED, UNHEALTHY, MISSING, ...) once it is not one of `starting`,
+    or None when it still was after `timeout_s`."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(name)
+        status = str(app.status).split(".")[-1] if app else "MISSING"
+        if status not in starting:
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def teardown(name: str, wait: bool = True) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DraftTree", "layout"]
+__all__ = ["DraftTree", "layout", "place"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,17 @@ def layout(tree_tokens: list[int], tree_parents: list[int], budget: int) -> Draf
     num_real = len(tokens)
     pads = budget - num_real
     return DraftTree(tuple(tokens) + (0,) * pads, tuple(parents) + (-1,) * pads, num_real)
+
+
+def place(token: int, parent: int, cursor: int, tree_tokens: list[int], tree_parents: list[int],
+          tree_next: list[dict[int, int]]) -> tuple[int, int]:
+    """The tree position of `token` under `parent` (merged with an equal sibling drafted from another anchor, as
+    SGLang's tree does), appending it at `cursor` when new; returns (position, next cursor)."""
+    pos = tree_next[parent].get(token)
+    if pos is not None:
+        return pos, cursor
+    tree_next[parent][token] = cursor
+    tree_tokens.append(token)
+    tree_parents.append(parent)
+    tree_next.append({})
+    return cursor, cursor + 1

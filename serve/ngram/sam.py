@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from serve.ngram.drafttree import place
 from serve.ngram.stdheap import heap_pop, heap_push
 
 __all__ = ["SEPARATOR_TOKEN", "SuffixAutomaton"]
@@ -176,13 +177,7 @@ class SuffixAutomaton:
                 for i, (token, child) in enumerate(by_recency[node]):
                     if i >= breadth or cursor > budget:
                         break
-                    pos = tree_next[parent].get(token)
-                    if pos is None:
-                        pos = tree_next[parent][token] = cursor
-                        cursor += 1
-                        tokens.append(token)
-                        parents.append(parent)
-                        tree_next.append({})
+                    pos, cursor = place(token, parent, cursor, tokens, parents, tree_next)
                     queue.append((pos, cur_breadth - scale, child))
 
     def _frequency(self, anchors, budget, top_k, tokens, parents, tree_next) -> None:
@@ -204,11 +199,5 @@ class SuffixAutomaton:
             offer(0, state, 1.0)
             while heap and cursor <= budget:
                 prob, parent, token, child = heap_pop(heap)
-                pos = tree_next[parent].get(token)
-                if pos is None:
-                    pos = tree_next[parent][token] = cursor
-                    cursor += 1
-                    tokens.append(token)
-                    parents.append(parent)
-                    tree_next.append({})
+                pos, cursor = place(token, parent, cursor, tokens, parents, tree_next)
                 offer(pos, child, prob)

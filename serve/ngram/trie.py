@@ -39,7 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Literal
 
-from serve.ngram.drafttree import DraftTree, layout
+from serve.ngram.drafttree import DraftTree, layout, place
 from serve.ngram.stdheap import heap_pop, heap_push
 
 __all__ = ["DraftTree", "MatchState", "NgramCache", "layout"]
@@ -327,20 +327,12 @@ class NgramCache:
                 if breadth < 1:
                     breadth = 1
                 child_breadth = cur_breadth - scale
-                next_of_parent = tree_next[parent]
                 taken = 0
                 for child in reversed(node.children.values()):  # most recent first
                     if taken >= breadth or cursor > budget:
                         break
                     taken += 1
-                    pos = next_of_parent.get(child.token)
-                    if pos is None:
-                        pos = cursor
-                        cursor += 1
-                        next_of_parent[child.token] = pos
-                        tree_tokens.append(child.token)
-                        tree_parents.append(parent)
-                        tree_next.append({})
+                    pos, cursor = place(child.token, parent, cursor, tree_tokens, tree_parents, tree_next)
                     if child.children:  # expanding a leaf adds nothing: skip the queue round trip
                         queue.append((pos, child_breadth, child))
 
@@ -357,15 +349,7 @@ class NgramCache:
             _offer_children(heap, 0, anchor, 1.0, top_k)
             while heap and cursor <= budget:
                 prob, parent, node = heap_pop(heap)
-                next_of_parent = tree_next[parent]
-                pos = next_of_parent.get(node.token)
-                if pos is None:
-                    pos = cursor
-                    cursor += 1
-                    next_of_parent[node.token] = pos
-                    tree_tokens.append(node.token)
-                    tree_parents.append(parent)
-                    tree_next.append({})
+                pos, cursor = place(node.token, parent, cursor, tree_tokens, tree_parents, tree_next)
                 if node.children:
                     _offer_children(heap, pos, node, prob, top_k)
 
@@ -412,3 +396,4 @@ def _offer_children(heap: list, parent: int, node: _Node, prob: float, top_k: in
     # Ties in probability pop in libstdc++'s order (stdheap), as trie.cpp's std::priority_queue pops them.
     for ratio, child in offers:
         heap_push(heap, (ratio * prob, parent, child))
+

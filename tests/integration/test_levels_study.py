@@ -163,11 +163,9 @@ def test_the_report_reads_well_in_a_browser_at_laptop_width(levels_study):
     """The report of this two-level study in Chromium at 1280 px: headline first, the level table as HTML, the
     speed-up chart drawn, no empty image, no sideways scroll. The screenshot is kept (test-artifacts/)."""
     from tests.integration.report_page import read_report
-    from tests.integration.ui_helpers import CHROMIUM
+    from tests.integration.ui_helpers import browser_api
 
-    if not CHROMIUM.exists():
-        pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)")
-    pytest.importorskip("playwright.sync_api", reason="needs the playwright Python package (pip install playwright)")
+    browser_api(module_level=False)
     _, out, _ = levels_study
     decision = logged_levels(out)
     shown = read_report(out / "report" / "report.html", "levels-study-report.png")

@@ -16,12 +16,9 @@ from pipeline.records.tracking import Tracker
 from serve.engines.base import ReplicaConfig
 from serve.serving import Provenance, ServingConfig
 from tests.integration.ui_helpers import CHROMIUM, CHROMIUM_ARGS, PAGE_TIMEOUT_MS, STEP_TIMEOUT_MS, artifact_dir, \
-    mlflow_ui
+    browser_api, mlflow_ui
 
-if not CHROMIUM.exists():
-    pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api",
-                               reason="needs the playwright Python package (pip install playwright)")
+sync_api = browser_api()
 
 pytestmark = pytest.mark.integration
 NAME = "specdec-page"

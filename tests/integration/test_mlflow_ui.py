@@ -34,6 +34,7 @@ from tests.integration.ui_helpers import (
     STEP_TIMEOUT_MS,
     StudyRuns,
     artifact_dir,
+    browser_api,
     compare_metric_row,
     compare_run_names,
     metric_col_id,
@@ -46,10 +47,7 @@ from tests.integration.ui_helpers import (
     table_cell,
 )
 
-if not CHROMIUM.exists():
-    pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api",
-                               reason="needs the playwright Python package (pip install playwright)")
+sync_api = browser_api()
 
 pytestmark = pytest.mark.integration
 

@@ -18,6 +18,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from serve.replica import free_port
 from tests.integration.servers import ServerProcess, http_server
 
@@ -26,6 +28,15 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 REPO = Path(__file__).resolve().parents[2]
+
+
+def browser_api(module_level: bool = True) -> Any:
+    """playwright.sync_api, or a skip naming what is missing and how to install it (Chromium from Debian, the
+    playwright package from PyPI; `.ci/run` installs both)."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=module_level)
+    return pytest.importorskip("playwright.sync_api",
+                               reason="needs the playwright Python package (pip install playwright)")
 ARTIFACTS_ENV = "SPECDEC_TEST_ARTIFACTS"
 
 

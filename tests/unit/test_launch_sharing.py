@@ -5,8 +5,6 @@ and corpus figures read where SGLang reports them. Pure, plus a real local HTTP 
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -19,6 +17,7 @@ from serve.engines.base import ReplicaConfig
 from serve.engines.phases import StartState
 from serve.launch import can_share, launch_config
 from serve.spec import NgramSpec
+from tests.local_http import local_server
 
 BASE = dict(model="smollm2-135m", threads=1, extra_flags=["--verify-probe-seconds", "0"])
 
@@ -95,21 +94,8 @@ def scripted_replica():
     """A local HTTP server answering /replica/start with the statuses in `script`, one per call."""
     script: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's naming
-            body = json.dumps(script.pop(0) if script else {}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
-    yield LiveApp("study~trial-a", f"http://127.0.0.1:{server.server_address[1]}", {}), script
-    server.shutdown()
+    with local_server(lambda method, path: (200, json.dumps(script.pop(0) if script else {}).encode())) as url:
+        yield LiveApp("study~trial-a", url, {}), script
 
 
 def test_the_deadline_follows_each_phase_so_a_long_start_is_waited_for(scripted_replica):

@@ -3,8 +3,6 @@ any request runs, and Serve's health check runs one), per-study app names on a s
 `engine.env`. The flush is tested against a real local HTTP server that refuses as SGLang does."""
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -13,6 +11,7 @@ from pipeline.config import load_study, study_to_yaml
 from pipeline.trial.replicas import app_name, study_apps
 from pipeline.trial.lifecycle import flush, replica_config
 from pipeline.config import TrialConfig
+from tests.local_http import local_server
 
 SGLANG_REFUSAL = "Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 1"
 
@@ -22,24 +21,14 @@ def refusing_server():
     """A server whose /flush_cache refuses `refusals[0]` times (400, SGLang's text), then succeeds."""
     state = {"refusals": 0, "calls": []}
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's naming
-            state["calls"].append(self.path)
-            refused = state["refusals"] > 0
-            state["refusals"] -= 1
-            body = (SGLANG_REFUSAL if refused else "Cache flushed.").encode()
-            self.send_response(400 if refused else 200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(method: str, path: str) -> tuple[int, bytes]:
+        state["calls"].append(path)
+        refused = state["refusals"] > 0
+        state["refusals"] -= 1
+        return (400, SGLANG_REFUSAL.encode()) if refused else (200, b"Cache flushed.")
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", state
-    server.shutdown()
+    with local_server(answer) as url:
+        yield url, state
 
 
 def test_a_refused_flush_is_retried_with_a_wait_for_idle(refusing_server):
