@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.streamed import machine  # noqa: E402
 
 PROMPTS = [f"def function_{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n    return" for i in range(64)]
 
@@ -65,17 +68,22 @@ def main() -> None:
     from serve.production import ProductionSettings, deploy
     from serve.replica import EngineProcess, free_port
 
-    serving = {"engine": "cpu", "model": args.model, "dtype": "float32", "decision": "benchmark",
-               "trial": {"spec": {"algorithm": "none"}, "max_running_requests": None}}
+    from serve.serving import Provenance, ServingConfig
+
+    replica = ReplicaConfig(model=args.model)  # the same engine both ways (the CPU engine's defaults)
+    serving = ServingConfig(replica=replica, provenance=Provenance(
+        study="benchmark", decision="benchmark", source="baseline", workload="benchmark", workload_digest="-"))
     folder = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     config_file = folder / "serving.json"
-    config_file.write_text(json.dumps(serving))
-    direct = EngineProcess(ReplicaConfig(model=args.model))
+    config_file.write_text(serving.model_dump_json())
+    direct = EngineProcess(replica)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never join a cluster found here
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         direct.wait_ready()
+        info = httpx.get(f"{direct.url}/server_info", timeout=30).json()
+        weights = f"weights {info.get('weights_mode')} ({info.get('weights_isa') or 'no kernel'})"
         deploy(ProductionSettings(config_file=str(config_file), port=port))
         targets = {"direct": direct.url, "endpoint": f"http://127.0.0.1:{port}"}
         asyncio.run(one_round(targets["direct"], None, 2, 1, 4))  # warm both paths once
@@ -90,9 +98,8 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     med = {k: (statistics.median(t for t, _ in v), statistics.median(l for _, l in v)) for k, v in results.items()}
-    print(f"machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores; model "
-          f"{args.model} fp32, engine none; {rounds} rounds x {n} requests x {max_tokens} tokens, "
-          f"concurrency {args.concurrency}")
+    print(f"machine: {machine()}; model {args.model}, {weights}, no speculation; {rounds} rounds x {n} requests x "
+          f"{max_tokens} tokens, concurrency {args.concurrency}, non-streamed /v1/completions, alternating")
     print("| target | tok/s (median) | p50 latency s (median) |\n|---|---|---|")
     for name, (tput, lat) in med.items():
         print(f"| {name} | {tput:.2f} | {lat:.3f} |")

@@ -53,8 +53,10 @@ HEALTH_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
 
 def installed_version(python: str | None = None) -> str | None:
-    """SGLang's version for `python` (None = this interpreter), None when it has none."""
-    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+    """SGLang's version for `python` (None = this interpreter), None when it has none. Interpreters are told apart by
+    their environment (the folder above `bin/`), not by what their symlinks resolve to: every venv of one base Python
+    resolves to the same binary."""
+    if python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
         try:
             return metadata.version("sglang")
         except metadata.PackageNotFoundError:
@@ -304,7 +306,8 @@ class SglangEngine(Engine):
         verdict = found["preflight"]["ok"] if isinstance(found["preflight"], dict) else None
         said = " (SGLang's own parser accepted the flags: preflight ok)" if verdict else ""
         if device == "cpu":
-            problems = [p for p in [version_problem(found["sglang_version"])] if p]
+            problems = [p for p in [version_problem(found["sglang_version"], str(Path(python or "").parent.parent))]
+                        if p]
             problems += compiler_problems(config, "cpu", os.environ)
             if problems:
                 raise RuntimeError("; ".join(problems) + said)

@@ -163,3 +163,19 @@ def test_the_deterministic_mode_is_sglangs_flag_on_a_gpu_and_refused_on_a_cpu():
     assert load_study(None, study).promotion.equivalence == "deterministic"
     with pytest.raises(ConfigError, match="deterministic"):
         load_study(None, {**study, "engine.device": "cpu", "model.dtype": "float32"})
+
+
+def test_another_venv_of_the_same_base_python_is_read_for_its_own_sglang(tmp_path: Path) -> None:
+    # A venv's bin/python is a symlink to the base interpreter, as this venv's is: resolving both gave one binary,
+    # so the SGLang CPU venv's 0.5.23 was read from this venv (where a fresh install has none) and the replica refused.
+    import os
+    import sys
+
+    from serve.engines.sglang import installed_version
+
+    venv = tmp_path / "side-venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(os.path.realpath(sys.executable), venv / "bin" / "python")
+    (venv / "lib" / "python3.11" / "site-packages" / "sglang-9.9.9.dist-info").mkdir(parents=True)
+    assert installed_version(str(venv / "bin" / "python")) == "9.9.9"
+    assert installed_version(str(tmp_path / "empty" / "bin" / "python")) is None

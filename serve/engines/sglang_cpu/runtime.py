@@ -34,12 +34,13 @@ ENV_FLAG = "SPECDEC_SGLANG_CPU"
 _VERIFY_MODULE = "sglang.srt.layers.attention.torch_native_backend"
 
 
-def version_problem(found: str | None) -> str | None:
-    """Why these pieces must not be used with SGLang `found` (None: they may). They depend on 0.5.23's internals."""
+def version_problem(found: str | None, where: str | None = None) -> str | None:
+    """Why these pieces must not be used with SGLang `found` in the environment `where` (default: this one's; None:
+    they may). They depend on 0.5.23's internals."""
     if found == SUPPORTED_VERSION:
         return None
     have = "no SGLang" if found is None else f"SGLang {found}"
-    return (f"SGLang on CPU: {have} is installed in {sys.prefix}, and specdec-tuner's CPU runtime pieces (the "
+    return (f"SGLang on CPU: {have} is installed in {where or sys.prefix}, and specdec-tuner's CPU runtime pieces (the "
             f"sgl_kernel stand-in ops, the torch-native verify branch) are written for SGLang {SUPPORTED_VERSION} "
             f"only. Fix: bash infra/install-sglang-cpu.sh (installs sglang=={SUPPORTED_VERSION} into its own venv)")
 
