@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="engine threads, both targets (unset, a Serve replica's engine would inherit Ray's "
+                             "OMP_NUM_THREADS=1 while the direct one took every core)")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
     n, max_tokens = (8, 24) if args.quick else (24, 64)
@@ -70,7 +73,7 @@ def main() -> None:
 
     from serve.serving import Provenance, ServingConfig
 
-    replica = ReplicaConfig(model=args.model)  # the same engine both ways (the CPU engine's defaults)
+    replica = ReplicaConfig(model=args.model, threads=args.threads)  # the same engine both ways
     serving = ServingConfig(replica=replica, provenance=Provenance(
         study="benchmark", decision="benchmark", source="baseline", workload="benchmark", workload_digest="-"))
     folder = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
@@ -98,7 +101,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     med = {k: (statistics.median(t for t, _ in v), statistics.median(l for _, l in v)) for k, v in results.items()}
-    print(f"machine: {machine()}; model {args.model}, {weights}, no speculation; {rounds} rounds x {n} requests x "
+    print(f"machine: {machine()}; model {args.model}, {weights}, no speculation, {args.threads} threads; {rounds} rounds x {n} requests x "
           f"{max_tokens} tokens, concurrency {args.concurrency}, non-streamed /v1/completions, alternating")
     print("| target | tok/s (median) | p50 latency s (median) |\n|---|---|---|")
     for name, (tput, lat) in med.items():
