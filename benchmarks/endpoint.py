@@ -101,8 +101,9 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     med = {k: (statistics.median(t for t, _ in v), statistics.median(l for _, l in v)) for k, v in results.items()}
-    print(f"machine: {machine()}; model {args.model}, {weights}, no speculation, {args.threads} threads; {rounds} rounds x {n} requests x "
-          f"{max_tokens} tokens, concurrency {args.concurrency}, non-streamed /v1/completions, alternating")
+    print(f"machine: {machine()}; model {args.model}, {weights}, no speculation, {args.threads} threads; {rounds} "
+          f"rounds x {n} requests x {max_tokens} tokens, concurrency {args.concurrency}, non-streamed "
+          "/v1/completions, alternating")
     print("| target | tok/s (median) | p50 latency s (median) |\n|---|---|---|")
     for name, (tput, lat) in med.items():
         print(f"| {name} | {tput:.2f} | {lat:.3f} |")

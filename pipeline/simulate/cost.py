@@ -41,6 +41,14 @@ __all__ = ["ALPHA", "CostModel", "Launch", "RoundTable", "fit_cost", "prefill_fi
 ALPHA = 0.015  # prior: each extra query row costs 1.5% of a plain decode step (bf16 GPU/AMX: 16 rows ~1.2x)
 
 
+@dataclass
+class _Derived:
+    sources: tuple[Any, ...]
+    ms: list[list[float]]
+    heads: list[float]
+    memo: dict[tuple[int, int, int], float]
+
+
 class RoundTable(FrozenModel):
     """An engine's measured round costs (ms): `ms[i][j]` for batches[i] requests x widths[j] queries each, the LM
     head per row count, and one plain step at context_tokens and at long_context_tokens."""
@@ -55,16 +63,32 @@ class RoundTable(FrozenModel):
     short_context_ms: float
     long_context_ms: float
 
+    def _derived(self) -> _Derived:
+        """The table read as monotone (more rows never cost less: a cell below a narrower or smaller one is
+        measurement noise, raised to it) and a memo of interpolated shapes, computed once per table: re-predicting a
+        space times every round of every config. Kept beside the fields, and checked against the very lists it was
+        made from, so a `model_copy(update=...)` with other cells recomputes it."""
+        derived = self.__dict__.get("_derived_cache")
+        sources = (self.batches, self.widths, self.ms, self.lm_head_rows, self.lm_head_ms)
+        if derived is None or any(a is not b for a, b in zip(derived.sources, sources)):
+            derived = _Derived(sources, _monotone(self.ms), _monotone([self.lm_head_ms])[0], {})
+            self.__dict__["_derived_cache"] = derived
+        return derived
+
     def verify_ms(self, batch: int, width: int, logit_rows: int, context: float) -> float:
-        """A round's verify forward, from the table read as monotone (more rows never cost less: a cell below a
-        narrower or smaller one is measurement noise, raised to it)."""
-        forward = _interp2(self.batches, self.widths, _monotone(self.ms), batch, width)
-        heads = _monotone([self.lm_head_ms])[0]
-        # the table's cell holds the logits of the b roots; a round computes every root's and real node's
-        head = _interp(self.lm_head_rows, heads, logit_rows) - _interp(self.lm_head_rows, heads, batch)
+        """A round's verify forward, from the monotone table."""
+        derived = self._derived()
+        key = (batch, width, logit_rows)
+        base = derived.memo.get(key)
+        if base is None:
+            heads = derived.heads
+            # the table's cell holds the logits of the b roots; a round computes every root's and real node's
+            base = _interp2(self.batches, self.widths, derived.ms, batch, width) + (
+                _interp(self.lm_head_rows, heads, logit_rows) - _interp(self.lm_head_rows, heads, batch))
+            derived.memo[key] = base
         span = max(1, self.long_context_tokens - self.context_tokens)
         per_token = max(0.0, self.long_context_ms / self.short_context_ms - 1.0) / span if self.short_context_ms else 0.0
-        return max(0.0, forward + head) * (1.0 + per_token * (context - self.context_tokens))
+        return max(0.0, base) * (1.0 + per_token * (context - self.context_tokens))
 
 
 def round_table(verify_cost: Any) -> RoundTable | None:
