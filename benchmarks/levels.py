@@ -47,7 +47,7 @@ from serve.engines.cpu.adapter import CpuEngine  # noqa: E402
 from serve.replica import stop_group  # noqa: E402
 from serve.spec import SpecConfig  # noqa: E402
 
-# The default study's last recorded winner (docs/benchmarks.md "Default study"), in the search space's terms.
+# A big-tree NGRAM config (12 draft tokens), where the cost of verifying shows first; docs/benchmarks.md "Levels".
 DEFAULT_SPEC = "{algorithm: ngram, match_type: PROB, num_draft_tokens: 12, max_bfs_breadth: 4}"
 SIDES = ("baseline", "spec")
 

@@ -48,8 +48,8 @@ DATA = ROOT / "benchmarks" / "data"
 # measured prompts and tokens, so each point's number is steadier.
 FULL_WORKLOAD = {"workload.warmup_prompts": 8, "workload.measure_prompts": 8, "workload.max_new_tokens": 48}
 # The CPU engine's verify-cost curve for the early-stopping replay of a grid recorded without one (a recording keeps its
-# engine's own curve in its metadata): docs/benchmarks.md "Verify cost", the "old x N=1" row (2 threads, this machine),
-# the forward the first grid was recorded with; the cheaper (more lenient) of the two measured curves.
+# engine's own curve in its metadata): the verify-cost curve `benchmarks/cpu_engine_ab.py --only verify` measured (2
+# threads) for the forward the first grid was recorded with; the cheaper (more lenient) of the two measured curves.
 GRID_VERIFY_COST = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1.19, 1.45, 1.38, 1.75, 1.78, 1.78,
                                                                    1.88, 2.05, 2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
 

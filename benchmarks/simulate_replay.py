@@ -228,7 +228,7 @@ def as_run(search: SimulatedSearch, seed: int, launches: int) -> Run:
 
 
 def print_tables(rec: Recorded, surface: Surface, seeds: int, policy: Any) -> None:
-    """The two markdown tables of docs/benchmarks.md's simulate-first section."""
+    """The two markdown tables of docs/benchmarks.md's "Predict" section."""
     from benchmarks.search_replay import promote, run_method, trials_to_reach
 
     acc = accuracy(rec, surface)

@@ -42,9 +42,9 @@ bound or the baseline's lower bound misses, each with probability <= alpha per l
 <= 0.6%; the replay (`benchmarks/search_efficiency.py replay`) measures it on the recorded grid. (b) has no sampling
 error in the accept length (it is a worst case over the remaining tokens); its only noise term is the run effect.
 
-On the recorded grid (docs/benchmarks.md, "Early stopping and engine-seconds") the default workload's 4 measured
-requests are too few for either rule to fire; with 16 requests it stops about a quarter of the slower points' trials
-and none of the near-best ones.
+On the recorded grid (docs/benchmarks.md, "Search"), with a modelled per-request spread, the default workload's 4
+measured requests stop about half of the slower points' trials, a few of those near the baseline's speed (5% of the
+faster ones) and none of the near-best ones.
 
 Failed requests are left out of both bounds and never stop a trial here: a lost measured request already fails
 the trial (pipeline/trial/lifecycle.py), which is a different outcome from PRUNED.

@@ -10,7 +10,7 @@ from pipeline.measure.summary import RequestRecord
 from pipeline.search.stopping import BaselineFigures, Decision, Rule, StoppingPolicy, VerifyCost, check, t_quantile
 
 TOKENS = 24
-# The CPU engine's verify-cost curve on this machine ("old x N=1", docs/benchmarks.md, 2 threads).
+# A CPU engine verify-cost curve (fp32 forward, 2 threads, `benchmarks/cpu_engine_ab.py --only verify`).
 CURVE = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1.19, 1.45, 1.38, 1.75, 1.78, 1.78, 1.88, 2.05,
                                                          2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
 BASE = BaselineFigures(tput_tok_s=10.0, sigma=0.03, runs=3, step_s=0.09)
