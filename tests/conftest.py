@@ -34,24 +34,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"{len(files):5d}  {reason}")
         terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
 
-# Integration files that take longest on a 2-core CI box (seconds, from the run's slowest-tests list), run first:
-# with two workers taking whole files, a long file started last keeps one worker busy while the other idles.
-SLOW_FILES = {"test_distributed.py": 270, "test_sglang_study.py": 230, "test_levels_study.py": 160,
-              "test_study.py": 150, "test_faults.py": 140, "test_simulate_study.py": 140, "test_cluster.py": 100,
-              "test_open_loop_study.py": 80, "test_llama_cpp_study.py": 60, "test_sglang_contract_cpu.py": 60}
-TIERS = ("tests/unit/", "tests/model/", "tests/integration/", "tests/gpu/")
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """Tiers in pyproject's order (a broken unit shows within minutes), then the longest integration files first."""
-    def key(item) -> tuple[int, int]:
-        path = Path(str(item.fspath)).as_posix()
-        tier = next((i for i, prefix in enumerate(TIERS) if f"/{prefix}" in path), len(TIERS))
-        return tier, -SLOW_FILES.get(Path(path).name, 0) if tier == 2 else 0
-
-    items.sort(key=key)  # stable: a file's tests keep their order
-
-
 # Search only (promotion.finalists 0): the promotion's re-runs (2 x promotion.runs fresh replicas) cost twice the
 # search of a 3-trial study, and the tests using it check the search, the records and the resume, not the
 # promotion rule. Tests of the promotion path ask for finalists explicitly (test_open_loop_study,
