@@ -12,18 +12,27 @@ waiting queue) is a 429 with `Retry-After`; a request running longer than `reque
 error event on a stream) and its generation cancelled. An engine that is gone or restarting is a 503 with
 `Retry-After` (`serve.http_errors.failure_answer`), a stream it leaves ends with an error event and `[DONE]`
 (`serve.stream_relay`); `/health` asks every engine within `health_timeout_s` (503 when one is gone, 504 when one
-does not answer). Every answer, 401s and 500s included, is counted in `/metrics`. Auth follows the address Serve's
-proxy really binds (`serve.production_settings`). No `/docs` or `/openapi.json`. API keys, request bodies and
-generated text are never logged.
+does not answer). Every answer, 401s and 500s included, is counted in `/metrics`; a streamed answer's latency ends at
+its last byte. Auth (`serve.ingress_auth`) follows the address Serve's proxy really binds
+(`serve.production_settings`). No `/docs` or `/openapi.json`. API keys, request bodies and generated text are never
+logged.
 
 Serving policy (`serve.serving.RoutingPolicy`, shown by `/v1/config`): with two engines, a generation request that
 makes more than `switch_above` generation requests in flight at this ingress replica goes to the high-concurrency
 engine; the answer's `x-specdec-route` header says which engine served it (`low` / `high`).
+
+Live figures (`serve.live`, `serve.live_book`, `serve.live_stream`): every generation request forwarded to an engine
+becomes one `LiveRecord` when its answer ends (a stream: at `data: [DONE]`), with the engine's token counts (a
+streamed request asks the engine for its usage chunk, which a client that did not ask never sees) and the same
+figures as Prometheus histograms and counters (labels `version`, `arm`, `route`, `bucket`). `GET /v1/live` and
+`GET /v1/live/summary` serve them (this replica's ring of `live_records`); the closed loop posts its drift verdicts
+to `POST /v1/drift` (shown on `/v1/config` and `/metrics`) and reads the capture's parts from `GET /v1/capture` and
+`GET /v1/capture/<name>`; it runs a canary of a candidate version on a share of the traffic (`serve.canary`, routes
+`/v1/canary*`). The capture, drift and canary routes take an admin key only (`serve.production_settings`).
 """
 
 
 import asyncio
-import hmac
 import json
 import time
 import weakref
@@ -31,82 +40,30 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from serve.canary import CanaryArm
+from serve.canary_contract import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH, CAPTURE_PATH,
+                                   DRIFT_PATH, CanaryShare, CanaryStart, CanaryStop, DriftReport)
 from serve.capture import Capture
 from serve.http_errors import (RequestRejected, busy_response, error_response, failure_answer, log_failure,
                                unavailable_response)
+from serve.ingress_auth import IngressAuth
 from serve.http_limits import BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
-from serve.production_settings import ProductionSettings, auth_problem, auth_required, load_api_keys
+from serve.ingress_support import (MAX_ERROR_BODY_BYTES, IngressMetrics, bounded, engine_error, explain_filled,
+                                   serve_bind_host, timed)
+from serve.live import CANDIDATE_ARM, LIVE_PATH, LIVE_SUMMARY_PATH, PRODUCTION_ARM, summarize_live
+from serve.live_book import LiveBook, feed_query, version_label
+from serve.live_stream import Measure, ask_usage, metered
+from serve.loop_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
+from serve.production_settings import (ProductionSettings, auth_problem, auth_required, load_admin_keys,
+                                       load_api_keys)
 from serve.serving import HIGH, LOW, RoutingPolicy, ServingConfig
 from serve.stream_relay import relay
 
 app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_url=None, openapi_url=None)
-MAX_ERROR_BODY_BYTES = 64_000  # an engine's error answer relayed whole; a bigger one is cut
-
-
-def serve_bind_host() -> str | None:
-    """The address Serve's HTTP proxy binds (from `serve.start` or the config file's `http_options`); None if
-    the controller cannot be asked."""
-    try:
-        from ray.serve.context import _get_global_client
-
-        client = _get_global_client()
-        return None if client is None else str(client.http_config.host)
-    except Exception:  # noqa: BLE001 - any failure means "unknown", which the caller treats as public
-        return None
-
-
-class IngressMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("specdec_requests", "requests by route and status", ["route", "status"],
-                                registry=self.registry)
-        self.latency = Histogram("specdec_request_latency_seconds", "end-to-end latency", ["route"],
-                                 registry=self.registry)
-        self.tokens = Counter("specdec_completion_tokens", "completion tokens served", registry=self.registry)
-        self.accept = Gauge("specdec_engine_accept_length", "engine avg speculative accept length since start",
-                            registry=self.registry)
-        self.routed = Counter("specdec_routed_requests", "generation requests by serving-policy route", ["route"],
-                              registry=self.registry)
-        self.in_flight = Gauge("specdec_in_flight_requests", "generation requests in flight at this ingress",
-                               registry=self.registry)
-        # as the replica that answered reports them (SGLang reports what it has; absent keys stay unset)
-        self.engine_requests = Gauge("specdec_engine_requests", "engine requests by state: running, waiting, "
-                                     "finished (since start or flush)", ["state"], registry=self.registry)
-        # a stream already answered 200 and then ended by an error event (timeout 504, engine gone 503)
-        self.stream_errors = Counter("specdec_stream_errors", "streams ended by an error event, by route and "
-                                     "status", ["route", "status"], registry=self.registry)
-
-
-async def bounded(call: Any, timeout_s: float) -> Any:
-    """Await a Serve handle call for at most `timeout_s`; on timeout (or cancellation) the call is cancelled too."""
-    try:
-        return await asyncio.wait_for(asyncio.ensure_future(call), timeout_s)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        call.cancel()
-        raise
-
-
-def engine_message(payload: bytes) -> str | None:
-    """The message of an engine's error body (OpenAI's, SGLang's or the CPU engine's shape), None if unreadable."""
-    try:
-        data = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    error = data.get("error")
-    message = error.get("message") if isinstance(error, dict) else data.get("message")
-    return message if isinstance(message, str) else None
-
-
-def engine_error(status: int, payload: bytes) -> Response:
-    """An engine's error answer in OpenAI's shape (the CPU engine's, SGLang's and llama-server's differ)."""
-    message = engine_message(payload) or f"the engine answered {status}"
-    return error_response(status, message, "invalid_request_error" if status < 500 else "server_error")
 
 
 # Serve freezes the FastAPI app while this module is still being imported (`@serve.ingress` pickles the app, whose
@@ -116,7 +73,7 @@ def engine_error(status: int, payload: bytes) -> Response:
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.1}, graceful_shutdown_timeout_s=120,
                   graceful_shutdown_wait_loop_s=1)
 @serve.ingress(app)
-class OpenAIIngress:
+class OpenAIIngress(IngressAuth):
     def __init__(self, engine: Any, settings: dict[str, Any], serving: dict[str, Any],
                  high_engine: Any = None) -> None:
         self.engine = engine
@@ -129,39 +86,26 @@ class OpenAIIngress:
         self.engines = {LOW: engine, **({HIGH: high_engine} if high_engine is not None else {})}
         self.in_flight = 0  # generation requests this replica is forwarding now (the router's load signal)
         self.routed = {route: 0 for route in self.engines}
+        # per arm and engine: a live record's concurrency
+        self.route_in_flight = {(arm, route): 0 for arm in (PRODUCTION_ARM, CANDIDATE_ARM) for route in (LOW, HIGH)}
         self.settings = ProductionSettings.model_validate(settings)
         self.serving = serving
         self.keys = [key.encode() for key in load_api_keys(self.settings)]
+        self.admin_keys = [key.encode() for key in load_admin_keys(self.settings)]
         # unknown bind address: assume it is public (fail closed)
         self.bind_host = serve_bind_host() or "0.0.0.0"
-        problem = auth_problem(self.settings, self.bind_host, [k.decode() for k in self.keys])
+        problem = auth_problem(self.settings, self.bind_host, [k.decode() for k in self.keys],
+                               [k.decode() for k in self.admin_keys])
         if problem:
             raise RuntimeError(problem)
-        self.enforce = bool(self.keys) or auth_required(self.settings, self.bind_host)
+        self.enforce = bool(self.keys or self.admin_keys) or auth_required(self.settings, self.bind_host)
         self.metrics = IngressMetrics()
+        self.live = LiveBook(self.settings.live_records, version_label(serving), self.metrics.registry)
+        self.drift = DriftBoard(self.metrics.registry)
+        self.canary = CanaryArm(self.settings)
         self.capture = Capture(self.settings.capture, self.settings.max_tokens_limit)  # off unless configured
 
-    def auth_summary(self) -> str:
-        """For the driver's banner: what this replica enforces, from the keys it loaded and the real bind address."""
-        if self.enforce:
-            return f"required ({len(self.keys)} key(s); proxy binds {self.bind_host})"
-        if self.settings.require_auth is False:
-            return f"off (--no-require-auth; proxy binds {self.bind_host})"
-        return f"off (proxy binds {self.bind_host}, localhost only)"
-
     # --- checks --------------------------------------------------------------------------------------------------
-
-    def _authorize(self, request: Request) -> None:
-        if not self.enforce:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        # bytes: compare_digest refuses non-ASCII str (a 500 before); headers arrive latin-1 decoded, so latin-1
-        # gives back the bytes the client sent
-        given = token.encode("latin-1")
-        if not token or not any(hmac.compare_digest(given, key) for key in self.keys):
-            raise RequestRejected(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                  "authentication_error")
 
     async def _body(self, request: Request) -> tuple[bytes, dict[str, Any], int | None]:
         """(body to forward, its JSON object, the max_tokens the endpoint filled in or None)."""
@@ -216,7 +160,8 @@ class OpenAIIngress:
         return JSONResponse({**self.serving["config"], "origin": self.serving["origin"],
                              "version": self.serving["origin"].get("version"),
                              "routing": {"switch_above": self.policy.switch_above, "in_flight": self.in_flight,
-                                         "routed": dict(self.routed)}})
+                                         "routed": dict(self.routed)},
+                             "drift": self.drift.shown(), "canary": self.canary.status().model_dump(mode="json")})
 
     @app.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
@@ -226,18 +171,83 @@ class OpenAIIngress:
         try:  # the engine's counters are a bonus: a dead engine must not hide the ingress's own metrics
             status, _, body = await bounded(self.engine.call.remote("GET", "/server_info"),
                                             self.settings.health_timeout_s)
-            states = (json.loads(body).get("internal_states") or [{}]) if status == 200 else [{}]
+            self.metrics.engine_state(body if status == 200 else b"{}")
         except Exception:  # noqa: BLE001
-            states = [{}]
-        accept = states[0].get("avg_spec_accept_length")
-        if isinstance(accept, (int, float)):
-            self.metrics.accept.set(accept)
-        for state, key in (("running", "num_running_reqs"), ("waiting", "num_waiting_reqs"),
-                           ("finished", "num_finished_requests")):
-            value = states[0].get(key)
-            if isinstance(value, (int, float)):
-                self.metrics.engine_requests.labels(state).set(value)
+            pass
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(), media_type="text/plain")
+
+    @app.get(LIVE_PATH)
+    async def live_feed(self, request: Request) -> Response:
+        return await self._guarded(request, LIVE_PATH, self._live_feed)
+
+    async def _live_feed(self, request: Request) -> Response:
+        after, limit = feed_query(request.query_params)
+        return JSONResponse(self.live.feed(after, limit).model_dump(mode="json"))
+
+    @app.get(LIVE_SUMMARY_PATH)
+    async def live_summary(self, request: Request) -> Response:
+        return await self._guarded(request, LIVE_SUMMARY_PATH, self._live_summary)
+
+    async def _live_summary(self, request: Request) -> Response:
+        held = list(self.live.records)  # a copy: the ring changes while the summary is computed off the loop
+        return JSONResponse((await asyncio.to_thread(summarize_live, held)).model_dump(mode="json"))
+
+    @app.post(DRIFT_PATH)
+    async def post_drift(self, request: Request) -> Response:
+        return await self._guarded(request, DRIFT_PATH, self._post_drift, admin=True)
+
+    async def _post_drift(self, request: Request) -> Response:
+        self.drift.post(contract_body(DriftReport, await self._posted(request)))
+        return JSONResponse({"drift": self.drift.shown()})
+
+    async def _posted(self, request: Request) -> Any:
+        body = await read_body(request.receive, self.settings.max_request_bytes, request.headers.get("content-length"))
+        try:
+            return parse_json(body)
+        except BadJson as exc:
+            raise RequestRejected(400, f"request body: {exc}") from None
+
+    @app.get(CANARY_PATH)
+    async def canary_status(self, request: Request) -> Response:
+        return await self._guarded(request, CANARY_PATH, self._canary, admin=True)
+
+    @app.post(CANARY_START_PATH)
+    async def canary_start(self, request: Request) -> Response:
+        return await self._guarded(request, CANARY_START_PATH, self._canary, admin=True)
+
+    @app.post(CANARY_SHARE_PATH)
+    async def canary_share(self, request: Request) -> Response:
+        return await self._guarded(request, CANARY_SHARE_PATH, self._canary, admin=True)
+
+    @app.post(CANARY_STOP_PATH)
+    async def canary_stop(self, request: Request) -> Response:
+        return await self._guarded(request, CANARY_STOP_PATH, self._canary, admin=True)
+
+    async def _canary(self, request: Request) -> Response:
+        path, canary = request.url.path, self.canary
+        canary.touch()
+        if path == CANARY_START_PATH:
+            canary.start(contract_body(CanaryStart, await self._posted(request)))
+        elif path == CANARY_SHARE_PATH:
+            canary.share = contract_body(CanaryShare, await self._posted(request)).share
+        elif path == CANARY_STOP_PATH:
+            canary.stop(contract_body(CanaryStop, await self._posted(request)).reason)
+        return JSONResponse(canary.status().model_dump(mode="json"))
+
+    @app.get(CAPTURE_PATH)
+    async def capture_parts(self, request: Request) -> Response:
+        return await self._guarded(request, CAPTURE_PATH, self._capture_parts, admin=True)
+
+    async def _capture_parts(self, request: Request) -> Response:
+        return JSONResponse((await capture_listing(self.settings.capture)).model_dump(mode="json"))
+
+    @app.get(CAPTURE_PATH + "/{name}")
+    async def capture_file(self, request: Request, name: str) -> Response:
+        return await self._guarded(request, CAPTURE_PATH + "/<name>", self._capture_file, admin=True)
+
+    async def _capture_file(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        return Response(await capture_part(self.settings.capture, name), media_type=PARQUET_MEDIA_TYPE)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -251,11 +261,12 @@ class OpenAIIngress:
     async def chat(self, request: Request) -> Response:
         return await self._guarded(request, "/v1/chat/completions", self._forward)
 
-    async def _guarded(self, request: Request, route: str, handler: Any) -> Response:
-        """Auth, the handler within request_timeout_s, and one answer for every outcome (each counted)."""
-        started = time.monotonic()
+    async def _guarded(self, request: Request, route: str, handler: Any, admin: bool = False) -> Response:
+        """Auth (`admin`: an admin key only), the handler within request_timeout_s, and one answer for every outcome
+        (each counted)."""
+        started = request.state.arrived = time.monotonic()
         try:
-            self._authorize(request)
+            self._authorize(request, admin)
             response = await asyncio.wait_for(handler(request), self.settings.request_timeout_s)
         except RequestRejected as rejected:
             response = error_response(rejected.status, rejected.message, rejected.kind, rejected.headers)
@@ -268,8 +279,16 @@ class OpenAIIngress:
             response = self._failure(route, exc)
         data = getattr(request.state, "body", None)
         response = await self.capture.observe(route, data, response)  # opt-in traffic capture (serve.capture)
+        measure = getattr(request.state, "live", None)
+        if measure is not None and not measure.metered:  # a metered stream records itself when it ends
+            self.live.record(measure, response.status_code, time.monotonic())
         self.metrics.requests.labels(route, str(response.status_code)).inc()
-        self.metrics.latency.labels(route).observe(time.monotonic() - started)
+        latency = self.metrics.latency.labels(route)
+        if getattr(response, "body_iterator", None) is not None:
+            response.body_iterator = timed(response.body_iterator,
+                                           lambda: latency.observe(time.monotonic() - started))
+        else:
+            latency.observe(time.monotonic() - started)
         return response
 
     def _failure(self, route: str, exc: BaseException) -> Response:
@@ -287,30 +306,36 @@ class OpenAIIngress:
             return Response(body, status_code=status, media_type=ctype or None)
         body, data, filled = await self._body(request)
         route = self.policy.route(self.in_flight + 1)  # +1: this request counts towards the level it creates
-        release = self._enter(route)
+        streaming = bool(data.get("stream"))
+        strip = streaming and ask_usage(data)  # the engine's usage chunk, kept from a client that did not ask
+        if strip:
+            body = json.dumps(data).encode()
+        candidate = self.canary.pick()  # None: production's engine
+        arm, engine = (CANDIDATE_ARM, candidate) if candidate is not None else (PRODUCTION_ARM, self.engines[route])
+        if candidate is not None:
+            route = LOW  # the candidate runs its config's one (low-concurrency) engine
+        release = self._enter(route, arm)
+        measure = request.state.live = Measure(getattr(request.state, "arrived", time.monotonic()), path, route,
+                                               self.route_in_flight[(arm, route)], streaming, arm,
+                                               self.canary.version if candidate is not None else None)
         try:
-            response = await self._generate(self.engines[route], path, body, bool(data.get("stream")), release)
+            response = await self._generate(engine, path, body, streaming, release, measure, strip)
         except BaseException:
             release()
             raise
         if response.status_code == 400 and filled is not None:
-            response = self._explain_filled(response, filled)
+            response = explain_filled(response, filled)
         response.headers["x-specdec-route"] = route
         return response
 
-    def _explain_filled(self, response: Response, filled: int) -> Response:
-        """The engine refused a request whose max_tokens the endpoint filled in (a long chat prompt leaves less
-        room than the endpoint's limit): say so, since the client never sent the field the engine names."""
-        message = engine_message(bytes(response.body)) or "the engine refused the request"
-        return error_response(400, f"{message} (the request had no max_tokens, so this endpoint applied "
-                                   f"max_tokens={filled}, its max_tokens_limit; send a max_tokens that fits)",
-                              "invalid_request_error")
-
-    def _enter(self, route: str) -> Any:
+    def _enter(self, route: str, arm: str) -> Any:
         """Count a generation request in flight; returns its idempotent release (a stream releases when it ends)."""
         self.in_flight += 1
-        self.routed[route] += 1
-        self.metrics.routed.labels(route).inc()
+        self.route_in_flight[(arm, route)] += 1
+        self.canary.in_flight += arm == CANDIDATE_ARM
+        if arm == PRODUCTION_ARM:
+            self.routed[route] += 1
+            self.metrics.routed.labels(route).inc()
         self.metrics.in_flight.set(self.in_flight)
         done = False
 
@@ -319,12 +344,16 @@ class OpenAIIngress:
             if not done:
                 done = True
                 self.in_flight -= 1
+                self.route_in_flight[(arm, route)] -= 1
+                self.canary.in_flight -= arm == CANDIDATE_ARM
                 self.metrics.in_flight.set(self.in_flight)
 
         return release
 
-    async def _generate(self, engine: Any, path: str, body: bytes, streaming: bool, release: Any) -> Response:
-        """Forward one generation request to `engine`; `release` is called when it is no longer in flight."""
+    async def _generate(self, engine: Any, path: str, body: bytes, streaming: bool, release: Any, measure: Measure,
+                        strip_usage: bool) -> Response:
+        """Forward one generation request to `engine`; `release` is called when it is no longer in flight; the
+        answer is measured into `measure` (a 200 stream records its live record itself when it ends)."""
         headers = {"content-type": "application/json"}
         if streaming:
             stream = engine.options(stream=True).call_stream.remote("POST", path, body, headers)
@@ -357,7 +386,9 @@ class OpenAIIngress:
             # A generator never iterated (the client left before the body was sent) runs no `finally`: release the
             # in-flight count when it is collected, or the router would count that request forever.
             weakref.finalize(chunks, release)
-            return StreamingResponse(chunks, status_code=status, media_type=ctype or "text/event-stream")
+            measure.metered = True
+            body_out = metered(chunks, measure, strip_usage, lambda m, at: self.live.record(m, 200, at))
+            return StreamingResponse(body_out, status_code=status, media_type=ctype or "text/event-stream")
         response = engine.call.remote("POST", path, body, headers)
         try:
             status, ctype, payload = await response
@@ -370,8 +401,5 @@ class OpenAIIngress:
             return busy_response("the engine's queue is full", self.settings.retry_after_s)
         if status != 200:
             return engine_error(status, payload)
-        try:
-            self.metrics.tokens.inc(json.loads(payload).get("usage", {}).get("completion_tokens", 0))
-        except (ValueError, AttributeError):
-            pass
+        measure.answer(payload, time.monotonic())
         return Response(payload, status_code=status, media_type=ctype or None)

@@ -19,62 +19,23 @@ Auth, limits and backpressure (`serve.production_settings`, docs/security.md): b
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from collections.abc import MutableMapping
-from pathlib import Path
 from typing import Any
 
+from serve.engine_app import backpressure, engine_deployment, load_serving_config
 from serve.engines.base import ENDPOINT_MALLOC_MARKER, ReplicaConfig
 from serve.serving import ENGINE_DEPLOYMENTS, HIGH, LOW, SERVING_FILE, ServingConfig
 from serve.production_settings import (LOCAL_HOSTS, PRODUCTION, ProductionSettings, auth_problem,
-                                       load_api_keys)
+                                       load_admin_keys, load_api_keys)
 
 CONFIG_FILE = SERVING_FILE
 # The settings and their auth rules live in serve.production_settings (shared with serve.ingress without a circle);
 # re-exported here because this is the production endpoint's public module.
 __all__ = ["ProductionSettings", "PRODUCTION", "LOCAL_HOSTS", "build_app", "app_builder", "deploy", "main",
            "resolve_serving", "load_serving_config", "replica_config"]
-
-
-def load_serving_config(tracking_uri: str | None, uri: str) -> ServingConfig:
-    """The serving config at `models:/<name>@<alias>`, `models:/<name>/<version>` or a JSON/YAML file, validated:
-    a file that is not a ServingConfig is refused with the field named."""
-    if not uri.startswith("models:/"):
-        import yaml
-
-        return _validated(yaml.safe_load(Path(uri).read_text()), uri)
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    # Resolve the version with an explicit client: `download_artifacts("models:/...")` would ask the process-global
-    # registry URI, not `tracking_uri`.
-    name, _, ref = uri[len("models:/"):].partition("@")
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    if ref:
-        version = client.get_model_version_by_alias(name, ref)
-    else:
-        name, _, number = name.partition("/")
-        version = client.get_model_version(name, number)
-    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=tracking_uri))
-    target = folder / CONFIG_FILE if folder.is_dir() else folder
-    return _validated(json.loads(target.read_text()), uri)
-
-
-def _validated(data: Any, where: str) -> ServingConfig:
-    from pydantic import ValidationError
-
-    if isinstance(data, dict):
-        # promoted.yaml is a serving config plus where it was registered: accepted as --config-file too.
-        data = {k: v for k, v in data.items() if k not in ("registered_model", "version")}
-    try:
-        return ServingConfig.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"{where} is not a serving config ({problems}). Fix: use the serving_config.json a study "
-                         "wrote (deploy/ of its output folder) or a registered version") from None
 
 
 def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
@@ -105,29 +66,15 @@ def build_app(settings: ProductionSettings) -> Any:
     """The Serve application: ingress + one engine deployment per engine of the serving policy (one, or two when
     the policy switches config above a concurrency), all rolling with a 100% surge."""
     from serve.ingress import OpenAIIngress
-    from serve.replica import EngineBackend, actor_options
 
     serving = resolve_serving(settings)
-    engines = {}
-    for route in ServingConfig.model_validate(serving["config"]).replicas():
-        engine_cfg = replica_config(serving, settings.threads, route)
-        # @serve.deployment made these classes Deployments (mypy sees the classes).
-        engines[route] = EngineBackend.options(  # type: ignore[attr-defined]
-            name=ENGINE_DEPLOYMENTS[route], num_replicas=settings.num_replicas, max_surge_percent=100,
-            max_constructor_retry_count=3, **_backpressure(settings),
-            ray_actor_options=actor_options(engine_cfg)).bind(engine_cfg.to_replica())
+    engines = {route: engine_deployment(settings, replica_config(serving, settings.threads, route),
+                                        ENGINE_DEPLOYMENTS[route])
+               for route in ServingConfig.model_validate(serving["config"]).replicas()}
     # max_constructor_retry_count=1: a refused start (no keys off-localhost, placeholder keys) fails in seconds
     return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,  # type: ignore[attr-defined]
-                                 max_ongoing_requests=settings.max_ongoing_requests, **_backpressure(settings)
+                                 max_ongoing_requests=settings.max_ongoing_requests, **backpressure(settings)
                                  ).bind(engines[LOW], settings.model_dump(mode="json"), serving, engines.get(HIGH))
-
-
-def _backpressure(settings: ProductionSettings) -> dict[str, Any]:
-    """Serve's own queue in front of a deployment is bounded; a request beyond it gets 429 with Retry-After."""
-    from ray.serve.config import BackpressureConfig
-
-    return {"max_queued_requests": settings.max_queued_requests,
-            "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=settings.retry_after_s)}
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -192,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The same rule the ingress enforces, checked here first: a refused start says why in this terminal, at once,
     # instead of after Serve's retries with the reason only in Ray's logs.
+    problem: str | None
     try:
-        problem = auth_problem(settings, settings.host, load_api_keys(settings))
+        keys, admin_keys = load_api_keys(settings), load_admin_keys(settings)
     except OSError as exc:
-        problem = f"--api-key-file: cannot read {settings.api_key_file!r}: {exc.strerror}"
+        which = "--admin-key-file" if exc.filename == settings.admin_key_file else "--api-key-file"
+        problem = f"{which}: cannot read {exc.filename!r}: {exc.strerror}"
+    else:
+        problem = auth_problem(settings, settings.host, keys, admin_keys)
     if problem:
         print(f"error: {problem}", flush=True)
         return 2

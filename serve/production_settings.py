@@ -7,6 +7,11 @@ address Serve's HTTP proxy really binds (with `serve deploy` that comes from the
 the app's arguments), or when `require_auth` is true; `require_auth: false` is the only way to serve off-localhost
 without keys. Whenever keys are configured they are enforced, on localhost too. Keys that are placeholders
 (`change-me...`, shipped in example files) or shorter than `MIN_KEY_CHARS` are refused at start.
+
+Admin keys (`SPECDEC_ADMIN_KEYS`, `--admin-key-file`; `admin_access`): the closed loop's control routes (the
+capture's parts, `POST /v1/drift`, the canary) take only an admin key, never a user key; an admin key also works
+wherever a user key does. Without admin keys those routes answer 403, except on an endpoint bound to localhost with
+no keys at all.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from serve.canary_contract import ADMIN_KEYS_ENV
 from serve.capture import CaptureSettings
 from serve.spec import FrozenModel
 
 __all__ = ["ProductionSettings", "PRODUCTION", "LOCAL_HOSTS", "MIN_KEY_CHARS", "load_api_keys", "auth_required",
-           "auth_problem", "key_problem"]
+           "auth_problem", "key_problem", "load_admin_keys", "admin_access"]
 
 PRODUCTION = "production"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -45,6 +51,8 @@ class ProductionSettings(FrozenModel):
     require_auth: bool | None = Field(None, description="None: required when the endpoint binds beyond localhost")
     api_keys_env: str = Field("SPECDEC_API_KEYS", description="env var with comma-separated API keys")
     api_key_file: str | None = Field(None, description="file with one API key per line")
+    admin_key_file: str | None = Field(None, description=f"file with one admin key per line (besides "
+                                                         f"{ADMIN_KEYS_ENV}): the capture, drift and canary routes")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="bigger bodies get 413")
     max_tokens_limit: int = Field(2048, ge=1, description="max_tokens above this gets 422; absent max_tokens "
                                                           "becomes this (chat) or min(16, this) (completions)")
@@ -62,6 +70,8 @@ class ProductionSettings(FrozenModel):
     capture: CaptureSettings | None = Field(None, description="traffic capture to Parquet (opt-in; a directory or "
                                                             "JSON settings; see serve/capture.py and the PII "
                                                             "warning in docs/security.md)")
+    live_records: int = Field(10_000, ge=1, description="live records (GET /v1/live) each ingress replica holds; "
+                                                       "older ones are dropped")
     follow_alias_s: float = Field(10.0, ge=0, description="python -m serve.production: poll the registry alias this "
                                                           "often and roll to a new version (0 = off)")
 
@@ -86,6 +96,24 @@ def load_api_keys(settings: ProductionSettings) -> list[str]:
     return keys
 
 
+def load_admin_keys(settings: ProductionSettings) -> list[str]:
+    keys = [k.strip() for k in os.environ.get(ADMIN_KEYS_ENV, "").split(",") if k.strip()]
+    if settings.admin_key_file:
+        keys += [line.strip() for line in Path(settings.admin_key_file).read_text().splitlines() if line.strip()]
+    return keys
+
+
+def admin_access(bind_host: str, user_keys: int, admin_keys: int, given: str | None) -> int | None:
+    """None when a request may use an admin route, else the status to answer. `given`: "admin" or "user" (the
+    kind of valid key the request sent), None for no valid key. With admin keys configured: an admin key passes,
+    a user key is 403, no valid key 401. Without: 403, except on a localhost endpoint without any key. Pure."""
+    if admin_keys:
+        return None if given == "admin" else 403 if given == "user" else 401
+    if bind_host in LOCAL_HOSTS and not user_keys:
+        return None
+    return 403
+
+
 def auth_required(settings: ProductionSettings, bind_host: str) -> bool:
     if settings.require_auth is not None:
         return settings.require_auth
@@ -102,15 +130,18 @@ def key_problem(key: str) -> str | None:
     return None
 
 
-def auth_problem(settings: ProductionSettings, bind_host: str, keys: list[str]) -> str | None:
+def auth_problem(settings: ProductionSettings, bind_host: str, keys: list[str],
+                 admin_keys: list[str] | None = None) -> str | None:
     """Why the endpoint must not start with these keys on this bind address, or None. Names the fix."""
     where = f"{settings.api_keys_env} / --api-key-file"
-    for index, key in enumerate(keys, 1):
-        problem = key_problem(key)
-        if problem:
-            return (f"API key #{index} from {where} is {problem}; generate one, e.g. "
-                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
-    if auth_required(settings, bind_host) and not keys:
+    admin_where = f"{ADMIN_KEYS_ENV} / --admin-key-file"
+    for source, listed in ((where, keys), (admin_where, admin_keys or [])):
+        for index, key in enumerate(listed, 1):
+            problem = key_problem(key)
+            if problem:
+                return (f"{'admin' if source == admin_where else 'API'} key #{index} from {source} is {problem}; "
+                        "generate one, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    if auth_required(settings, bind_host) and not keys and not admin_keys:
         return (f"API keys are required when the endpoint binds {bind_host!r} (beyond localhost): set "
                 f"{settings.api_keys_env}=key1,key2 or --api-key-file, or pass --no-require-auth to serve without "
                 "keys on purpose")

@@ -1,0 +1,138 @@
+"""The candidate arm of the production endpoint's canary (`serve.canary_contract` states the semantics).
+
+One ingress replica owns it: `POST /v1/canary/start` deploys the candidate's engine as its own Serve application
+(`<app>-canary`, no HTTP route; the production app and its engines are never touched), and once it runs, `pick`
+sends each generation request to it with probability `share`. `stop` sends every new request to production, waits
+for the candidate's in-flight requests (at most `request_timeout_s`) and deletes the candidate's application. A
+canary whose controller called no canary route for `lease_s` is stopped by the endpoint itself (`lease expired`).
+
+The candidate serves its registered config's low-concurrency engine (`replica`); a two-engine policy's second
+engine is not canaried. The canary needs one ingress replica (`num_replicas: 1`): a second replica would deploy,
+share and stop its own copy of the same application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from serve.canary_contract import CanaryStart, CanaryStatus
+from serve.http_errors import RequestRejected
+from serve.live import CANDIDATE_ARM, PRODUCTION_ARM
+from serve.production_settings import ProductionSettings
+
+__all__ = ["CanaryArm", "CANARY_ENGINE"]
+
+CANARY_ENGINE = "EngineBackend"  # the candidate app's engine deployment
+
+
+class CanaryArm:
+    def __init__(self, settings: ProductionSettings, rng: random.Random | None = None) -> None:
+        self.settings = settings
+        self.app = f"{settings.app_name}-canary"
+        self.rng = rng or random.Random()
+        self.state = "off"
+        self.start_request: CanaryStart | None = None
+        self.share = 0.0
+        self.started_ms: int | None = None
+        self.requests = {PRODUCTION_ARM: 0, CANDIDATE_ARM: 0}
+        self.reason: str | None = None
+        self.handle: Any = None
+        self.in_flight = 0
+        self.last_call = time.monotonic()
+        self.deploying: asyncio.Task[None] | None = None
+        self.tearing_down: asyncio.Task[None] | None = None
+
+    @property
+    def version(self) -> str:
+        return self.start_request.candidate.version if self.start_request is not None else ""
+
+    def status(self) -> CanaryStatus:
+        return CanaryStatus(state=self.state, candidate=self.start_request.candidate if self.start_request else None,
+                            share=self.share, started_ms=self.started_ms, requests=dict(self.requests),  # type: ignore[arg-type]
+                            reason=self.reason)
+
+    def touch(self) -> None:
+        """A canary route was called: the lease is renewed."""
+        self.last_call = time.monotonic()
+
+    def check_lease(self) -> None:
+        lease = self.start_request.lease_s if self.start_request is not None else None
+        if self.state in ("starting", "running") and lease is not None and time.monotonic() - self.last_call > lease:
+            self.stop("lease expired")
+
+    def start(self, start: CanaryStart) -> CanaryStatus:
+        if self.state in ("starting", "running", "stopping"):
+            raise RequestRejected(409, f"a canary is {self.state} (candidate version {self.version}); stop it "
+                                       "first (POST /v1/canary/stop)", "conflict_error")
+        self.start_request, self.share, self.state, self.reason = start, start.share, "starting", None
+        self.started_ms, self.requests = None, {PRODUCTION_ARM: 0, CANDIDATE_ARM: 0}
+        self.deploying = asyncio.get_running_loop().create_task(self._deploy(start))
+        return self.status()
+
+    async def _deploy(self, start: CanaryStart) -> None:
+        try:
+            handle = await asyncio.to_thread(self._deploy_blocking, start)
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot start leaves production serving
+            if self.state == "starting":
+                self.state, self.reason = "failed", f"{type(exc).__name__}: {str(exc)[:1500]}"
+            return
+        if self.state == "starting":
+            self.handle, self.state, self.started_ms = handle, "running", int(time.time() * 1000)
+
+    def _deploy_blocking(self, start: CanaryStart) -> Any:
+        from ray import serve
+
+        from serve.engine_app import engine_deployment, load_serving_config
+
+        ref = start.candidate
+        config = load_serving_config(self.settings.tracking_uri, f"models:/{ref.registered_model}/{ref.version}")
+        replica = config.replica
+        if self.settings.threads is not None:
+            replica = replica.model_copy(update={"threads": self.settings.threads})
+        serve.run_many([serve.RunTarget(engine_deployment(self.settings, replica, CANARY_ENGINE), name=self.app,
+                                        route_prefix=None)], wait_for_applications_running=False)
+        deadline = time.monotonic() + replica.start_timeout_s + 60
+        while time.monotonic() < deadline and self.state == "starting":
+            status = serve.status().applications.get(self.app)
+            state = str(status.status) if status else "MISSING"
+            if state.endswith("RUNNING"):
+                return serve.get_deployment_handle(CANARY_ENGINE, self.app)
+            if state.endswith("DEPLOY_FAILED"):
+                raise RuntimeError(f"the candidate's engine failed to deploy: {status.message if status else ''}")
+            time.sleep(0.5)  # the controller's status, polled under the deadline above
+        raise TimeoutError(f"the candidate's engine was not running after {replica.start_timeout_s + 60:.0f} s")
+
+    def pick(self) -> Any:
+        """The candidate's engine handle for this request (None: production's), counted per arm."""
+        self.check_lease()
+        if self.state != "running":
+            return None
+        arm = CANDIDATE_ARM if self.rng.random() < self.share else PRODUCTION_ARM
+        self.requests[arm] += 1
+        return self.handle if arm == CANDIDATE_ARM else None
+
+    def stop(self, reason: str) -> CanaryStatus:
+        if self.state in ("off", "stopping"):
+            return self.status()
+        self.state, self.reason = "stopping", reason
+        self.tearing_down = asyncio.get_running_loop().create_task(self._teardown())
+        return self.status()
+
+    async def _teardown(self) -> None:
+        if self.deploying is not None:
+            await self.deploying  # its poll ends once the state left `starting`; it never raises
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # the candidate's last requests finish (bounded by request_timeout_s)
+        self.handle = None
+        try:
+            from ray import serve
+
+            await asyncio.to_thread(serve.delete, self.app)
+        except Exception as exc:  # noqa: BLE001 - the app may never have been created (a failed start)
+            self.reason = f"{self.reason}; deleting {self.app}: {type(exc).__name__}"
+        if self.state == "stopping":
+            self.state = "off"
