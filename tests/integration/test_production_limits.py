@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.study.driver import connect_ray
 from serve.production import ProductionSettings, deploy
-from tests.integration.test_production import BASELINE, KEY, MODEL, client, serving
+from tests.integration.production_endpoint import BASELINE, KEY, MODEL, client, serving
 
 pytestmark = pytest.mark.integration
 HANG = ["--test-fault", "hang-after=0"]  # serve/engines/cpu/faults.py
