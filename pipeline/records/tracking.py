@@ -193,6 +193,13 @@ class Tracker:
                 else [f"attributes.run_name = '{run_name}'"])
         older = sorted({old.info.run_id for key in keys for old in client.search_runs(
             [self.experiment_id()], filter_string=f"{where} and {key}")})
+        if trial_id:
+            # A sampler may propose one config twice: the second trial's run must not read like the first in the
+            # runs table or the compare view, so it takes the suffix the study's tables give it (unique_names).
+            namesakes = client.search_runs([self.experiment_id()],
+                                           filter_string=f"{where} and attributes.run_name = '{run_name}'")
+            if any(r.info.run_id not in older for r in namesakes):
+                run_name = f"{run_name} #{trial_id}"
         tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
                 "reason": reason[:4000], **({TRIAL_ID_TAG: trial_id} if trial_id else {}), **(extra_tags or {})}
         start_ms = int(started_at * 1000) if started_at is not None else None
