@@ -56,7 +56,7 @@ from serve.ingress_support import (MAX_ERROR_BODY_BYTES, IngressMetrics, bounded
                                    serve_bind_host, timed)
 from serve.live import CANDIDATE_ARM, LIVE_PATH, LIVE_SUMMARY_PATH, PRODUCTION_ARM, summarize_live
 from serve.live_book import LiveBook, feed_query, version_label
-from serve.live_stream import Measure, ask_usage, metered
+from serve.live_stream import SPEC_DETAIL_ENGINES, Added, Measure, ask_spec_details, ask_usage, metered
 from serve.loop_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
 from serve.production_settings import (ProductionSettings, auth_problem, auth_required, load_admin_keys,
                                        load_api_keys)
@@ -78,7 +78,8 @@ class OpenAIIngress(IngressAuth):
                  high_engine: Any = None) -> None:
         self.engine = engine
         # The policy decides which engine a generation request goes to (one config: always `engine`).
-        self.policy = ServingConfig.model_validate(serving["config"]).policy or RoutingPolicy(
+        served = ServingConfig.model_validate(serving["config"])
+        self.policy = served.policy or RoutingPolicy(
             text="one config at every level (a serving config without a per-level policy)", source="(replica)")
         if (self.policy.high is None) != (high_engine is None):
             raise RuntimeError(f"the serving policy has {'two' if self.policy.high else 'one'} engine(s) but the "
@@ -90,6 +91,9 @@ class OpenAIIngress(IngressAuth):
         self.route_in_flight = {(arm, route): 0 for arm in (PRODUCTION_ARM, CANDIDATE_ARM) for route in (LOW, HIGH)}
         self.settings = ProductionSettings.model_validate(settings)
         self.serving = serving
+        # Engines that return a request's spec counters when asked (SGLang's `return_spec_tokens_details`; llama-server
+        # has no such counters): live accept length is measured on these.
+        self.spec_details = served.replica.engine in SPEC_DETAIL_ENGINES
         self.keys = [key.encode() for key in load_api_keys(self.settings)]
         self.admin_keys = [key.encode() for key in load_admin_keys(self.settings)]
         # unknown bind address: assume it is public (fail closed)
@@ -307,8 +311,9 @@ class OpenAIIngress(IngressAuth):
         body, data, filled = await self._body(request)
         route = self.policy.route(self.in_flight + 1)  # +1: this request counts towards the level it creates
         streaming = bool(data.get("stream"))
-        strip = streaming and ask_usage(data)  # the engine's usage chunk, kept from a client that did not ask
-        if strip:
+        # What the engine is asked for the live figures and the client did not ask: kept from the client's answer.
+        added = Added(usage=streaming and ask_usage(data), spec=self.spec_details and ask_spec_details(data))
+        if added.usage or added.spec:
             body = json.dumps(data).encode()
         candidate = self.canary.pick()  # None: production's engine
         arm, engine = (CANDIDATE_ARM, candidate) if candidate is not None else (PRODUCTION_ARM, self.engines[route])
@@ -319,7 +324,7 @@ class OpenAIIngress(IngressAuth):
                                                self.route_in_flight[(arm, route)], streaming, arm,
                                                self.canary.version if candidate is not None else None)
         try:
-            response = await self._generate(engine, path, body, streaming, release, measure, strip)
+            response = await self._generate(engine, path, body, streaming, release, measure, added)
         except BaseException:
             release()
             raise
@@ -351,7 +356,7 @@ class OpenAIIngress(IngressAuth):
         return release
 
     async def _generate(self, engine: Any, path: str, body: bytes, streaming: bool, release: Any, measure: Measure,
-                        strip_usage: bool) -> Response:
+                        added: Added) -> Response:
         """Forward one generation request to `engine`; `release` is called when it is no longer in flight; the
         answer is measured into `measure` (a 200 stream records its live record itself when it ends)."""
         headers = {"content-type": "application/json"}
@@ -387,7 +392,7 @@ class OpenAIIngress(IngressAuth):
             # in-flight count when it is collected, or the router would count that request forever.
             weakref.finalize(chunks, release)
             measure.metered = True
-            body_out = metered(chunks, measure, strip_usage, lambda m, at: self.live.record(m, 200, at))
+            body_out = metered(chunks, measure, added, lambda m, at: self.live.record(m, 200, at))
             return StreamingResponse(body_out, status_code=status, media_type=ctype or "text/event-stream")
         response = engine.call.remote("POST", path, body, headers)
         try:
@@ -401,5 +406,5 @@ class OpenAIIngress(IngressAuth):
             return busy_response("the engine's queue is full", self.settings.retry_after_s)
         if status != 200:
             return engine_error(status, payload)
-        measure.answer(payload, time.monotonic())
+        payload = measure.answer(payload, time.monotonic(), added)
         return Response(payload, status_code=status, media_type=ctype or None)

@@ -7,8 +7,11 @@ its verify steps when the engine reports them (SGLang's `sglext.spec_tokens_deta
 
 Streams: OpenAI engines send usage only when asked (`stream_options.include_usage`); `ask_usage` adds that to a
 request whose client did not ask, and `metered` then keeps the usage chunk from that client (an OpenAI client that
-did not ask for it does not expect a chunk without choices). `metered` forwards every other byte as it came, event
-by event (SSE events end with a blank line; a partial event is held until its end arrives).
+did not ask for it does not expect a chunk without choices). SGLang (and our CPU engine) send a request's spec
+counters only when asked (`return_spec_tokens_details`): `ask_spec_details` adds that ask where the engine takes it,
+and the `sglext.spec_tokens_details` it brings is then kept from that client too, streamed or not (`Added`).
+`metered` forwards every other byte as it came, event by event (SSE events end with a blank line; a partial event is
+held until its end arrives).
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Measure", "ask_usage", "metered", "CLIENT_CLOSED"]
+__all__ = ["Added", "Measure", "ask_usage", "ask_spec_details", "metered", "CLIENT_CLOSED", "SPEC_DETAIL_ENGINES"]
 
+# Engine kinds that return a request's spec counters when asked (SGLang 0.5.23, our CPU engine); llama-server takes
+# the ask and returns none (tests/integration/test_engine_contract_llama_cpp.py).
+SPEC_DETAIL_ENGINES = frozenset({"cpu", "sglang"})
 CLIENT_CLOSED = 499  # a stream the client left before `[DONE]` (nginx's code for it; no HTTP status was sent)
 
 
@@ -34,6 +41,30 @@ def ask_usage(data: dict[str, Any]) -> bool:
         return False
     data["stream_options"] = {**(options or {}), "include_usage": True}
     return True
+
+
+def ask_spec_details(data: dict[str, Any]) -> bool:
+    """Make a request ask the engine for its spec counters (SGLang's `return_spec_tokens_details`). True when the
+    ingress added the ask, so they must not reach the client; a client's own value (true, or a malformed one for the
+    engine to refuse) is left as it is."""
+    if "return_spec_tokens_details" in data:
+        return False
+    data["return_spec_tokens_details"] = True
+    return True
+
+
+@dataclass(frozen=True)
+class Added:
+    """What the ingress asked the engine for and the client did not: kept from the client's answer."""
+
+    usage: bool = False  # a stream's usage chunk (`ask_usage`)
+    spec: bool = False  # `sglext.spec_tokens_details` (`ask_spec_details`)
+
+
+def _without_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    extension = {k: v for k, v in (obj.get("sglext") or {}).items() if k != "spec_tokens_details"}
+    rest = {k: v for k, v in obj.items() if k != "sglext"}
+    return {**rest, "sglext": extension} if extension else rest
 
 
 def _int(value: Any) -> int | None:
@@ -85,19 +116,23 @@ class Measure:
         if verify is not None:
             self.verify_steps = verify
 
-    def answer(self, payload: bytes, at: float) -> None:
-        """A non-streamed answer's body: its usage, and its text's arrival (the whole answer at once)."""
+    def answer(self, payload: bytes, at: float, added: Added = Added()) -> bytes:
+        """A non-streamed answer's body: its usage, and its text's arrival (the whole answer at once). Returns the
+        body to forward: `payload` itself, or without the spec counters the client did not ask for."""
         try:
             obj = json.loads(payload)
         except (ValueError, UnicodeDecodeError):
-            return
+            return payload
         if not isinstance(obj, dict):
-            return
+            return payload
         self._usage(obj)
         if any(_has_text(c) for c in obj.get("choices") or []):
             self.first_text = at
+        if added.spec and "spec_tokens_details" in (obj.get("sglext") or {}):
+            return json.dumps(_without_spec(obj)).encode()
+        return payload
 
-    def event(self, raw: bytes, at: float, strip_usage: bool) -> bytes | None:
+    def event(self, raw: bytes, at: float, added: Added) -> bytes | None:
         """One SSE event (without its blank line): note what it shows; return the bytes to forward (None: drop)."""
         data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
         if data == b"[DONE]":
@@ -122,11 +157,15 @@ class Measure:
                 self.gaps.append(at - self.last_text)
             self.last_text = at
         self._usage(obj)
-        if not strip_usage or not isinstance(obj.get("usage"), dict):
+        hide_usage = added.usage and isinstance(obj.get("usage"), dict)
+        hide_spec = added.spec and "spec_tokens_details" in (obj.get("sglext") or {})
+        if not hide_usage and not hide_spec:
             return raw
-        if not obj.get("choices"):
-            return None  # the usage chunk the ingress asked for: this client did not
-        return b"data: " + json.dumps({k: v for k, v in obj.items() if k != "usage"}).encode()
+        kept = _without_spec(obj) if hide_spec else obj
+        kept = {k: v for k, v in kept.items() if k != "usage"} if hide_usage else kept
+        if not kept.get("choices") and not kept.get("usage") and not kept.get("sglext"):
+            return None  # a chunk of what the ingress asked for only: this client did not
+        return b"data: " + json.dumps(kept).encode()
 
     def status(self, sent: int) -> int:
         """The status a live record carries: an error event's code, 499 for a stream left before `[DONE]`."""
@@ -137,7 +176,7 @@ class Measure:
         return sent
 
 
-async def metered(chunks: AsyncIterator[bytes], measure: Measure, strip_usage: bool,
+async def metered(chunks: AsyncIterator[bytes], measure: Measure, added: Added,
                   ended: Callable[[Measure, float], object]) -> AsyncIterator[bytes]:
     """Forward a 200 stream event by event through `measure`; `ended(measure, at)` once, however it ends (`[DONE]`,
     an error event, the client leaving: the generator is then closed at its `yield`). The caller sets
@@ -148,11 +187,11 @@ async def metered(chunks: AsyncIterator[bytes], measure: Measure, strip_usage: b
             now = time.monotonic()
             pending += chunk
             *events, pending = pending.split(b"\n\n")
-            out = [kept + b"\n\n" for kept in (measure.event(e, now, strip_usage) for e in events) if kept is not None]
+            out = [kept + b"\n\n" for kept in (measure.event(e, now, added) for e in events) if kept is not None]
             if out:
                 yield b"".join(out)
         if pending:
-            kept = measure.event(pending, time.monotonic(), strip_usage)
+            kept = measure.event(pending, time.monotonic(), added)
             if kept is not None:
                 yield kept
     finally:

@@ -74,3 +74,28 @@ class EngineContract:
         completion = httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
             "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
         assert completion["choices"][0]["text"] and completion["usage"]["completion_tokens"] == 8
+
+    def test_openai_answers_carry_the_requests_spec_details_when_asked(self, engine):
+        # SGLang's `return_spec_tokens_details` (what the production ingress asks for, to measure live accept
+        # length): the answer's `sglext.spec_tokens_details`; a stream sends it in a chunk without choices after the
+        # finish chunk. Counted as /generate counts the same request: completion tokens over verify steps.
+        model = httpx.get(f"{engine.url}/v1/models", timeout=60).json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                "return_spec_tokens_details": True}
+        answer = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300).json()
+        details = answer["sglext"]["spec_tokens_details"]
+        assert 0 < details["spec_verify_ct"] <= answer["usage"]["completion_tokens"] == 24
+        assert abs(24 / details["spec_verify_ct"] - details["spec_accept_length"]) < 1e-6
+        plain = httpx.post(f"{engine.url}/v1/completions", json={**body, "return_spec_tokens_details": False},
+                           timeout=300).json()
+        assert "sglext" not in plain or not (plain["sglext"] or {}).get("spec_tokens_details")
+        events = sse_events(httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}))
+        assert events[-1] == "[DONE]"
+        extension = [e for e in events[:-1] if e.get("sglext")]
+        assert len(extension) == 1 and extension[0]["choices"] == []
+        streamed = extension[0]["sglext"]["spec_tokens_details"]
+        usage = [e["usage"] for e in events[:-1] if e.get("usage")][-1]
+        assert 0 < streamed["spec_verify_ct"] <= usage["completion_tokens"] == 24
+        finish = max(i for i, e in enumerate(events[:-1]) if any(c.get("finish_reason") for c in e["choices"]))
+        assert finish < events.index(extension[0])

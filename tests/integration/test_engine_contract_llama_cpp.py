@@ -7,6 +7,9 @@ What holds and what is mapped (the rest of EngineContract holds as it is):
   replaced by the llama.cpp form below.
 - `/generate` meta_info spec counters are derived from llama-server's `timings.draft_n`/`draft_n_accepted`
   (serve/engines/llama_cpp/protocol.py says how); their consistency is checked against llama-server's own `/metrics`.
+- OpenAI answers: llama-server takes SGLang's `return_spec_tokens_details` and returns no `sglext` (its timings are
+  not per-request spec counters of SGLang's kind): the production ingress does not ask it, and live accept length is
+  not measured on llama.cpp (`test_openai_answers_carry_the_requests_spec_details_when_asked` in its llama.cpp form).
 - `/flush_cache` restarts llama-server (KV, prompt cache, drafter state, counters and lookup files all fresh).
 Skipped without llama-server, with the install command in the reason.
 """
@@ -54,6 +57,13 @@ class TestLlamaCppEngineContract(EngineContract):
         assert argv[argv.index("--spec-type") + 1] == "ngram-simple"
         assert argv[argv.index("--spec-ngram-simple-size-m") + 1] == "6"
         assert isinstance(info["internal_states"], list) and info["internal_states"]
+
+    def test_openai_answers_carry_the_requests_spec_details_when_asked(self, engine):
+        model = httpx.get(f"{engine.url}/v1/models", timeout=60).json()["data"][0]["id"]
+        answer = httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
+            "model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0,
+            "return_spec_tokens_details": True})
+        assert answer.status_code == 200 and "sglext" not in answer.json()
 
 
 def test_counters_agree_with_llama_servers_own_metrics(llama_engine):

@@ -156,9 +156,13 @@ def test_a_canary_serves_its_share_on_the_candidates_own_engine_and_stops(endpoi
     assert status.state == "running", status.reason
     after = loop.live(0, limit=10_000).next
     api = client(base_url)
-    api.completions.create(model=MODEL, prompt="x = 1\ny = 2\n", max_tokens=4, temperature=0)
+    answer = api.completions.create(model=MODEL, prompt="x = 1\ny = 2\nx = 1\ny = 2\n", max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})
     record = loop.live(after).records[-1]
     assert (record.arm, record.version, record.status) == ("candidate", "2", 200)  # share 1: every request
+    # the candidate (NGRAM) reported its verify steps to the ingress, which kept them from this client
+    assert record.completion_tokens == 8 and 0 < (record.spec_verify_ct or 0) <= 8
+    assert record.accept_length == 8 / record.spec_verify_ct and "sglext" not in (answer.model_extra or {})
     shown = loop.config()
     assert shown["version"] == "1" and shown["canary"]["requests"]["candidate"] == 1
     assert loop.canary_share(0.5).share == 0.5

@@ -1,6 +1,6 @@
 """What the ingress measures of an answer as it passes (serve/live_stream.py) and the ring it keeps the records in
-(serve/live_book.py): the usage chunk the ingress asked for never reaches a client that did not, bytes are
-forwarded as they came, and a reader of the feed learns what it missed."""
+(serve/live_book.py): the usage chunk and the spec counters the ingress asked for never reach a client that did not,
+bytes are forwarded as they came, and a reader of the feed learns what it missed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from serve.http_errors import RequestRejected
 from serve.live_book import LiveBook, feed_query, subsample, version_label
-from serve.live_stream import CLIENT_CLOSED, Measure, ask_usage, metered
+from serve.live_stream import CLIENT_CLOSED, Added, Measure, ask_spec_details, ask_usage, metered
 
 
 def _event(obj) -> bytes:
@@ -24,7 +24,8 @@ USAGE = _event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens"
 DONE = b"data: [DONE]\n\n"
 
 
-def _run(chunks: list[bytes], strip: bool, close_after: int | None = None) -> tuple[bytes, Measure, list[float]]:
+def _run(chunks: list[bytes], strip: bool, close_after: int | None = None,
+         spec: bool = False) -> tuple[bytes, Measure, list[float]]:
     measure = Measure(arrived=0.0, api="/v1/completions", route="low", concurrency=1, streamed=True)
     ended: list[float] = []
 
@@ -34,7 +35,7 @@ def _run(chunks: list[bytes], strip: bool, close_after: int | None = None) -> tu
 
     async def drain() -> bytes:
         out = b""
-        stream = metered(source(), measure, strip, lambda m, at: ended.append(at))
+        stream = metered(source(), measure, Added(usage=strip, spec=spec), lambda m, at: ended.append(at))
         async for piece in stream:
             out += piece
             if close_after is not None and len(out) >= close_after:
@@ -66,6 +67,32 @@ def test_usage_riding_on_a_chunk_with_choices_is_removed_from_that_chunk_only():
     assert measure.completion_tokens == 1 and measure.verify_steps == 1
 
 
+SPEC = {"spec_verify_ct": 2, "spec_accept_length": 1.5}
+SGLEXT = _event({"choices": [], "sglext": {"spec_tokens_details": SPEC}})
+
+
+def test_spec_details_the_ingress_asked_for_are_counted_and_kept_from_the_client():
+    sent, measure, _ = _run([*TEXT, SGLEXT, USAGE, DONE], strip=True, spec=True)
+    assert sent == b"".join([*TEXT, DONE]) and measure.verify_steps == 2
+    # asked by the client: forwarded as they came; another extension field on the same chunk stays
+    asked, measure, _ = _run([*TEXT, SGLEXT, USAGE, DONE], strip=False)
+    assert asked == b"".join([*TEXT, SGLEXT, USAGE, DONE]) and measure.verify_steps == 2
+    both = _event({"choices": [], "sglext": {"spec_tokens_details": SPEC, "routed_experts": "x"}})
+    sent, _, _ = _run([both, DONE], strip=False, spec=True)
+    assert json.loads(sent.split(b"\n\n")[0][6:]) == {"choices": [], "sglext": {"routed_experts": "x"}}
+
+
+def test_a_non_streamed_answer_loses_only_the_spec_details_the_client_did_not_ask_for():
+    answer = {"choices": [{"index": 0, "text": "Hi"}], "usage": {"completion_tokens": 3},
+              "sglext": {"spec_tokens_details": SPEC}}
+    payload = json.dumps(answer).encode()
+    measure = Measure(0.0, "/v1/completions", "low", 1, False)
+    kept = json.loads(measure.answer(payload, 1.0, Added(spec=True)))
+    assert kept == {k: v for k, v in answer.items() if k != "sglext"} and measure.verify_steps == 2
+    assert Measure(0.0, "/v1/completions", "low", 1, False).answer(payload, 1.0) == payload
+    assert Measure(0.0, "/v1/completions", "low", 1, False).answer(b"not json", 1.0, Added(spec=True)) == b"not json"
+
+
 def test_a_stream_cut_by_an_error_event_or_left_by_its_client_is_not_a_success():
     error = _event({"error": {"message": "took too long", "code": 504}})
     _, measure, _ = _run([TEXT[0], error, DONE], strip=True)
@@ -80,6 +107,14 @@ def test_ask_usage_adds_the_ask_only_when_the_client_did_not():
     asked = {"stream": True, "stream_options": {"include_usage": True}}
     assert not ask_usage(asked)
     assert not ask_usage({"stream_options": "nonsense"})  # the engine refuses it with its own message
+
+
+def test_ask_spec_details_leaves_a_clients_own_value():
+    data: dict = {}
+    assert ask_spec_details(data) and data == {"return_spec_tokens_details": True}
+    for own in (True, False, "yes"):
+        asked = {"return_spec_tokens_details": own}
+        assert not ask_spec_details(asked) and asked == {"return_spec_tokens_details": own}
 
 
 def test_the_feed_says_what_a_reader_missed_and_continues_above_a_replaced_replica():

@@ -4,8 +4,10 @@ One choice per request (`n` = 1); no logprobs, tools or response formats (400 if
 with the tokenizer's own chat template. Types are strict (`"2"` is not 2); stop strings are bounded as in `params`;
 `max_tokens` absent means 16 for completions (OpenAI's default) and the room left in the context for chat, and the
 token budget of the scheduler bounds what that can reserve. A client that disconnects cancels its request.
-Usage reports prompt/completion/total tokens; speculative counters are in `/generate`'s meta_info and
-`/server_info`, not here (SGLang returns them only on request, in an extension field).
+Usage reports prompt/completion/total tokens. A request with `return_spec_tokens_details: true` also gets the
+request's speculative counters where SGLang 0.5.23 puts them: `sglext.spec_tokens_details` of the answer, or of a
+chunk without choices sent after the finish chunk and before the usage chunk of a stream; absent on a request that
+verified no draft (no speculation), as SGLang leaves it out when meta_info has no spec keys.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from serve.engines.cpu.engine import Engine
 from serve.engines.cpu.params import INT64, BadRequest, SamplingParams, check_stops, parse_model
 from serve.engines.cpu.streaming import RequestStream, Snapshot, collect, error_response, read_json, sse
 
-__all__ = ["register_openai_routes"]
+__all__ = ["register_openai_routes", "spec_tokens_details"]
 
 
 class _Common(BaseModel):
@@ -43,6 +45,7 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None
+    return_spec_tokens_details: bool = False  # SGLang's extension: the request's spec counters in `sglext`
 
     @field_validator("stop")
     @classmethod
@@ -150,6 +153,10 @@ async def _run(engine: Engine, http: HttpRequest, body: _Common, ids: list[int],
         done = snap.meta_info["completion_tokens"]
         return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done}
 
+    def sglext(snap: Snapshot) -> dict | None:
+        details = spec_tokens_details(snap.meta_info) if body.return_spec_tokens_details else None
+        return None if details is None else {"spec_tokens_details": details}
+
     def finish(snap: Snapshot) -> str | None:
         reason = snap.meta_info["finish_reason"]
         return None if reason is None else ("length" if reason["type"] == "length" else "stop")
@@ -167,8 +174,10 @@ async def _run(engine: Engine, http: HttpRequest, body: _Common, ids: list[int],
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": model, "choices": [choice], "usage": usage(last)})
+        answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                  "model": model, "choices": [choice], "usage": usage(last)}
+        extension = sglext(last)
+        return JSONResponse(answer if extension is None else {**answer, "sglext": extension})
 
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -197,9 +206,28 @@ async def _run(engine: Engine, http: HttpRequest, body: _Common, ids: list[int],
                 yield chunk(delta, None)
             if snap.finished:
                 yield chunk(None, finish(snap))
+                extension = sglext(snap)
+                if extension is not None:
+                    yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                               "sglext": extension})
                 if include_usage:
                     yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": usage(snap)})
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def spec_tokens_details(meta_info: dict[str, Any]) -> dict[str, Any] | None:
+    """SGLang 0.5.23's `SpecTokensDetails` from a request's meta_info (`spec_tokens_details_from_meta_info` in
+    sglang/srt/entrypoints/openai/utils.py): every field, 0 or [] where meta_info lacks it; None without spec keys."""
+    if not any(key in meta_info for key in _SPEC_DETAIL_KEYS):
+        return None
+    return {key: meta_info.get(key) or (list(empty) if isinstance(empty, list) else empty)
+            for key, empty in _SPEC_DETAIL_KEYS.items()}
+
+
+_SPEC_DETAIL_KEYS: dict[str, Any] = {
+    "spec_accept_rate": 0.0, "spec_accept_length": 0.0, "spec_cap_length": 0.0, "spec_block_accept_length": 0.0,
+    "spec_num_correct_drafts": 0, "spec_num_proposed_drafts": 0, "spec_verify_ct": 0,
+    "spec_correct_drafts_histogram": [], "spec_cap_lens_histogram": []}
