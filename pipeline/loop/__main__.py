@@ -33,6 +33,18 @@ def duration_s(text: str) -> float | None:
     return float(found.group(1)) * _UNITS[found.group(2) or "s"]
 
 
+def _count(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= {low}")
+        return value
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.loop",
@@ -56,7 +68,11 @@ def _parser() -> argparse.ArgumentParser:
                                                         "promotion policy, SLA limits)")
     parser.add_argument("--capture", metavar="PATH", help="the endpoint's capture directory, if this machine sees it "
                                                           "(default: fetched from the endpoint)")
-    parser.add_argument("--trials", type=int, help="re-tune trials including the baseline and production's config")
+    parser.add_argument("--trials", type=_count(1), help="re-tune trials including the baseline and production's config")
+    parser.add_argument("--measure-prompts", type=_count(1), help="captured prompts the re-tune measures (default: the "
+                                                            "study's, at least 16)")
+    parser.add_argument("--warmup-prompts", type=_count(0), help="captured prompts the re-tune warms up with (default: "
+                                                           "the study's)")
     parser.add_argument("--once", action="store_true", help="run one cycle now, to its outcome, then exit")
     return parser
 
@@ -102,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         def run_retune(out: Path, resume: bool) -> Any:
             return retune(RetuneOptions(tracking_uri=args.tracking_uri, endpoint=args.endpoint, api_key=key,
                                         registered_model=name, study=args.study, capture=args.capture,
-                                        output=str(out), trials=args.trials, resume=resume))
+                                        output=str(out), trials=args.trials, measure_prompts=args.measure_prompts,
+                                        warmup_prompts=args.warmup_prompts, resume=resume))
 
         with LoopLock(Path(args.state_dir)):
             loop = Loop(settings, client, tracker, run_retune)

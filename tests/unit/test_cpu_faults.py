@@ -48,6 +48,12 @@ def test_the_engine_parser_takes_the_flag_repeated_and_rejects_a_kind_twice():
     assert parse_config(["--model-path", "m"]).test_faults == ()
     with pytest.raises(ConfigError, match="hang-after given more than once"):
         parse_config(["--model-path", "m", "--test-fault", "hang-after=1", "--test-fault", "hang-after=2"])
+    with pytest.raises(ConfigError, match="slow-steps given more than once"):  # @baseline and unscoped overlap
+        parse_config(["--model-path", "m", "--test-fault", "slow-steps=2", "--test-fault", "slow-steps=3@baseline"])
+    both = parse_config(["--model-path", "m", "--test-fault", "slow-steps=2@speculative",
+                         "--test-fault", "slow-steps=4@baseline"]).test_faults
+    assert armed(both, speculative=True)["slow-steps"].value == 2
+    assert armed(both, speculative=False)["slow-steps"].value == 4
 
 
 def test_speculative_scope_spares_the_baseline():

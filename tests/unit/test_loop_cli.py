@@ -22,6 +22,14 @@ def test_durations_read_as_people_write_them():
         duration_s("six hours")
 
 
+@pytest.mark.parametrize("flag, value", [("--trials", "0"), ("--measure-prompts", "two"), ("--warmup-prompts", "-1")])
+def test_re_tune_sizes_are_refused_at_the_command_line_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        loop_main(["--endpoint", "http://127.0.0.1:9", "--tracking-uri", "sqlite://", flag, value])
+    assert stopped.value.code == 2
+    assert f"argument {flag}: {value!r}: give a whole number" in capsys.readouterr().err
+
+
 class OldEndpoint(BaseHTTPRequestHandler):
     """An endpoint from before the closed loop: /v1/config, and 404 for the loop's routes."""
 

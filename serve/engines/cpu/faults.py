@@ -125,12 +125,17 @@ def _in_range(kind: str, value: float) -> bool:
 
 
 def parse_faults(texts: Iterable[str]) -> tuple[Fault, ...]:
-    """Every `--test-fault` value parsed; at most one fault per kind (two would contradict each other)."""
+    """Every `--test-fault` value parsed; at most one fault per kind and engine (two would contradict each other),
+    so a kind may come twice only as `@speculative` and `@baseline` (e.g. a study that slows both, by different
+    factors)."""
     faults = tuple(parse_fault(t) for t in texts)
-    kinds = [f.kind for f in faults]
-    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    repeated: set[str] = set()
+    for scope in SCOPES:
+        kinds = [f.kind for f in faults if f.scope in (None, scope)]  # the faults one engine of this scope arms
+        repeated |= {kind for kind in kinds if kinds.count(kind) > 1}
     if repeated:
-        raise FaultSpecError(f"{FLAG}: {', '.join(repeated)} given more than once; give each kind at most once")
+        raise FaultSpecError(f"{FLAG}: {', '.join(sorted(repeated))} given more than once for one engine; give each "
+                             "kind at most once, or once @speculative and once @baseline")
     return faults
 
 
