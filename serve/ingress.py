@@ -50,13 +50,14 @@ from serve.canary_contract import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_
 from serve.capture import Capture
 from serve.http_errors import (RequestRejected, busy_response, error_response, failure_answer, log_failure,
                                unavailable_response)
+from serve.engines import engine_for
 from serve.ingress_auth import IngressAuth
 from serve.http_limits import BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
 from serve.ingress_support import (MAX_ERROR_BODY_BYTES, IngressMetrics, bounded, engine_error, explain_filled,
                                    serve_bind_host, timed)
 from serve.live import CANDIDATE_ARM, LIVE_PATH, LIVE_SUMMARY_PATH, PRODUCTION_ARM, summarize_live
 from serve.live_book import LiveBook, feed_query, version_label
-from serve.live_stream import SPEC_DETAIL_ENGINES, Added, Measure, ask_spec_details, ask_usage, metered
+from serve.live_stream import Added, Measure, ask_spec_details, ask_usage, metered
 from serve.loop_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
 from serve.production_settings import (ProductionSettings, auth_problem, auth_required, load_admin_keys,
                                        load_api_keys)
@@ -93,7 +94,7 @@ class OpenAIIngress(IngressAuth):
         self.serving = serving
         # Engines that return a request's spec counters when asked (SGLang's `return_spec_tokens_details`; llama-server
         # has no such counters): live accept length is measured on these.
-        self.spec_details = served.replica.engine in SPEC_DETAIL_ENGINES
+        self.spec_details = engine_for(served.replica.engine).spec_details
         self.keys = [key.encode() for key in load_api_keys(self.settings)]
         self.admin_keys = [key.encode() for key in load_admin_keys(self.settings)]
         # unknown bind address: assume it is public (fail closed)

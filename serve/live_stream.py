@@ -8,8 +8,9 @@ its verify steps when the engine reports them (SGLang's `sglext.spec_tokens_deta
 Streams: OpenAI engines send usage only when asked (`stream_options.include_usage`); `ask_usage` adds that to a
 request whose client did not ask, and `metered` then keeps the usage chunk from that client (an OpenAI client that
 did not ask for it does not expect a chunk without choices). SGLang (and our CPU engine) send a request's spec
-counters only when asked (`return_spec_tokens_details`): `ask_spec_details` adds that ask where the engine takes it,
-and the `sglext.spec_tokens_details` it brings is then kept from that client too, streamed or not (`Added`).
+counters only when asked (`return_spec_tokens_details`): `ask_spec_details` adds that ask (the ingress does where the
+engine returns them, `serve.engines.base.Engine.spec_details`), and the `sglext.spec_tokens_details` it brings is
+then kept from that client too, streamed or not (`Added`).
 `metered` forwards every other byte as it came, event by event (SSE events end with a blank line; a partial event is
 held until its end arrives).
 """
@@ -22,11 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Added", "Measure", "ask_usage", "ask_spec_details", "metered", "CLIENT_CLOSED", "SPEC_DETAIL_ENGINES"]
+__all__ = ["Added", "Measure", "ask_usage", "ask_spec_details", "metered", "CLIENT_CLOSED"]
 
-# Engine kinds that return a request's spec counters when asked (SGLang 0.5.23, our CPU engine); llama-server takes
-# the ask and returns none (tests/integration/test_engine_contract_llama_cpp.py).
-SPEC_DETAIL_ENGINES = frozenset({"cpu", "sglang"})
 CLIENT_CLOSED = 499  # a stream the client left before `[DONE]` (nginx's code for it; no HTTP status was sent)
 
 

@@ -140,6 +140,10 @@ class Engine:
     kind: ClassVar[str]
     algorithms: ClassVar[frozenset[str]]
     label: ClassVar[str]  # for messages: "the CPU engine", "SGLang"
+    # Whether its OpenAI routes return a request's spec counters when asked (SGLang 0.5.23's
+    # `return_spec_tokens_details` -> `sglext.spec_tokens_details`): the production ingress then asks, for live
+    # accept length. llama-server takes the field and returns none.
+    spec_details: ClassVar[bool] = False
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
         """The engine's full command line."""

@@ -246,6 +246,7 @@ def _strip_launcher(argv: list[str]) -> list[str]:
 class SglangEngine(Engine):
     kind = "sglang"
     label = "SGLang"
+    spec_details = True
     algorithms = frozenset({"none", "ngram", "eagle", "eagle3", "standalone"})
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:

@@ -223,8 +223,9 @@ def test_drift_retune_canary_promote_then_a_worse_candidate_rolls_back(tmp_path:
         rolled = load_state(state_b)
         assert second.returncode == 0 and rolled.outcome == "rolled_back", second.stdout[-6000:] + second.stderr[-3000:]
         assert alias_version(tracker, NAME, PRODUCTION) == "2" and alias_version(tracker, NAME, CANDIDATE) is None
-        shown = config()
-        assert shown["version"] == "2" and shown["canary"]["state"] == "off", shown.get("canary")
+        # the loop has asked the canary to stop; the endpoint stops it after its in-flight requests
+        shown = wait_until("the canary to stop", lambda: (c := config())["canary"]["state"] == "off" and c)
+        assert shown["version"] == "2", shown
         assert shown["canary"]["reason"] == rolled.reason, (shown["canary"], rolled.reason)  # the loop's own words
     finally:
         if loop is not None:

@@ -16,6 +16,7 @@ from serve.engines.settings import render_spec
 class CpuEngine(Engine):
     kind = "cpu"
     label = "the CPU engine"
+    spec_details = True
     algorithms = frozenset({"none", "ngram", "standalone"})
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
