@@ -6,8 +6,9 @@ capture, canaries the re-tune's config on live traffic and promotes it, with no 
 worse on live traffic rolls back. Both outcomes are checked in MLflow and on `/v1/config`.
 
 Which way each comparison falls is forced, not hoped for (CPU-engine test switches, serve/engines/cpu/faults.py):
-- the first study slows its baseline 3x and NGRAM 2x, so NGRAM is promoted, and production's NGRAM engine runs 2x
-  slowed on Y too;
+- the first study slows its baseline 4x and NGRAM 1.5x, so NGRAM is promoted (about 2.5x the baseline; with 3x and 2x
+  a CI run beside another study measured 1.42x against a noise-raised bar of 1.46x and rightly kept the baseline),
+  and production's NGRAM engine runs 1.5x slowed on Y too;
 - the re-tunes re-measure nothing (`promotion.finalists: 0`), so each keeps its baseline, registered as the candidate
   with its study's engine flags: the first unslowed (faster than production's slowed NGRAM), the second slowed 3x
   (slower than the unslowed baseline then in production).
@@ -158,8 +159,8 @@ def test_drift_retune_canary_promote_then_a_worse_candidate_rolls_back(tmp_path:
 
     # 1. Config A tuned on workload X, registered as production.
     first = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study",
-                            str(study_file(tmp_path, uri, "tuned-on-x", faults("slow-steps=2@speculative",
-                                                                              "slow-steps=3@baseline"), 1))],
+                            str(study_file(tmp_path, uri, "tuned-on-x", faults("slow-steps=1.5@speculative",
+                                                                              "slow-steps=4@baseline"), 1))],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     assert first.returncode == 0 and "decision: PROMOTE" in first.stdout, first.stdout[-4000:] + first.stderr[-3000:]
     (tmp_path / "tuned-on-x.log").write_text(first.stdout)
