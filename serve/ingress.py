@@ -92,8 +92,7 @@ class OpenAIIngress(IngressAuth):
         self.route_in_flight = {(arm, route): 0 for arm in (PRODUCTION_ARM, CANDIDATE_ARM) for route in (LOW, HIGH)}
         self.settings = ProductionSettings.model_validate(settings)
         self.serving = serving
-        # Engines that return a request's spec counters when asked (SGLang's `return_spec_tokens_details`; llama-server
-        # has no such counters): live accept length is measured on these.
+        # live accept length where the engine returns per-request spec counters (Engine.spec_details)
         self.spec_details = engine_for(served.replica.engine).spec_details
         self.keys = [key.encode() for key in load_api_keys(self.settings)]
         self.admin_keys = [key.encode() for key in load_admin_keys(self.settings)]

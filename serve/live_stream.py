@@ -59,8 +59,13 @@ class Added:
     spec: bool = False  # `sglext.spec_tokens_details` (`ask_spec_details`)
 
 
+def _has_spec(obj: dict[str, Any]) -> bool:
+    extension = obj.get("sglext")
+    return isinstance(extension, dict) and "spec_tokens_details" in extension
+
+
 def _without_spec(obj: dict[str, Any]) -> dict[str, Any]:
-    extension = {k: v for k, v in (obj.get("sglext") or {}).items() if k != "spec_tokens_details"}
+    extension = {k: v for k, v in obj["sglext"].items() if k != "spec_tokens_details"}
     rest = {k: v for k, v in obj.items() if k != "sglext"}
     return {**rest, "sglext": extension} if extension else rest
 
@@ -71,7 +76,9 @@ def _int(value: Any) -> int | None:
 
 def _verify_steps(obj: dict[str, Any]) -> int | None:
     """An engine's per-request verify steps, where the engines that report them put them; None when absent."""
-    for holder in ((obj.get("sglext") or {}).get("spec_tokens_details"), obj.get("meta_info")):
+    extension = obj.get("sglext")
+    for holder in ((extension.get("spec_tokens_details") if isinstance(extension, dict) else None),
+                   obj.get("meta_info")):
         if isinstance(holder, dict) and _int(holder.get("spec_verify_ct")) is not None:
             return _int(holder.get("spec_verify_ct"))
     return None
@@ -126,7 +133,7 @@ class Measure:
         self._usage(obj)
         if any(_has_text(c) for c in obj.get("choices") or []):
             self.first_text = at
-        if added.spec and "spec_tokens_details" in (obj.get("sglext") or {}):
+        if added.spec and _has_spec(obj):
             return json.dumps(_without_spec(obj)).encode()
         return payload
 
@@ -156,7 +163,7 @@ class Measure:
             self.last_text = at
         self._usage(obj)
         hide_usage = added.usage and isinstance(obj.get("usage"), dict)
-        hide_spec = added.spec and "spec_tokens_details" in (obj.get("sglext") or {})
+        hide_spec = added.spec and _has_spec(obj)
         if not hide_usage and not hide_spec:
             return raw
         kept = _without_spec(obj) if hide_spec else obj
