@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import os
 import secrets
@@ -100,19 +99,7 @@ async def client_loop(base: str, key: str, idx: int, run: Run) -> None:
                         run.statuses[status] += 1
                         run.failures.append(f"{status}: {(await response.aread())[:200]!r}")
                         continue
-                    done, error, chunks = False, None, 0
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        event = json.loads(data)
-                        if "error" in event:
-                            error = event["error"]
-                        else:
-                            chunks += 1
+                    done, error, chunks = sse_outcome([line async for line in response.aiter_lines()])
                     run.chunks += chunks
                     if not done:
                         run.statuses["200-cut"] += 1

@@ -18,6 +18,24 @@ PROMPTS = ["Write a haiku about the sea.", "List three colors.", "Say hello in F
            "What is 2 + 2? Answer briefly.", "Name a fruit that is yellow.", "Describe a cat in one sentence."]
 
 
+def sse_outcome(lines: list[str]) -> tuple[bool, dict | None, int]:
+    """(ended with [DONE], the last error event if one came, data chunks before the end) of an SSE stream's lines."""
+    done, error, chunks = False, None, 0
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        event = json.loads(data)
+        if "error" in event:
+            error = event["error"]
+        else:
+            chunks += 1
+    return done, error, chunks
+
+
 ROOT: list[int] = []  # the endpoint's driver process (`python -m serve.production`), set by the soak
 
 

@@ -3,13 +3,14 @@ descendants, never another run's), /metrics counters, and raw HTTP a client libr
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from urllib.parse import urlparse
 
 import httpx
 import psutil
+
+from benchmarks.soak_faults import sse_outcome
 
 
 def app_processes(app: str, root: int | None = None) -> dict[str, list[psutil.Process]]:
@@ -78,17 +79,7 @@ def openai_error(response: httpx.Response) -> dict:
 
 def stream_outcome(lines: list[str]) -> tuple[bool, dict | None]:
     """(ended with [DONE], the error event if one came) of an SSE stream's lines."""
-    done, error = False, None
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            break
-        event = json.loads(data)
-        if "error" in event:
-            error = event["error"]
+    done, error, _ = sse_outcome(lines)
     return done, error
 
 
