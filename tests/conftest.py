@@ -35,8 +35,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
 
 # The integration files that take longest (worker-seconds in a CI run's --junitxml, docs/benchmarks.md), longest
-# first. `-n 2 --dist loadfile` hands files to the two workers in collection order, so these start right after the
-# unit and model tiers: started last, the longest ran alone on one worker at the end while the other had finished.
+# first. `-n 2 --dist loadfile` hands files to the two workers in collection order (pyproject's addopts turn off
+# xdist's own order, most tests first), so these start right after the unit and model tiers: started last, the
+# longest ran alone on one worker at the end while the other had finished.
 LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_levels_study.py",
                  "test_open_loop_study.py", "test_study.py", "test_faults.py", "test_cluster.py")
 TIERS = ("unit", "model", "integration", "gpu")
