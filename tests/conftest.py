@@ -34,26 +34,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"{len(files):5d}  {reason}")
         terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
 
-# The integration files that take longest (worker-seconds in a CI run's --junitxml, docs/benchmarks.md), longest
-# first. `-n 2 --dist loadfile` hands files to the two workers in collection order (pyproject's addopts turn off
-# xdist's own order, most tests first), so these start right after the unit and model tiers: started last, the
-# longest ran alone on one worker at the end while the other had finished.
-LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_levels_study.py",
-                 "test_open_loop_study.py", "test_study.py", "test_faults.py", "test_cluster.py")
-TIERS = ("unit", "model", "integration", "gpu")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Tiers in pyproject's testpaths order (a broken unit shows within minutes), the longest integration files
-    first within theirs; otherwise the collected order (the sort is stable)."""
-    def key(item) -> tuple[int, int]:
-        tier = item.path.parent.name
-        rank = LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST)
-        return (TIERS.index(tier) if tier in TIERS else len(TIERS), rank)
-
-    items.sort(key=key)
-
-
 # Search only (promotion.finalists 0): the promotion's re-runs (2 x promotion.runs fresh replicas) cost twice the
 # search of a 3-trial study, and the tests using it check the search, the records and the resume, not the
 # promotion rule. Tests of the promotion path ask for finalists explicitly (test_open_loop_study,
