@@ -69,7 +69,8 @@ def main() -> None:
 
     from serve.engines.base import ReplicaConfig
     from serve.production import ProductionSettings, deploy
-    from serve.replica import EngineProcess, free_port
+    from serve.ports import free_port
+    from serve.replica import EngineProcess
 
     from serve.serving import Provenance, ServingConfig
 

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from pipeline.measure.summary import Summary, summarize  # noqa: E402
 from pipeline.workloads import load_workload  # noqa: E402
 from serve.engines.base import ReplicaConfig, child_env  # noqa: E402
 from serve.engines.cpu.adapter import CpuEngine  # noqa: E402
+from serve.ports import free_port  # noqa: E402
 from serve.replica import stop_group  # noqa: E402
 from serve.spec import SpecConfig  # noqa: E402
 
@@ -76,12 +76,6 @@ def spec_from_file(path: Path) -> SpecConfig:
         raise ValueError(f"--from {path}: no `spec:` mapping with an `algorithm` in it (expected a promoted.yaml, "
                          "deploy/serving_config.json or a trial's trial_config.json)")
     return TrialConfig.model_validate({"spec": spec}).spec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -95,7 +95,7 @@ async def _serve(port: int, ttft_s: float, interval_s: float) -> None:
 # --- the benchmark -------------------------------------------------------------------------------------------------
 
 def start_server(ttft_ms: float, interval_ms: float) -> tuple[subprocess.Popen, str]:
-    from serve.replica import free_port
+    from serve.ports import free_port
 
     port = free_port()
     process = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(ttft_ms), str(interval_ms)],

@@ -274,7 +274,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from serve.engines.base import ReplicaConfig, child_env
-    from serve.replica import free_port
+    from serve.ports import free_port
     from serve.serving import Provenance, ServingConfig
 
     folder = Path(tempfile.mkdtemp(prefix="specdec-soak-"))

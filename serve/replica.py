@@ -26,7 +26,6 @@ engine is kept and only its corpus swapped ("launch shared"); the trial flushes 
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -43,17 +42,12 @@ from serve import engine_client
 from serve.engines import engine_for
 from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, corpus_jsonl, python_module_argv
 from serve.engines.phases import StartState
+from serve.ports import free_port
 from serve.trial_start import TrialStarts
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
 STOP_GRACE_S = 10.0  # x2 (SIGTERM wait, then SIGKILL wait) stays inside graceful_shutdown_timeout_s below
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def actor_options(config: ReplicaConfig) -> dict[str, Any]:

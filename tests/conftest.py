@@ -1,5 +1,5 @@
 """Shared fixtures. `finished_study` runs one small real study (local Ray, CPU engine with the smallest model, MLflow
-and Optuna on SQLite) once per test session; tests that only read its results share it.
+and Optuna on SQLite) once per test run, shared by the xdist workers; tests that only read its results share it.
 
 Every run ends with the skipped tests grouped by reason (`pytest_terminal_summary`): a skip's reason says what is
 missing and the command that installs it, so a run on a new machine says which groups did not run and how to run them.
@@ -7,8 +7,11 @@ missing and the command that installs it, so a run on a new machine says which g
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,45 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for reason, files in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         terminalreporter.write_line(f"{len(files):5d}  {reason}")
         terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
+
+# The integration files that take longest (worker-seconds in a CI run's --junitxml; docs/benchmarks.md, CI section),
+# longest first. `-n 2 --dist loadfile` hands whole files to the two workers in collection order (pyproject's addopts
+# turn off xdist's own order, most tests first, which started these one- to three-test files last, one then running
+# alone on one worker while the other had finished).
+LONGEST_FIRST = ("test_loop_end_to_end.py", "test_distributed.py", "test_sglang_study.py", "test_levels_study.py",
+                 "test_faults.py", "test_sglang_contract_cpu.py", "test_study.py", "test_cluster.py",
+                 "test_open_loop_study.py")
+
+
+def run_order(tiers: list[list[str]], longest: tuple[str, ...]) -> list[str]:
+    """File order: tier after tier; within a tier, each of `longest` (longest first) followed by one other file.
+
+    xdist's worker runs a test only once it holds the next one, so a worker left with 2 or fewer pending tests is
+    sent the next file at once, to wait behind the running one: a long file followed by another long one would run
+    both on one worker, one after the other, while the other worker ran everything else. Pure."""
+    order: list[str] = []
+    for files in tiers:
+        long = sorted((f for f in files if Path(f).name in longest), key=lambda f: longest.index(Path(f).name))
+        rest = [f for f in files if Path(f).name not in longest]
+        for i, name in enumerate(long):
+            order += [name, *rest[i:i + 1]]
+        order += rest[len(long):]
+    return order
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tiers in pyproject's testpaths order (a broken unit shows within minutes), the files of each in `run_order`;
+    the tests of a file keep their collected order (the sort is stable)."""
+    roots = [Path(config.rootpath, path).resolve() for path in config.getini("testpaths")]
+    tiers: list[list[str]] = [[] for _ in range(len(roots) + 1)]
+    for item in items:
+        folder, name = item.path.resolve().parent, str(item.path)
+        tier = next((i for i, root in enumerate(roots) if folder == root or root in folder.parents), len(roots))
+        if name not in tiers[tier]:
+            tiers[tier].append(name)
+    rank = {name: i for i, name in enumerate(run_order(tiers, LONGEST_FIRST))}
+    items.sort(key=lambda item: rank[str(item.path)])
+
 
 # Search only (promotion.finalists 0): the promotion's re-runs (2 x promotion.runs fresh replicas) cost twice the
 # search of a 3-trial study, and the tests using it check the search, the records and the resume, not the
@@ -65,21 +107,38 @@ def cli_environment_restored():
             os.environ[key] = value
 
 
+@contextlib.contextmanager
+def run_wide(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A folder `name` shared by every xdist worker of this run, held under an exclusive lock while the caller is
+    inside: the first worker to get here fills it, the others wait for it and find it filled. Without xdist, a folder
+    of this session's own."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/popen-gwK: pytest-N is the run's
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        folder.mkdir(exist_ok=True)
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def finished_study(tmp_path_factory):
     """(StudyConfig, output folder, exit code) of a 3-trial search-only study (no re-runs) that ran to its
-    keep-baseline decision, the baseline registered as production."""
+    keep-baseline decision, the baseline registered as production. Run once per test run: its readers (the study,
+    resume and MLflow UI tests) may sit on different workers, and they only read it."""
     from pipeline.config import load_study
     from pipeline.search.space import load_space
     from pipeline.study.driver import run_study
 
-    out: Path = tmp_path_factory.mktemp("finished-study")
-    space = out / "space.yaml"
-    space.write_text(TINY_SPACE)
-    study = load_study(None, {**TINY_STUDY, "name": "it-happy", "output_dir": str(out), "search_space": str(space),
-                              "budget.max_trials": 3})
-    code = run_study(study, load_space(space))
-    return study, out, code
+    with run_wide(tmp_path_factory, "finished-study") as out:
+        space = out / "space.yaml"
+        space.write_text(TINY_SPACE)
+        study = load_study(None, {**TINY_STUDY, "name": "it-happy", "output_dir": str(out),
+                                  "search_space": str(space), "budget.max_trials": 3})
+        done = out / "exit-code.txt"
+        if not done.exists():
+            done.write_text(str(run_study(study, load_space(space))))
+        return study, out, int(done.read_text())
 
 
 @pytest.fixture

@@ -87,7 +87,7 @@ def connect_ray(study_name: str, address: str | None = None) -> str:
     import ray
     from ray import serve
 
-    from serve.replica import free_port
+    from serve.ports import free_port
 
     if not ray.is_initialized():
         # No address = a new local Ray ("local"): never join whatever cluster `ray start` last left in /tmp/ray

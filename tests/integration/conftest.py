@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.replica import free_port
+from serve.ports import free_port
 from tests.integration.servers import ServerProcess, http_server
 
 REPO = Path(__file__).resolve().parents[2]

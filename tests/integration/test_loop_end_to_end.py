@@ -40,7 +40,7 @@ from pipeline.loop.state import load_state
 from pipeline.records.registry import CANDIDATE, PRODUCTION, alias_version
 from pipeline.records.tracking import Tracker
 from pipeline.workloads import read_prompts
-from serve.replica import free_port
+from serve.ports import free_port
 from tests.integration.conftest import REPO
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from serve.engines.base import ReplicaConfig
-from serve.replica import free_port
+from serve.ports import free_port
 from serve.serving import SERVE_CONFIG_FILE, SERVING_FILE, Provenance, deploy_files, serving_config
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from serve.replica import free_port
+from serve.ports import free_port
 from tests.integration.servers import ServerProcess, http_server
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,16 +37,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.engines.llama_cpp import protocol
+from serve.ports import free_port
 from serve.spec import NoSpec, parse_spec
 
 READY_POLL_S = 0.2
 _HOP = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _say(message: str) -> None:
@@ -67,7 +61,7 @@ class Child:
         self.starts = 0
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.starts += 1
         self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(port)]
         if self.dynamic_cache:
