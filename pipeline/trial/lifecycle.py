@@ -229,10 +229,17 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
                       timeout_s=study.engine.request_timeout_s)
         # warmup_requests may exceed the warm-up split: cycle it (the trie then sees some prompts twice).
         warm = [ctx.warmup[i % len(ctx.warmup)] for i in range(trial.warmup_requests)] if ctx.warmup else []
-        if trial.spec.algorithm == "none":  # settle pass: see `settle_requests`
-            warm += settle_requests(ctx.measure)
+        baseline = trial.spec.algorithm == "none"
+        settle, flush_after = settle_requests(ctx.measure, ctx.warmup) if baseline else ([], False)
+        warm += settle
         note_phase(log_dir, "warmup", requests=len(warm))
         out.records += run_phase(url, warm, phase="warmup", **kwargs) if warm else []
+        if flush_after:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                refused = flush(client)
+            if refused:
+                out.failure = (Outcome.TIMEOUT, refused)
+                return out
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
         note_phase(log_dir, "measure", requests=len(ctx.measure))
@@ -266,12 +273,19 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         out.timings["total_s"] = time.monotonic() - started
 
 
-def settle_requests(measure: Sequence[LoadRequest]) -> list[LoadRequest]:
-    """The baseline's warm-up: one pass of the measured prompts, recorded as warm-up, never measured. The baseline has
-    no draft state to warm, but it is the study's first trial: measured at once it ran 9-15% below its own re-runs
-    (start-up work of Ray, Serve, the standby replica and MLflow still running, and an engine's first requests paying
-    first-use costs), which inflated every `vs_baseline` of the search and lowered early stopping's bar."""
-    return list(measure)
+def settle_requests(measure: Sequence[LoadRequest], warmup: Sequence[LoadRequest]
+                    ) -> tuple[list[LoadRequest], bool]:
+    """The baseline's settle pass, recorded as warm-up, never measured, and whether the engine must be flushed after
+    it. The baseline has no draft state to warm, but it is the study's first trial: measured at once it ran 9-15%
+    below its own re-runs (start-up work of Ray, Serve, the standby replica and MLflow still running, and an engine's
+    first requests paying first-use costs), which inflated every `vs_baseline` of the search and lowered early
+    stopping's bar. As many requests as are measured, drawn from the warm-up split (cycled): the measured prompts
+    themselves would stay in SGLang's radix cache (the trial's flush runs before its warm-up), and the baseline's
+    measured prefills would be cache hits that no other trial gets. Without a warm-up split: the measured prompts,
+    then a flush (True). Pure."""
+    if warmup:
+        return [warmup[i % len(warmup)] for i in range(len(measure))], False
+    return list(measure), bool(measure)
 
 
 def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
