@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 from collections import defaultdict
 from collections.abc import Iterator
@@ -107,6 +108,9 @@ def cli_environment_restored():
             os.environ[key] = value
 
 
+APPS_LEFT = "serve-apps-left.json"  # finished_study: its trial apps Serve still ran right after it
+
+
 @contextlib.contextmanager
 def run_wide(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
     """A folder `name` shared by every xdist worker of this run, held under an exclusive lock while the caller is
@@ -125,10 +129,15 @@ def run_wide(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Pa
 def finished_study(tmp_path_factory):
     """(StudyConfig, output folder, exit code) of a 3-trial search-only study (no re-runs) that ran to its
     keep-baseline decision, the baseline registered as production. Run once per test run: its readers (the study,
-    resume and MLflow UI tests) may sit on different workers, and they only read it."""
+    resume and MLflow UI tests) may sit on different workers, and they only read it. The study's Serve apps still
+    running right after it are written to `APPS_LEFT` there, by the process that ran it (another worker's Ray is a
+    different cluster, where none would ever be found)."""
+    from ray import serve
+
     from pipeline.config import load_study
     from pipeline.search.space import load_space
     from pipeline.study.driver import run_study
+    from pipeline.trial.replicas import study_apps
 
     with run_wide(tmp_path_factory, "finished-study") as out:
         space = out / "space.yaml"
@@ -137,7 +146,9 @@ def finished_study(tmp_path_factory):
                                   "search_space": str(space), "budget.max_trials": 3})
         done = out / "exit-code.txt"
         if not done.exists():
-            done.write_text(str(run_study(study, load_space(space))))
+            code = run_study(study, load_space(space))
+            (out / APPS_LEFT).write_text(json.dumps(sorted(study_apps(study.name, serve.status().applications))))
+            done.write_text(str(code))
         return study, out, int(done.read_text())
 
 
