@@ -8,6 +8,8 @@ Real local Ray and Serve, the real CPU engine (smallest model)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,8 +38,8 @@ def serve_url():
 
 
 def config(tmp: Path, label: str, spec: dict | None = None, extra: tuple[str, ...] = (),
-           replica_cpus: float | None = None) -> ReplicaConfig:
-    return ReplicaConfig(model=SMOL, spec=spec or {"algorithm": "none"}, threads=TEST_THREADS,
+           replica_cpus: float | None = None, threads: int | None = TEST_THREADS) -> ReplicaConfig:
+    return ReplicaConfig(model=SMOL, spec=spec or {"algorithm": "none"}, threads=threads,
                          replica_cpus=replica_cpus, start_timeout_s=300,
                          extra_flags=["--verify-probe-seconds", "0", *extra], log_dir=str(tmp / label))
 
@@ -150,3 +152,15 @@ def test_phases_are_reported_and_equal_engine_settings_share_one_launch(serve_ur
     third = replica_of(third_app.url)
     assert third["launch"]["shared"] is False and third["pid"] != first["pid"] and not group_alive(first["pid"])
     assert generate(third_app.url)
+
+
+def test_unset_threads_give_the_engine_every_core_not_the_actors_one(serve_url, tmp_path):
+    """`threads: None` is torch's own default in the engine process (every core), not the `OMP_NUM_THREADS=1` Ray
+    sets in the replica actor (0.1 CPU) that starts it."""
+    release(STUDY)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                                 capture_output=True, text=True, check=True, timeout=120).stdout)
+    app, _ = start_engine(STUDY, "t", serve_url, config(tmp_path, "t", threads=None), TIMEOUT_S)
+    info = httpx.get(f"{app.url}/server_info", timeout=30).json()
+    assert info["torch_threads"] == default

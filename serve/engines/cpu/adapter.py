@@ -27,6 +27,16 @@ class CpuEngine(Engine):
             argv += ["--threads", str(config.threads)]
         return argv + render_spec(config.spec, config.max_running_requests) + list(config.extra_flags)
 
+    def start_env(self, config: ReplicaConfig) -> dict[str, str]:
+        """The base environment, less the replica's `OMP_NUM_THREADS` when `threads` is unset: Ray sets it to 1 in an
+        actor with a fractional CPU (this replica's 0.1), and passed on it would pin the engine to one thread where
+        `threads: None` means every core (torch's own default, as for an engine started by hand). `env` may still set
+        it explicitly."""
+        env = super().start_env(config)
+        if config.threads is None and "OMP_NUM_THREADS" not in config.env:
+            env.pop("OMP_NUM_THREADS", None)
+        return env
+
     def deterministic_flags(self, config: ReplicaConfig) -> list[str] | None:
         # In fp32 its kernels are batch- and thread-invariant (docs/cpu-engine.md): a greedy output is the same in any
         # batch, so deterministic equivalence is exact equivalence on the engines the trials measured. bf16 is not.
