@@ -3,6 +3,7 @@
 gets it. A failed start leaves its log readable, and the next trial then gets a fresh app; a trial that needs other
 actor options gets a fresh app too. A start reports its phases; a config whose engine settings equal the running
 engine's shares its launch (the corpus swapped over SGLang's runtime routes), unless a fresh launch is asked for.
+An unset thread count gives the engine every core, not the replica actor's one.
 Real local Ray and Serve, the real CPU engine (smallest model)."""
 
 from __future__ import annotations
