@@ -153,9 +153,21 @@ def quiet_libraries(study: StudyConfig | None = None) -> None:
     if study is not None and study.ray.address is None:
         # A new local Ray: token authentication, which Ray 2.60 turns on by default for one with a warning to set
         # the mode; set, it is the same mode without the warning. (Joining a cluster keeps the user's mode.)
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            ray_settings_reread()
     # "Creating initial MLflow database tables..." on a new study's store
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
+
+def ray_settings_reread() -> None:
+    """Make a Ray imported before the environment was set read it again. Ray reads RAY_AUTH_MODE into its settings
+    once, when `ray._raylet` loads; the GCS a local `ray.init` starts reads the environment itself. A driver that had
+    imported Ray earlier (any module on the way may) would start a GCS that demands a token and then never send one
+    ("Failed to start GCS"). This is what Ray does itself when it turns token mode on (`_enable_token_auth`)."""
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
+        raylet.Config.initialize("")
 
 
 def quiet_serve() -> None:

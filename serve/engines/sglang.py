@@ -67,12 +67,11 @@ def installed_version(python: str | None = None) -> str | None:
 
 
 def _cluster_has_gpus() -> bool | None:
-    """Whether the Ray cluster this process is connected to has GPUs (None outside Ray)."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    if not ray.is_initialized():
+    """Whether the Ray cluster this process is connected to has GPUs (None outside Ray). Never imports Ray: a process
+    that has not imported it is connected to no cluster, and importing it here (a study file's validation asks)
+    would fix Ray's settings before the command line set its environment (`pipeline.tune.quiet_libraries`)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return None
     return float(ray.cluster_resources().get("GPU", 0)) > 0
 

@@ -51,11 +51,28 @@ def test_bad_set_syntax_is_reported(capsys):
     assert "KEY=VALUE" in capsys.readouterr().err
 
 
-def test_dry_run_starts_no_ray():
-    # A separate interpreter: the dry run must not even import ray or mlflow.
-    code = ("import sys; from pipeline.tune import main; rc = main(['--dry-run', '--samples', '2']); "
+@pytest.mark.parametrize("engine", ["cpu", "sglang", "llama_cpp"])
+def test_dry_run_starts_no_ray(engine):
+    # A separate interpreter: the dry run, and so everything a real run does before it sets Ray's environment
+    # (loading and checking the study), must not even import ray or mlflow, for every engine kind. A Ray imported
+    # there read RAY_AUTH_MODE before the CLI set it, and the local Ray it started refused its own driver.
+    code = ("import sys; from pipeline.tune import main; "
+            f"rc = main(['--dry-run', '--samples', '2', '--engine', {engine!r}]); "
             "assert 'ray' not in sys.modules and 'mlflow' not in sys.modules and 'torch' not in sys.modules; "
             "sys.exit(rc)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_auth_mode_reaches_a_ray_imported_before_it(monkeypatch):
+    # Whatever imported Ray first, the mode the CLI sets is the one the driver's Ray uses (Ray re-reads it).
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    code = ("import os, ray; from ray._raylet import AuthenticationMode, get_authentication_mode; "
+            "from pipeline.config import load_study; from pipeline.tune import quiet_libraries; "
+            "assert get_authentication_mode() != AuthenticationMode.TOKEN; "
+            "quiet_libraries(load_study(None, {})); "
+            "assert os.environ['RAY_AUTH_MODE'] == 'token'; "
+            "assert get_authentication_mode() == AuthenticationMode.TOKEN, get_authentication_mode()")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
