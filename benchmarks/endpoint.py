@@ -68,9 +68,10 @@ def main() -> None:
     from ray import serve
 
     from serve.engines.base import ReplicaConfig
-    from serve.production import ProductionSettings, deploy
+    from serve.production.settings import ProductionSettings
+    from serve.production.app import deploy
     from serve.ports import free_port
-    from serve.replica import EngineProcess
+    from serve.replica.deployment import EngineProcess
 
     from serve.serving import Provenance, ServingConfig
 

@@ -44,7 +44,7 @@ from pipeline.workloads import load_workload  # noqa: E402
 from serve.engines.base import ReplicaConfig, child_env  # noqa: E402
 from serve.engines.cpu.adapter import CpuEngine  # noqa: E402
 from serve.ports import free_port  # noqa: E402
-from serve.replica import stop_group  # noqa: E402
+from serve.replica.deployment import stop_group  # noqa: E402
 from serve.spec import SpecConfig  # noqa: E402
 
 # A big-tree NGRAM config (12 draft tokens), where the cost of verifying shows first; docs/benchmarks.md "Levels".

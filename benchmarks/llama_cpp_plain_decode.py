@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.streamed import (  # noqa: E402
     add_common_args, machine, prompt_items, rotated, spread, start_engine, streamed_pass,
 )
-from serve.replica import EngineProcess  # noqa: E402
+from serve.replica.deployment import EngineProcess  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

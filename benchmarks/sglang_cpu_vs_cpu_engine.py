@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.streamed import (  # noqa: E402
     add_common_args, machine, prompt_items, rotated, spread, start_engine, streamed_pass,
 )
-from serve.replica import EngineProcess  # noqa: E402
+from serve.replica.deployment import EngineProcess  # noqa: E402
 from serve.spec import NgramSpec  # noqa: E402
 
 # Answers that repeat across requests (the templated-edit shape NGRAM's trie exploits), as in the bundled workloads.

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.measure.load import LoadRequest, run_phase  # noqa: E402
 from serve.engines.base import ReplicaConfig  # noqa: E402
-from serve.replica import EngineProcess  # noqa: E402
+from serve.replica.deployment import EngineProcess  # noqa: E402
 
 
 def machine() -> str:

@@ -2,7 +2,7 @@
 
 1. Ask the endpoint what it serves (`/v1/config`: registered model, version, serving config).
 2. Take the traffic capture since that version was promoted (`promoted_at_ms` in the registry): a local capture
-   directory or file (`--capture`), else the endpoint's `/v1/capture` routes (`serve.canary_contract`).
+   directory or file (`--capture`), else the endpoint's `/v1/capture` routes (`serve.closed_loop.control`).
 3. Split it (`pipeline.loop.split`): measurement and warm-up prompts written as a workload file, the rest as an
    external corpus, no measured answer in the corpus.
 4. Run a study on it (`pipeline.study.driver.run_study`, the `--study` file's settings, model and engine as
@@ -110,7 +110,7 @@ def _production(opts: RetuneOptions, tracker: Any) -> tuple[str, str, Any]:
 
 def _capture_rows(opts: RetuneOptions, folder: Path) -> list[dict[str, Any]]:
     from pipeline.loop.split import read_capture
-    from serve.capture import make_private_dir, write_private
+    from serve.closed_loop.capture import make_private_dir, write_private
 
     if opts.capture:
         return read_capture(opts.capture)
@@ -134,7 +134,7 @@ def _write_corpus(rows: Sequence[dict[str, Any]], answers: Sequence[str], folder
     from pipeline.measure.load import target_tokenizer
     from pipeline.trial.corpus import corpus_documents
     from pipeline.workloads import read_prompts
-    from serve.capture import write_private
+    from serve.closed_loop.capture import write_private
     from serve.engines.base import corpus_jsonl
 
     if not rows:
@@ -173,7 +173,7 @@ def retune(opts: RetuneOptions) -> RetuneResult:
     from pipeline.records.tracking import Tracker
     from pipeline.search.space import load_space
     from pipeline.study.driver import run_study
-    from serve.capture import make_private_dir, write_private
+    from serve.closed_loop.capture import make_private_dir, write_private
 
     registry = Tracker(opts.tracking_uri, "retune")
     name, version, serving = _production(opts, registry)
@@ -260,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--registered-model", help="registry name (default: the endpoint's)")
     parser.add_argument("--api-key", help="admin key for the endpoint (default: $SPECDEC_ADMIN_KEY)")
     parser.add_argument("--study", metavar="FILE", help="study file with the re-tune's settings")
-    parser.add_argument("--capture", metavar="PATH", help="capture directory (serve.capture) or merged file")
+    parser.add_argument("--capture", metavar="PATH", help="capture directory (serve.closed_loop.capture) or merged file")
     since = parser.add_mutually_exclusive_group()
     since.add_argument("--since-ms", type=int, help="use rows answered from this unix ms (default: the promotion)")
     since.add_argument("--all-capture", action="store_true", help="use every captured row")

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 __all__ = ["RequestRejected", "EngineUnavailable", "error_body", "error_response", "busy_response",
            "unavailable_response", "failure_answer", "short"]
 
-log = logging.getLogger("serve.ingress")
+log = logging.getLogger("serve.production.ingress")
 
 
 class RequestRejected(Exception):

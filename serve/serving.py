@@ -1,7 +1,7 @@
 """The serving config: exactly the replica a winning trial measured, plus where it came from.
 
 One typed object (`ServingConfig`) travels from the end of a study (pipeline/study/finalize.py) through the registry
-(pipeline/records/registry.py) to the production endpoint (serve/production.py) and its `/v1/config` (serve/ingress.py). Its
+(pipeline/records/registry.py) to the production endpoint (serve/production.py) and its `/v1/config` (serve/production/ingress.py). Its
 `replica` is the `ReplicaConfig` the trial's replica ran, built by the same function (`pipeline.trial.lifecycle.replica_config`),
 so tp_size, extra_flags, start_timeout_s and the engine environment reach production unchanged. What differs:
 `log_dir` (a trial folder) is dropped, and secrets travel as references: every `env` name moves to `env_from`, and
@@ -162,7 +162,7 @@ def serve_app(serving: ServingConfig, source_args: dict[str, str]) -> dict[str, 
     (`registered_model` + `version` + `tracking_uri`, or `config_file`)."""
     # Serve refuses overrides for a deployment the app lacks: the second engine is listed only when there is one.
     engines = [ENGINE_DEPLOYMENTS[route] for route in serving.replicas()]
-    return {"name": "production", "route_prefix": "/", "import_path": "serve.production:app_builder",
+    return {"name": "production", "route_prefix": "/", "import_path": "serve.production.app:app_builder",
             "args": dict(source_args),
             "deployments": [*({"name": name, "max_surge_percent": 100} for name in engines),
                             {"name": "OpenAIIngress", "max_surge_percent": 100}]}

@@ -12,7 +12,7 @@ import threading
 import httpx
 
 from serve.engines import pinned_settings
-from serve.engines.settings import effective_diff, effective_settings
+from serve.engines.spec_flags import effective_diff, effective_settings
 from tests.engine_contract import PROMPT, EngineContract, generate
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "def sub(a, b):\n    return a - b\n"]

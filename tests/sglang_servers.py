@@ -1,4 +1,4 @@
-"""Real SGLang servers for tests, started exactly as a replica starts them (`serve.replica.EngineProcess`: the
+"""Real SGLang servers for tests, started exactly as a replica starts them (`serve.replica.deployment.EngineProcess`: the
 adapter's argv, its preflight, the watchdog, its environment), from an owner process of their own so that a test can
 also kill the owner and watch the watchdog free the whole process group.
 
@@ -28,7 +28,7 @@ needs_sglang_cpu = pytest.mark.skipif(
 _OWNER = textwrap.dedent("""
     import json, sys
     from serve.engines.base import ReplicaConfig
-    from serve.replica import EngineProcess
+    from serve.replica.deployment import EngineProcess
     process = EngineProcess(ReplicaConfig.model_validate_json(sys.argv[1]))
     process.wait_ready()
     print(json.dumps({"url": process.url, "log": str(process.log_path), "watchdog": process.process.pid,

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_serializer, field_validator, model_validator
 
 from serve.engines.base import EngineKind, redact_env
-from serve.engines.settings import ENGINE_OWNED_FLAGS
+from serve.engines.spec_flags import ENGINE_OWNED_FLAGS
 from serve.spec import FrozenModel
 
 

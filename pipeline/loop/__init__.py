@@ -7,7 +7,7 @@ the result out by canary. One module per job:
 - `seed`      production's config enqueued in the re-tune's study;
 - `canary`    the canary decision: promote / roll back / go on (pure);
 - `state`     the state file, the one-loop lock, the operator's commands;
-- `client`    the endpoint's routes (`serve.live`, `serve.canary_contract`);
+- `client`    the endpoint's routes (`serve.closed_loop.live`, `serve.closed_loop.control`);
 - `cycle`     the state machine, with its `settings`; `drift_check` the seeded simulation behind the drift test's
   stated rates.
 `python -m pipeline.loop` runs it; `python -m pipeline.retune` is its re-tune step alone.

@@ -1,7 +1,7 @@
 """The canary decision: the candidate beside production on the same live traffic -> promote, roll back, or go on.
 Pure; the loop (`pipeline.loop.cycle`) gathers the records and carries the action out.
 
-The endpoint sends each generation request to the candidate with probability `share` (`serve.canary_contract`), so
+The endpoint sends each generation request to the candidate with probability `share` (`serve.closed_loop.control`), so
 both arms draw from the same traffic. Shares step up from `start_share` through `steps`; a step decides once the
 candidate has answered `min_requests_per_step` requests in it (a step that cannot get them within `max_step_s` ends
 the canary: rollback, "not enough traffic to decide").
@@ -35,7 +35,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pipeline.config import PromotionPolicy, SlaConstraint
 from pipeline.decide.decision import MAD_TO_SIGMA, Decision, Finalist, decide, promotion_bar, run_stats
 from pipeline.decide.sla import Verdict
-from serve.live import LiveRecord, bucket_of, percentile_ms
+from serve.closed_loop.live import LiveRecord, bucket_of, percentile_ms
 from serve.spec import FrozenModel, SpecConfig
 
 __all__ = ["CanarySettings", "ArmFigures", "CanaryDecision", "canary_decision", "block_throughputs", "sla_figure"]

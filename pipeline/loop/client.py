@@ -1,5 +1,5 @@
 """HTTP client of the production endpoint's routes the loop uses: `/v1/config` (what it serves), the live feed
-(`serve.live`), the canary and capture routes (`serve.canary_contract`). Every answer is validated against those
+(`serve.closed_loop.live`), the canary and capture routes (`serve.closed_loop.control`). Every answer is validated against those
 types; a route the endpoint does not serve is an `EndpointError` saying so, with the fix.
 """
 
@@ -10,10 +10,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import PipelineError
-from serve.canary_contract import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH,
+from serve.closed_loop.control import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH,
                                    CAPTURE_PATH, DRIFT_PATH, CanaryShare, CanaryStart, CanaryStatus, CanaryStop,
                                    CaptureListing, DriftReport)
-from serve.live import LIVE_PATH, LiveFeed
+from serve.closed_loop.live import LIVE_PATH, LiveFeed
 
 __all__ = ["EndpointError", "RouteMissing", "EndpointClient"]
 

@@ -32,8 +32,8 @@ from pipeline.loop.shift import ShiftReport, shift_report
 from pipeline.loop.settings import LoopSettings
 from pipeline.loop.state import LoopState, pending_commands, save_state
 from pipeline.records.cycles import CycleRecorder
-from serve.canary_contract import CandidateRef, CanaryStart, DriftLine, DriftReport
-from serve.live import CANDIDATE_ARM, PRODUCTION_ARM, LiveRecord, bucket_of
+from serve.closed_loop.control import CandidateRef, CanaryStart, DriftLine, DriftReport
+from serve.closed_loop.live import CANDIDATE_ARM, PRODUCTION_ARM, LiveRecord, bucket_of
 
 __all__ = ["LoopSettings", "Loop", "detector_key"]  # LoopSettings re-exported: pipeline.loop.settings
 

@@ -2,7 +2,7 @@
 bucket, over window means of live per-request figures, against the study's figures at the same level. Pure.
 
 Figures: per-request accept length (completion tokens / verify steps) and per-request throughput (completion tokens /
-e2e seconds), as `serve.live.LiveRecord` defines them and `pipeline.measure.summary` measures them in a study.
+e2e seconds), as `serve.closed_loop.live.LiveRecord` defines them and `pipeline.measure.summary` measures them in a study.
 
 The reference (`MetricReference`, from the study's re-measured requests of the served config at one level): mean,
 per-request sd, and the uncertainty of the mean, `se` = sd of the per-prompt means / sqrt(prompts) (a study repeats
@@ -37,7 +37,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from serve.live import LiveRecord, bucket_of
+from serve.closed_loop.live import LiveRecord, bucket_of
 from serve.spec import FrozenModel
 
 __all__ = ["Metric", "METRICS", "MetricReference", "DriftSettings", "DetectorState", "DriftVerdict",

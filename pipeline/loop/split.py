@@ -1,7 +1,7 @@
 """A traffic capture -> the re-tune's warm-up and measurement prompts and its corpus, with no measured answer in the
 corpus. Pure, apart from `read_capture` (Parquet parts) and `write_workload` (one Parquet file).
 
-A capture (`serve/capture.py`) is rows of the workload schema: `id` = `<route>:<unix ms>:<random>`, `prompt` or
+A capture (`serve/closed_loop/capture.py`) is rows of the workload schema: `id` = `<route>:<unix ms>:<random>`, `prompt` or
 `messages`, `max_new_tokens`, `output` (the answer production gave). The split:
 1. rows answered since `since_ms` (the last promotion) are kept; older rows, and rows whose id carries no time, are
    counted and left out;
@@ -178,11 +178,11 @@ def workload_rows(split: CaptureSplit, seed: int) -> list[dict[str, Any]]:
 
 def write_workload(rows: Sequence[Mapping[str, Any]], path: str | Path, with_output: bool = False) -> Path:
     """The rows as a Parquet workload file (the capture's schema; `output` only when asked), 0600 from its first
-    byte like the capture it comes from (`serve.capture.write_private`)."""
+    byte like the capture it comes from (`serve.closed_loop.capture.write_private`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from serve.capture import write_private
+    from serve.closed_loop.capture import write_private
 
     columns = WORKLOAD_COLUMNS + (("output",) if with_output else ())
     types = {"id": pa.string(), "prompt": pa.string(), "messages": pa.string(), "max_new_tokens": pa.int64(),

@@ -30,7 +30,8 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.records.tracking import Tracker
-from serve.production import CONFIG_FILE, PRODUCTION, load_serving_config  # noqa: F401 - re-exported
+from serve.production.app import CONFIG_FILE, load_serving_config  # noqa: F401 - re-exported
+from serve.production.settings import PRODUCTION
 from serve.serving import ServingConfig, spec_params
 
 PREVIOUS = "previous"

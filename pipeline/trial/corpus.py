@@ -12,9 +12,9 @@ search space's corpus dimension (`external_corpus`) takes:
 The engine may run on another node than the trial (a Ray Serve replica placed anywhere on the cluster), so a corpus
 is not passed as a driver-side path: `corpus_for_trial` resolves the setting to documents and a file in the trial's
 folder (the trial's record of what it loaded), and `ship_corpus` puts the documents in the `ReplicaConfig`; the
-replica writes them on its own node (`serve.replica.write_shipped_corpus`) at the same path under its `log_dir`, and
+replica writes them on its own node (`serve.replica.deployment.write_shipped_corpus`) at the same path under its `log_dir`, and
 the served config of a winner carries them the same way. In a trial the replica loads the corpus over SGLang's
-runtime route (`POST /add_external_corpus`, serve/replica.py) and times it; `corpus_record` checks what the engine
+runtime route (`POST /add_external_corpus`, serve/replica/deployment.py) and times it; `corpus_record` checks what the engine
 holds where SGLang lists it (`GET /list_external_corpora`, `corpus_token_counts`) and records the corpus tokens and
 that load time, a cost paid at every start (SGLang reports no start-up time of its own for a corpus). Documents are what the engine sees: a plain prompt's text; a chat prompt rendered with the
 chat template (decoded from its rendered ids, special tokens kept, so the engine tokenizes them back to the same ids)

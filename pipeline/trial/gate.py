@@ -2,7 +2,7 @@
 
 - `exact`: a trial's measured outputs against the baseline trial's (its MLflow run's `requests.parquet`).
 - `baseline-noise`: the baseline trial measures twice in one launch (flush, warm-up, measure, then again: the second
-  pass shares the launch, serve/launch.py), and its second pass (`NOISE_ARTIFACT`) is the noise a trial's divergence
+  pass shares the launch, serve/replica/sharing.py), and its second pass (`NOISE_ARTIFACT`) is the noise a trial's divergence
   is tested against (`pipeline.decide.noise`). Cost: one more measurement of the baseline, no launch.
 - `deterministic`: the baseline and every compared trial measure once more on an engine started with the engine
   kind's deterministic-inference flags (`Engine.deterministic_flags`; SGLang's `--enable-deterministic-inference`),

@@ -1,7 +1,7 @@
 """Engine launches: what a study will cost in them (`plan_launches`, printed by `--dry-run`) and what it cost
 (`record_launches`: the `engine_launches` of every trial and finalist run, summed on the study run).
 
-A launch of a big model costs minutes of every GPU it holds. Shared (serve/launch.py): consecutive trials of one
+A launch of a big model costs minutes of every GPU it holds. Shared (serve/replica/sharing.py): consecutive trials of one
 trial process whose engine settings are equal, differing only in warm-up length or corpus; the baseline's noise pass
 (`baseline-noise`); a finalist's runs at the study's other levels (each run starts one engine, then flushes, warms up
 and measures at every level). Not shared: a finalist's runs among themselves (each run measures a freshly started
@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.trial.gate import effective_mode
 from serve.engines.base import ReplicaConfig
-from serve.launch import can_share
+from serve.replica.sharing import can_share
 
 __all__ = ["LaunchPlan", "plan_launches", "format_plan", "record_launches"]
 

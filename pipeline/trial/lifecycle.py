@@ -32,8 +32,8 @@ from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, re
 from pipeline.search.space import Resolution
 from serve.engines import engine_for, pinned_settings
 from serve.engines.base import ConfigRejected, ReplicaConfig
-from serve.engines.settings import effective_diff, effective_settings
-from serve.replica import log_tail
+from serve.engines.spec_flags import effective_diff, effective_settings
+from serve.replica.deployment import log_tail
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
 FLUSH_DEADLINE_S = 120.0
@@ -78,7 +78,7 @@ class Measurement:
     timings: dict[str, float] = field(default_factory=dict)
     corpus: dict[str, float] = field(default_factory=dict)  # corpus documents/bytes/tokens/load seconds
     replica: str = ""  # where the engine started: "reused" live replica, the study's "standby", a "new" app
-    launch: str = ""  # "new" engine launch, or "shared" with the previous config's (serve/launch.py)
+    launch: str = ""  # "new" engine launch, or "shared" with the previous config's (serve/replica/sharing.py)
     launches: int = 0  # engine launches this pass cost (equivalence passes add theirs: pipeline/trial/gate.py)
 
 
@@ -377,7 +377,7 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
                                  # engine restarted in the process's live replica, in the study's standby
                                  # replica, or in a fresh Serve app
                                  "serve_replica": m.replica,
-                                 # a launch of its own or the previous config's, shared (serve/launch.py)
+                                 # a launch of its own or the previous config's, shared (serve/replica/sharing.py)
                                  "engine_launch": m.launch,
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str),
                                  # what the engine says it ran with (attention backend, running-request cap, ...)

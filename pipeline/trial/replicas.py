@@ -4,7 +4,7 @@ A new Serve app costs a new replica actor (a Ray worker importing Serve and Fast
 about 4.4 s on 2 cores, and deleting one blocks until replica and engine are gone, about 2.3 s. So each process that
 runs trials (a Tune worker, which Tune reuses across trials; the driver for the finalist re-runs) keeps its study's
 app alive after a trial, and the next trial only restarts the engine process inside that replica
-(`POST /replica/engine`, serve/replica.py): the old engine's process group is stopped and waited for (on a GPU it holds
+(`POST /replica/engine`, serve/replica/deployment.py): the old engine's process group is stopped and waited for (on a GPU it holds
 memory), the new one started and waited for. Every trial still measures a fresh engine process.
 
 A study's first trial would also pay a fresh replica, after a fresh Tune worker's start (~2 s): so before the search
@@ -27,7 +27,7 @@ The deadline follows the phase the replica reports: it gives up only when a phas
 the old engine, the engine's preflight, waiting for GPUs, `start_timeout_s` for loading, the corpus load) by
 `PHASE_GRACE_S`, or when the replica stops answering, never on one total that a slow preflight or GPU wait would eat
 before the load begins. The replica keeps the running engine when the next config can share its launch
-(serve/launch.py); `launch_fresh` makes the next start in this process launch anyway (a finalist's re-runs each
+(serve/replica/sharing.py); `launch_fresh` makes the next start in this process launch anyway (a finalist's re-runs each
 measure a freshly started engine; its levels within one run share it).
 """
 
@@ -59,7 +59,7 @@ class Launch:
 
 def launch_of(answer: dict[str, Any], config: ReplicaConfig) -> Launch:
     """The `Launch` in a replica's `/replica/argv` answer for a start of `config`. Pure."""
-    from serve.launch import launch_config
+    from serve.replica.sharing import launch_config
 
     launch = answer.get("launch") or {}
     launched = launch.get("launched")
@@ -114,7 +114,7 @@ def start_standby(study_name: str, config: ReplicaConfig) -> bool:
     deployed). The study's apps are deleted at the end of the search, the standby with them if nobody claimed it."""
     from ray import serve
 
-    from serve.replica import EngineReplica, actor_options
+    from serve.replica.deployment import EngineReplica, actor_options
 
     options = actor_options(config)
     if options.get("num_gpus"):
@@ -167,7 +167,7 @@ def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaCon
     placement (the engine's start follows its phases, `wait_started`). Raises like `deploy`: TimeoutError,
     RuntimeError with the engine's reason (ConfigRejected's marker when the engine refused the config). On a raise
     the app tried stays `live_app`, so the caller can fetch its engine log before `release`."""
-    from serve.replica import actor_options
+    from serve.replica.deployment import actor_options
 
     options = actor_options(config)
     fresh_launch = study_name in FRESH
@@ -290,7 +290,7 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
     (`restart`, its phases followed). Raises RuntimeError/TimeoutError."""
     from ray import serve
 
-    from serve.replica import EngineReplica, actor_options
+    from serve.replica.deployment import EngineReplica, actor_options
 
     name = live.name
     # @serve.deployment made the class a Deployment (mypy sees the class)
@@ -345,7 +345,7 @@ def cluster_cannot_host(config: ReplicaConfig) -> str | None:
     resources until the deploy timeout."""
     import ray
 
-    from serve.replica import actor_options, unplaceable
+    from serve.replica.deployment import actor_options, unplaceable
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     return unplaceable(actor_options(config), nodes)

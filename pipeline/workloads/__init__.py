@@ -6,7 +6,7 @@ A workload is a bundled name (`code-edit`, `free-text`, `templated`) or a user f
   optional, unique), `max_new_tokens` (integer >= 1, optional), `output` (string, optional: a recorded answer, used
   only to build a corpus). Any other field is an error (a misspelt `max_new_token` would otherwise be silently
   ignored). Blank JSONL lines are skipped.
-- JSON (`.json`): ShareGPT-style conversations (`chat.read_sharegpt`). A traffic capture (`serve/capture.py`) is a
+- JSON (`.json`): ShareGPT-style conversations (`chat.read_sharegpt`). A traffic capture (`serve/closed_loop/capture.py`) is a
   Parquet file of this schema, so `--workload captured.parquet` replays production traffic.
 
 Chat prompts are sent so the engine applies the model's chat template exactly as production does

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 
 from serve.engines import sglang_cpu
 from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, child_env
-from serve.engines.settings import UnsupportedSetting, effective_diff, render_spec
+from serve.engines.spec_flags import UnsupportedSetting, effective_diff, render_spec
 from serve.engines.phases import report_phase
 from serve.engines.sglang_cpu import launch as cpu_launch
 from serve.engines.sglang_cpu.runtime import version_problem

@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Any
 
-from serve.engines.settings import SETTINGS
+from serve.engines.spec_flags import SETTINGS
 
 # GPU-only or optional packages that sglang imports at module level (reference §8, checked on 0.5.23).
 GPU_ONLY = {"torchvision", "sgl_kernel", "flashinfer", "deep_gemm", "vllm", "aiter", "torch_npu", "petit_kernel",

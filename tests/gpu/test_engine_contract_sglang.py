@@ -16,7 +16,7 @@ import pytest
 
 from serve.engines.base import ReplicaConfig
 from serve.engines.sglang import installed_version
-from serve.replica import EngineProcess
+from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 from tests.sglang_contract import SglangContract
 

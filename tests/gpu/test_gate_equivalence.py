@@ -31,7 +31,7 @@ from pipeline.workloads import load_workload
 from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 from serve.engines.sglang import installed_version
-from serve.replica import EngineProcess
+from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec, NoSpec
 
 ENGINE = os.environ.get("SPECDEC_GATE_ENGINE", "sglang")

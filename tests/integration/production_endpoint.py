@@ -13,9 +13,10 @@ import pytest
 from pipeline.records.tracking import Tracker
 from pipeline.records.registry import register_config, set_production
 from pipeline.study.driver import connect_ray
-from serve.capture import CaptureSettings
+from serve.closed_loop.capture import CaptureSettings
 from serve.engines.base import ReplicaConfig
-from serve.production import ProductionSettings, deploy
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy
 from serve.serving import Provenance, ServingConfig
 
 KEY = "test-key-0123456789abcdef"  # >= MIN_KEY_CHARS: short keys are refused at start

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.replica import stop_group
+from serve.replica.deployment import stop_group
 
 
 @dataclass

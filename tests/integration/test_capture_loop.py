@@ -18,9 +18,10 @@ from pipeline.records.registry import register_config, set_production
 from pipeline.search.space import load_space
 from pipeline.study.driver import connect_ray, run_study
 from pipeline.workloads import read_prompts
-from serve.capture import CaptureSettings, merge_parts
+from serve.closed_loop.capture import CaptureSettings, merge_parts
 from serve.engines.base import ReplicaConfig
-from serve.production import ProductionSettings, deploy
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy
 from serve.serving import Provenance, ServingConfig
 
 from tests.conftest import TINY_STUDY

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from serve.engines.base import ReplicaConfig
-from serve.replica import EngineProcess
+from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.search.space import BASELINE_ATTR
 from serve.ports import free_port
-from serve.production import load_serving_config
+from serve.production.app import load_serving_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

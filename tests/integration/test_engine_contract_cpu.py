@@ -3,7 +3,7 @@
 import pytest
 
 from serve.engines.base import ReplicaConfig
-from serve.replica import EngineProcess
+from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 from tests.engine_contract import EngineContract
 

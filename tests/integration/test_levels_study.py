@@ -22,7 +22,8 @@ from pipeline.decide.levels import LEVELS_ARTIFACT, LevelsDecision
 from pipeline.records.tracking import Tracker
 from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
-from serve.production import ProductionSettings, deploy, load_serving_config
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy, load_serving_config
 from serve.serving import HIGH, LOW, Provenance, RoutingPolicy, ServingConfig
 from tests.conftest import TINY_SPACE
 

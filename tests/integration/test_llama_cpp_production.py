@@ -26,7 +26,8 @@ from pipeline.study.driver import connect_ray, run_study
 from pipeline.trial.lifecycle import replica_config
 from serve.engines.llama_cpp.adapter import LLAMA_SERVER_COMMAND_FILE
 from serve.ports import free_port
-from serve.production import ProductionSettings, deploy, load_serving_config
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy, load_serving_config
 from serve.serving import SERVING_FILE, Provenance, deploy_files, serving_config
 from tests.conftest import TINY_STUDY
 from tests.integration.llama_cpp_helpers import require_llama_server

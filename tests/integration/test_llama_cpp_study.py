@@ -13,7 +13,7 @@ from pipeline.config import load_study
 from pipeline.records.tracking import Tracker
 from pipeline.search.space import load_space
 from pipeline.study.driver import run_study
-from serve.production import load_serving_config
+from serve.production.app import load_serving_config
 from tests.conftest import TINY_STUDY
 from tests.integration.llama_cpp_helpers import require_llama_server
 

@@ -1,4 +1,4 @@
-"""`pipeline.retune` for real: a capture written by the endpoint's capture writer (`serve.capture.Capture`), a study
+"""`pipeline.retune` for real: a capture written by the endpoint's capture writer (`serve.closed_loop.capture.Capture`), a study
 on local Ray + the CPU engine (SmolLM2-135M) + MLflow on SQLite, production's config enqueued beside the baseline,
 the result registered as alias `candidate` while production stays. Small on purpose: 2 trials (baseline and
 production's config), 2 measured + 2 warm-up prompts of 8 tokens, nothing re-measured (about a minute)."""
@@ -15,7 +15,7 @@ from pipeline.records.registry import CANDIDATE, PRODUCTION, alias_version, regi
 from pipeline.records.tracking import Tracker
 from pipeline.retune import RetuneOptions, retune
 from pipeline.workloads import load_workload
-from serve.capture import Capture, CaptureSettings
+from serve.closed_loop.capture import Capture, CaptureSettings
 from serve.engines.base import ReplicaConfig
 from serve.serving import Provenance, ServingConfig
 

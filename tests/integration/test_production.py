@@ -23,8 +23,9 @@ import pytest
 
 from pipeline.records.registry import set_production
 from serve.engines.base import ReplicaConfig
-from serve.production import ProductionSettings, deploy, load_serving_config
-from serve.replica import EngineProcess
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy, load_serving_config
+from serve.replica.deployment import EngineProcess
 from tests.integration.production_helpers import app_processes, metric, openai_error, raw_post
 
 from tests.integration.production_endpoint import AUTH, KEY, MODEL, NGRAM, capture_rows, client, endpoint, serving  # noqa: F401 (endpoint: a fixture)

@@ -53,7 +53,7 @@ class _RecordingTokenizer:
 
 @pytest.fixture(scope="module")
 def engine(smol_dir):
-    from serve.engines.cpu.config import parse_config
+    from serve.engines.cpu.command_line import parse_config
     from serve.engines.cpu.engine import build_engine
 
     built = build_engine(parse_config(["--model-path", str(smol_dir), "--threads", "1", "--verify-probe-seconds", "0",

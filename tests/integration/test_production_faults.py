@@ -19,7 +19,8 @@ import pytest
 
 from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
-from serve.production import ProductionSettings, deploy
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy
 from serve.serving import Provenance, ServingConfig
 from tests.integration.production_helpers import alive, app_processes, metric, openai_error, stream_outcome, wait_for
 

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from pipeline.study.driver import connect_ray
-from serve.production import ProductionSettings, deploy
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy
 from tests.integration.production_endpoint import BASELINE, KEY, MODEL, client, serving
 
 pytestmark = pytest.mark.integration

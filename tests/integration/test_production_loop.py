@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from pipeline.loop.client import EndpointClient, EndpointError
-from serve.canary_contract import CandidateRef, CanaryStart, DriftLine, DriftReport
-from serve.live import LiveSummary
+from serve.closed_loop.control import CandidateRef, CanaryStart, DriftLine, DriftReport
+from serve.closed_loop.live import LiveSummary
 from tests.integration.production_endpoint import ADMIN, AUTH, KEY, MODEL, capture_rows, client, endpoint  # noqa: F401 (endpoint: a fixture)
 from tests.integration.production_helpers import openai_error, wait_for
 

@@ -14,7 +14,7 @@ import pytest
 from serve.engines import sglang_cpu
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.sglang import run_preflight, sglang_argv
-from serve.replica import EngineProcess
+from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 from tests.sglang_contract import CORPUS, SglangContract
 from tests.sglang_servers import needs_sglang_cpu, owned_engine

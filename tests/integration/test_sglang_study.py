@@ -19,7 +19,8 @@ from pipeline.config import load_study
 from pipeline.records.tracking import Tracker
 from pipeline.search.space import load_space
 from pipeline.study.driver import connect_ray, run_study
-from serve.production import ProductionSettings, deploy
+from serve.production.settings import ProductionSettings
+from serve.production.app import deploy
 from tests.conftest import TINY_STUDY
 from tests.sglang_servers import needs_sglang_cpu
 

@@ -14,8 +14,8 @@ from pipeline.config import TrialConfig
 from pipeline.trial.corpus import WARMUP_CORPUS, corpus_documents, corpus_for_trial, corpus_record, write_corpus
 from pipeline.measure.load import LoadRequest, requests_of
 from pipeline.workloads import WorkloadError, load_workload, read_prompts
-from serve.capture import Capture, CaptureSettings, merge_parts, row_of
-from serve.production_settings import ProductionSettings
+from serve.closed_loop.capture import Capture, CaptureSettings, merge_parts, row_of
+from serve.production.settings import ProductionSettings
 from serve.spec import NgramSpec
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]

@@ -21,10 +21,10 @@ from pipeline.measure.load import LoadRequest
 from pipeline.trial.lifecycle import shipped_replica_config
 from serve.engines import engine_for
 from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, REDACTED, ReplicaConfig
-from serve.engines.settings import effective_diff
+from serve.engines.spec_flags import effective_diff
 from serve.engines.sglang import sglang_args
-from serve.production import replica_config as production_replica
-from serve.replica import write_shipped_corpus
+from serve.production.app import replica_config as production_replica
+from serve.replica.deployment import write_shipped_corpus
 from serve.serving import COMMAND_FILE, Provenance, deploy_files, engine_argv, serving_config, spec_params
 from serve.spec import NgramSpec
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from serve.engines.cpu.config import ConfigError, parse_config
+from serve.engines.cpu.command_line import ConfigError, parse_config
 from serve.spec import NgramSpec, NoSpec, StandaloneSpec
 
 BASE = ["--model-path", "smollm2-135m"]
@@ -78,7 +78,7 @@ def test_argparse_rejects_unknown_flags_bad_choices_and_abbreviations(argv, caps
 
 
 def test_config_and_model_table_import_without_torch():
-    code = ("import sys, serve.engines.cpu.config, serve.engines.cpu.models as m; "
+    code = ("import sys, serve.engines.cpu.command_line, serve.engines.cpu.models as m; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; print(len(m.KNOWN_MODELS))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "4"

@@ -109,7 +109,7 @@ def test_direct_tokenizer_load_equals_autotokenizer(tmp_path):
 
 
 def test_refresh_flag_reaches_the_config():
-    from serve.engines.cpu.config import parse_config
+    from serve.engines.cpu.command_line import parse_config
 
     assert parse_config(["--model-path", "smollm2-135m"]).verify_probe_refresh is False
     assert parse_config(["--model-path", "smollm2-135m", "--verify-probe-refresh"]).verify_probe_refresh is True

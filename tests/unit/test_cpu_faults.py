@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from serve.engines.cpu.config import ConfigError, parse_config
+from serve.engines.cpu.command_line import ConfigError, parse_config
 from serve.engines.cpu.faults import Fault, FaultSpecError, armed, before_start, parse_fault, request_action
 
 

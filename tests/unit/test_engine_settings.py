@@ -1,7 +1,7 @@
-"""The one table of speculative settings (serve/engines/settings.py) and who reads it."""
+"""The one table of speculative settings (serve/engines/spec_flags.py) and who reads it."""
 
-from serve.engines.cpu.config import build_parser
-from serve.engines.settings import ENGINE_OWNED_FLAGS, SETTINGS, effective_diff, render_spec, requested
+from serve.engines.cpu.command_line import build_parser
+from serve.engines.spec_flags import ENGINE_OWNED_FLAGS, SETTINGS, effective_diff, render_spec, requested
 from serve.spec import NgramSpec, NoSpec, StandaloneSpec
 
 

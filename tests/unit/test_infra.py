@@ -8,7 +8,7 @@ import yaml
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from pipeline.config import load_study
-from serve.production import ProductionSettings
+from serve.production.settings import ProductionSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 OUR_DEPLOYMENTS = {"EngineBackend", "OpenAIIngress"}

@@ -1,11 +1,11 @@
-"""Who may call the closed loop's control routes (serve/production_settings.py `admin_access`, docs/security.md):
+"""Who may call the closed loop's control routes (serve/production/settings.py `admin_access`, docs/security.md):
 an admin key only; without admin keys nobody, except on a localhost endpoint with no keys at all."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve.production_settings import ProductionSettings, admin_access, auth_problem
+from serve.production.settings import ProductionSettings, admin_access, auth_problem
 
 GOOD = "a-good-key-0123456789"
 

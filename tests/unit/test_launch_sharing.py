@@ -1,4 +1,4 @@
-"""Engine launches: which trial configs may share a running engine (serve/launch.py), the dry run's launch plan on
+"""Engine launches: which trial configs may share a running engine (serve/replica/sharing.py), the dry run's launch plan on
 examples/study-gpu.yaml's shape, a trial following its replica's start phases (a deadline per phase, not one total),
 and corpus figures read where SGLang reports them. Pure, plus a real local HTTP server scripted as a replica."""
 
@@ -15,7 +15,7 @@ from pipeline.trial.launches import plan_launches
 from pipeline.trial.replicas import LiveApp, launch_of, overdue, wait_started
 from serve.engines.base import ReplicaConfig
 from serve.engines.phases import StartState
-from serve.launch import can_share, launch_config
+from serve.replica.sharing import can_share, launch_config
 from serve.spec import NgramSpec
 from tests.local_http import local_server
 

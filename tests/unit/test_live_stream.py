@@ -1,5 +1,5 @@
-"""What the ingress measures of an answer as it passes (serve/live_stream.py) and the ring it keeps the records in
-(serve/live_book.py): the usage chunk and the spec counters the ingress asked for never reach a client that did not,
+"""What the ingress measures of an answer as it passes (serve/closed_loop/live_stream.py) and the ring it keeps the records in
+(serve/closed_loop/live_book.py): the usage chunk and the spec counters the ingress asked for never reach a client that did not,
 bytes are forwarded as they came, and a reader of the feed learns what it missed."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from serve.http_errors import RequestRejected
-from serve.live_book import LiveBook, feed_query, subsample, version_label
-from serve.live_stream import CLIENT_CLOSED, Added, Measure, ask_spec_details, ask_usage, metered
+from serve.closed_loop.live_book import LiveBook, feed_query, subsample, version_label
+from serve.closed_loop.live_stream import CLIENT_CLOSED, Added, Measure, ask_spec_details, ask_usage, metered
 
 
 def _event(obj) -> bytes:

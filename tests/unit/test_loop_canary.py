@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import PromotionPolicy, SlaConstraint
 from pipeline.loop.canary import CanarySettings, block_throughputs, canary_decision
-from serve.live import LiveRecord
+from serve.closed_loop.live import LiveRecord
 from serve.spec import NgramSpec
 
 SETTINGS = CanarySettings(min_requests_per_step=60, blocks=5)

@@ -1,5 +1,5 @@
-"""The loop's state machine (pipeline/loop/cycle.py) end to end against the endpoint contract (serve/live.py,
-serve/canary_contract.py) and a real MLflow registry on SQLite: drift starts a cycle, a faster candidate is
+"""The loop's state machine (pipeline/loop/cycle.py) end to end against the endpoint contract (serve/closed_loop/live.py,
+serve/closed_loop/control.py) and a real MLflow registry on SQLite: drift starts a cycle, a faster candidate is
 canaried and promoted, a slower one rolled back, an operator's abort honoured, and a loop restarted mid-canary
 carries on. Every HTTP call goes through the loop's real client; the endpoint here is `ContractEndpoint`, a
 stand-in that serves the contract's routes from memory (the production endpoint's own implementation of them is
@@ -28,9 +28,9 @@ from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.records.registry import CANDIDATE, PREVIOUS, PRODUCTION, alias_version, register_config
 from pipeline.records.tracking import Tracker
 from pipeline.retune import RetuneResult
-from serve.canary_contract import CanaryStart, CanaryStatus
+from serve.closed_loop.control import CanaryStart, CanaryStatus
 from serve.engines.base import ReplicaConfig
-from serve.live import LiveFeed, LiveRecord
+from serve.closed_loop.live import LiveFeed, LiveRecord
 from serve.serving import Provenance, ServingConfig
 
 NAME = "specdec-loop-unit"

@@ -1,4 +1,4 @@
-"""The endpoint's live-figure and canary types (serve/live.py, serve/canary_contract.py): buckets, the per-request
+"""The endpoint's live-figure and canary types (serve/closed_loop/live.py, serve/closed_loop/control.py): buckets, the per-request
 figures, the summary the endpoint serves, and the shapes both sides validate."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serve.canary_contract import CandidateRef, CanaryStart, CapturePart
-from serve.live import LiveRecord, bucket_label, bucket_of, summarize_live
+from serve.closed_loop.control import CandidateRef, CanaryStart, CapturePart
+from serve.closed_loop.live import LiveRecord, bucket_label, bucket_of, summarize_live
 
 
 def record(seq: int, **kw) -> LiveRecord:

@@ -1,5 +1,5 @@
 """The capture split (pipeline/loop/split.py) on rows written by the endpoint's own capture writer
-(`serve.capture.Capture`): no measured answer in the corpus, a prompt in one split only, the workload file gives the
+(`serve.closed_loop.capture.Capture`): no measured answer in the corpus, a prompt in one split only, the workload file gives the
 study exactly the split, and too small a capture is refused with the numbers."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from pipeline.loop.split import (guard_corpus, prompt_text, read_capture, row_time_ms, split_capture, workload_rows,
                                  write_workload)
 from pipeline.workloads import load_workload
-from serve.capture import Capture, CaptureSettings
+from serve.closed_loop.capture import Capture, CaptureSettings
 
 TEMPLATED = "Thank you for your message. A member of our team will reply within one business day."
 

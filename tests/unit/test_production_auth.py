@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve.production_settings import MIN_KEY_CHARS, ProductionSettings, auth_problem, auth_required, key_problem
+from serve.production.settings import MIN_KEY_CHARS, ProductionSettings, auth_problem, auth_required, key_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = "k" * MIN_KEY_CHARS

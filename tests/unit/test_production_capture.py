@@ -10,7 +10,7 @@ import stat
 import pyarrow.parquet as pq
 from fastapi.responses import StreamingResponse
 
-from serve.capture import Capture, CaptureSettings, merge_parts
+from serve.closed_loop.capture import Capture, CaptureSettings, merge_parts
 
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
@@ -44,7 +44,7 @@ def test_a_stream_ended_by_an_error_event_is_not_captured(tmp_path):
     cap = Capture(CaptureSettings(dir=str(tmp_path), sample_rate=1, flush_rows=1, seed=0))
 
     async def cut_by_timeout():
-        # what the ingress sends when request_timeout_s cuts a stream (serve/stream_relay.py): an error, then [DONE]
+        # what the ingress sends when request_timeout_s cuts a stream (serve/production/stream_relay.py): an error, then [DONE]
         yield f"data: {json.dumps({'choices': [{'delta': {'content': 'Bl'}}]})}\n\n".encode()
         yield b'data: {"error": {"message": "the request took longer than request_timeout_s=2", "code": 504}}\n\n'
         yield b"data: [DONE]\n\n"

@@ -1,4 +1,4 @@
-"""The replica's client of its engine (serve/engine_client.py) against a real local socket server that misbehaves as
+"""The replica's client of its engine (serve/replica/engine_client.py) against a real local socket server that misbehaves as
 a paused or dying engine does (issue #31 items 3, 4): a connection closed without an answer is retried once, a
 dead engine is EngineUnavailable (the ingress's 503), never a bare transport error."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from serve import engine_client
+from serve.replica import engine_client
 from serve.http_errors import EngineUnavailable
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"

@@ -6,7 +6,7 @@ and benchmarks/soak.py (memory back to its start level after oversize uploads)."
 from __future__ import annotations
 
 from serve.engines.base import ENDPOINT_MALLOC_MARKER, child_env
-from serve.production import local_ray_environment
+from serve.production.cli import local_ray_environment
 
 
 def test_the_local_ray_environment_and_what_engines_inherit_of_it(monkeypatch):

@@ -1,6 +1,6 @@
 """The production ingress as Serve ships it, and the pure parts of its error handling (issue #31 items 1, 2, 3, 4, 7).
 
-`@serve.ingress` freezes the FastAPI app while serve/ingress.py is still being imported, which rebinds the class's
+`@serve.ingress` freezes the FastAPI app while serve/production/ingress.py is still being imported, which rebinds the class's
 methods to a copy of the module's globals as they were at that moment: a helper defined below the class is missing in
 the replica (every invalid max_tokens was a NameError 500). The first test checks the methods Serve ships, so it
 fails for any such helper, whatever request would reach it."""
@@ -17,11 +17,11 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-import serve.ingress as ingress
-from serve.capture import Capture
+import serve.production.ingress as ingress
+from serve.closed_loop.capture import Capture
 from serve.http_errors import EngineUnavailable, RequestRejected, failure_answer
 from serve.http_limits import MAX_JSON_DEPTH, BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
-from serve.production_settings import ProductionSettings
+from serve.production.settings import ProductionSettings
 
 
 def _global_names(code):
@@ -36,7 +36,7 @@ def _global_names(code):
 def _shipped_classes():
     """OpenAIIngress as Serve deploys it: the wrapper Serve builds and the user class under it."""
     deployed = ingress.OpenAIIngress.func_or_class
-    return [c for c in deployed.__mro__ if c.__module__ == "serve.ingress"]
+    return [c for c in deployed.__mro__ if c.__module__ == "serve.production.ingress"]
 
 
 def test_every_global_a_shipped_method_uses_exists_where_it_runs():
@@ -49,7 +49,7 @@ def test_every_global_a_shipped_method_uses_exists_where_it_runs():
             for used in _global_names(function.__code__):
                 if used not in function.__globals__ and not hasattr(builtins, used):
                     missing.append(f"{cls.__qualname__}.{name} uses {used}")
-    assert missing == [], "bind these above the class in serve/ingress.py (or import them)"
+    assert missing == [], "bind these above the class in serve/production/ingress.py (or import them)"
 
 
 def _request(path: str = "/v1/completions", body: bytes = b"{}") -> Request:

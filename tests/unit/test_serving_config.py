@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from pipeline.config import TrialConfig, load_study
 from pipeline.trial.lifecycle import replica_config
 from serve.engines.base import ReplicaConfig
-from serve.production import replica_config as production_replica
+from serve.production.app import replica_config as production_replica
 from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,
                            ServingConfig, deploy_files, engine_argv, engine_command, serving_config, spec_params)
 from serve.spec import NgramSpec

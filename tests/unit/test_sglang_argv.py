@@ -12,7 +12,7 @@ from pipeline.trial.lifecycle import replica_config
 from pipeline.config import TrialConfig
 from serve.engines import pinned_settings, sglang_cpu
 from serve.engines.base import ReplicaConfig
-from serve.engines.settings import effective_diff, effective_settings
+from serve.engines.spec_flags import effective_diff, effective_settings
 from serve.engines.sglang import SglangEngine, describe_device, resolve_device, sglang_args, sglang_argv
 from serve.engines.sglang_cpu.launch import CPU_MAX_TOTAL_TOKENS
 from serve.spec import EagleSpec, NgramSpec

@@ -22,7 +22,7 @@ from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.search.space import (CategoricalParam, FixedParam, IntParam, default_value, define_by_run, evaluate_bound,
                             load_space, resolve)
 from serve.engines.base import ConfigRejected, ReplicaConfig
-from serve.engines.settings import SETTINGS, UnsupportedSetting, render_spec
+from serve.engines.spec_flags import SETTINGS, UnsupportedSetting, render_spec
 from serve.engines.sglang import (SglangEngine, installed_version, launcher, run_preflight, server_arg_fields,
                                   sglang_argv)
 from serve.spec import EagleSpec, NgramSpec, StandaloneSpec, validate_spec

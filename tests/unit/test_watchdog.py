@@ -98,7 +98,7 @@ def test_sigterm_to_the_wrapper_alone_ends_a_child_that_ignores_it_without_a_tra
 
 def test_stop_group_without_grace_kills_a_group_that_ignores_sigterm():
     """A replica stops an engine that holds no GPU this way between trials: no SIGTERM round, the group is gone."""
-    from serve.replica import stop_group
+    from serve.replica.deployment import stop_group
 
     stubborn = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "subprocess.Popen([sys.executable, '-c', 'import signal, time; "

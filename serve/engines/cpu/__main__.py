@@ -5,7 +5,7 @@ Flags are parsed and validated before anything heavy is imported, so a bad flag 
 import os
 import sys
 
-from serve.engines.cpu.config import ConfigError, parse_config
+from serve.engines.cpu.command_line import ConfigError, parse_config
 
 
 def main() -> int:

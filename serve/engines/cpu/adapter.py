@@ -1,6 +1,6 @@
 """The embedded CPU engine as an engine kind: its command line and its replica's resources.
 
-Its flags are SGLang's names (rendered from the one table, `serve/engines/settings.py`), so the same search space
+Its flags are SGLang's names (rendered from the one table, `serve/engines/spec_flags.py`), so the same search space
 means the same thing here and on SGLang. It validates its flags itself in well under a second at start, so it needs no
 separate preflight; a refused flag set exits with code 2 and the reason, which the replica reports.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve.engines.base import Engine, ReplicaConfig, python_module_argv
-from serve.engines.settings import render_spec
+from serve.engines.spec_flags import render_spec
 
 
 class CpuEngine(Engine):

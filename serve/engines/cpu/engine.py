@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from serve.engines.cpu.config import EngineConfig
+from serve.engines.cpu.command_line import EngineConfig
 from serve.engines.cpu.convert import load_tokenizer
 from serve.engines.cpu.corpus import Encode, ExternalCorpora
 from serve.engines.cpu.decode import Decoder, Speculator
@@ -170,7 +170,7 @@ def build_engine(config: EngineConfig) -> Engine:
                                          STARTUP_PROBE_SIZES, refresh=config.verify_probe_refresh)
         timings["verify_cost_probe"] = time.monotonic() - t0
     # SGLang loads a start-up corpus inside its scheduler's start and reports no time of its own for it, so neither
-    # does this engine: a trial times the corpus it loads through `POST /add_external_corpus` (serve/replica.py).
+    # does this engine: a trial times the corpus it loads through `POST /add_external_corpus` (serve/replica/deployment.py).
     speculator = make_speculator(config, draft_runner, tokenizer)
     decoder = Decoder(runner, tokenizer, speculator)
     scheduler = Scheduler(decoder, config.max_running_requests, config.max_queued_requests,

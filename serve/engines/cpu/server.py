@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from serve.engines.cpu.config import EngineConfig
+from serve.engines.cpu.command_line import EngineConfig
 from serve.engines.cpu.corpus_routes import register_corpus_routes
 from serve.engines.cpu.decode import Request, StopRules
 from serve.engines.cpu.engine import Engine

@@ -1,4 +1,4 @@
-"""Pieces of the production app that both the app builder (`serve.production`) and the canary (`serve.canary`)
+"""Pieces of the production app that both the app builder (`serve.production`) and the canary (`serve.closed_loop.candidate_arm`)
 use: the serving config at a registry URI or in a file, and one engine deployment of it with the endpoint's
 backpressure. Kept apart so that the ingress's canary can build an engine without importing the app builder.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.engines.base import ReplicaConfig
-from serve.production_settings import ProductionSettings
+from serve.production.settings import ProductionSettings
 from serve.serving import SERVING_FILE, ServingConfig
 
 __all__ = ["load_serving_config", "backpressure", "engine_deployment"]
@@ -64,7 +64,7 @@ def backpressure(settings: ProductionSettings) -> dict[str, Any]:
 
 def engine_deployment(settings: ProductionSettings, replica: ReplicaConfig, name: str) -> Any:
     """One engine deployment (Serve application node) of `replica`, rolling with a 100% surge."""
-    from serve.replica import EngineBackend, actor_options
+    from serve.replica.deployment import EngineBackend, actor_options
 
     # @serve.deployment made EngineBackend a Deployment (mypy sees the class).
     return EngineBackend.options(  # type: ignore[attr-defined]

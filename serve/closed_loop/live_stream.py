@@ -1,4 +1,4 @@
-"""Measuring one generation answer as it passes the ingress, streamed or not, as `serve.live` defines the figures.
+"""Measuring one generation answer as it passes the ingress, streamed or not, as `serve.closed_loop.live` defines the figures.
 
 A `Measure` follows one forwarded generation request: the time its first text arrived, the gaps between later
 text-carrying chunks, the engine's token counts (OpenAI `usage`; for a stream the engine's final usage chunk) and

@@ -1,6 +1,6 @@
-"""What the production endpoint's closed-loop control routes serve (`serve.canary_contract`), apart from HTTP: posted
+"""What the production endpoint's closed-loop control routes serve (`serve.closed_loop.control`), apart from HTTP: posted
 bodies checked against the contract, the latest drift report and its gauges (`POST /v1/drift`), and the capture's
-parts (`GET /v1/capture`, `GET /v1/capture/<name>`). The ingress (`serve/ingress.py`) checks the admin key before it calls these.
+parts (`GET /v1/capture`, `GET /v1/capture/<name>`). The ingress (`serve/production/ingress.py`) checks the admin key before it calls these.
 
 Capture parts are served by name only: a name must match `PART_NAME` (`part-<tag>-<seq>.parquet`, no path
 separator, no dot-file: the temporary files a write leaves for an instant are never listed), and the file must be a
@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Gauge
 from pydantic import BaseModel, ValidationError
 
-from serve.canary_contract import PART_NAME, CaptureListing, CapturePart, DriftReport
-from serve.capture import CaptureSettings
+from serve.closed_loop.control import PART_NAME, CaptureListing, CapturePart, DriftReport
+from serve.closed_loop.capture import CaptureSettings
 from serve.http_errors import RequestRejected, short
 
 __all__ = ["DriftBoard", "contract_body", "capture_listing", "capture_part", "PARQUET_MEDIA_TYPE"]
@@ -37,7 +37,7 @@ def contract_body(kind: type[ModelT], data: Any) -> ModelT:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"])) or "(body)"
         raise RequestRejected(422, f"{kind.__name__}: {where}: {first['msg']} (got {short(first.get('input'))}); "
-                                   f"send a serve.canary_contract.{kind.__name__}") from None
+                                   f"send a serve.closed_loop.control.{kind.__name__}") from None
 
 
 class DriftBoard:

@@ -1,4 +1,4 @@
-"""The live records of one ingress replica: a bounded ring of `serve.live.LiveRecord`s (the feed and summary of
+"""The live records of one ingress replica: a bounded ring of `serve.closed_loop.live.LiveRecord`s (the feed and summary of
 `GET /v1/live` and `GET /v1/live/summary`) and the same figures as Prometheus metrics.
 
 Bounds. The ring holds the latest `capacity` records (`ProductionSettings.live_records`); older ones are dropped and
@@ -9,7 +9,7 @@ restart) continues above every number the old one gave out, and a reader's `afte
 
 Prometheus (labels `version`, `arm`, `route`, `bucket`): the label values are bounded by design: `version` is the
 config this replica serves (a roll starts new replicas), `arm` production or candidate, `route` low or high, and
-`bucket` a power-of-two concurrency bucket (`serve.live.bucket_label`: at most ~10 below the replica's
+`bucket` a power-of-two concurrency bucket (`serve.closed_loop.live.bucket_label`: at most ~10 below the replica's
 `max_ongoing_requests`).
 """
 
@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import ValidationError
 
 from serve.http_errors import RequestRejected
-from serve.live import MAX_ITL_SAMPLES, LiveFeed, LiveRecord, LiveSummary, bucket_label, summarize_live
-from serve.live_stream import Measure
+from serve.closed_loop.live import MAX_ITL_SAMPLES, LiveFeed, LiveRecord, LiveSummary, bucket_label, summarize_live
+from serve.closed_loop.live_stream import Measure
 
 __all__ = ["LiveBook", "LiveMetrics", "version_label", "feed_query", "MAX_FEED_LIMIT", "subsample"]
 
-log = logging.getLogger("serve.ingress")
+log = logging.getLogger("serve.production.ingress")
 MAX_FEED_LIMIT = 10_000  # records per `GET /v1/live` answer
 LABELS = ("version", "arm", "route", "bucket")
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 300.0)

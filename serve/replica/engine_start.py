@@ -1,6 +1,6 @@
-"""A trial replica's engine starts (the `EngineReplica` side of `POST /replica/engine`, serve/replica.py): run in a
+"""A trial replica's engine starts (the `EngineReplica` side of `POST /replica/engine`, serve/replica/deployment.py): run in a
 thread, reported phase by phase (serve/engines/phases.py), sharing the running engine's launch when the next config
-can (serve/launch.py), and loading an NGRAM corpus over SGLang's runtime route instead of a start flag.
+can (serve/replica/sharing.py), and loading an NGRAM corpus over SGLang's runtime route instead of a start flag.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 
 from serve.engines.base import ReplicaConfig
 from serve.engines.phases import StartState, reporting
-from serve.launch import can_share, launch_config, runtime_corpus
+from serve.replica.sharing import can_share, launch_config, runtime_corpus
 from serve.spec import NgramSpec
 
 __all__ = ["TrialStarts", "PREFLIGHT_LIMIT_S", "CORPUS_LIMIT_S"]
@@ -78,7 +78,7 @@ class TrialStarts:
                 log.write(f"[replica] {text}\n")
 
     def _replace(self, config: ReplicaConfig, fresh: bool) -> str | None:
-        """Share the running engine's launch when the config can (serve/launch.py), else stop it fully first (GPU
+        """Share the running engine's launch when the config can (serve/replica/sharing.py), else stop it fully first (GPU
         memory) and start a new one; then load the corpus. The error text, else None.
         A new engine that fails to start stays `self.engine` (dead), so `/replica/log` shows its log.
         An engine without GPUs is killed at once (its log was read, it serves nothing, and a graceful exit cost

@@ -1,6 +1,6 @@
-"""Who may call what on the production ingress (`serve/ingress.py`): user keys for the OpenAI routes, `/metrics`,
+"""Who may call what on the production ingress (`serve/production/ingress.py`): user keys for the OpenAI routes, `/metrics`,
 `/v1/config` and the live feed; admin keys for those too and, alone, for the closed loop's control routes (the
-rules: `serve.production_settings`). Keys are compared in constant time, every key of both lists each time.
+rules: `serve.production.settings`). Keys are compared in constant time, every key of both lists each time.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import hmac
 from starlette.requests import Request
 
 from serve.http_errors import RequestRejected
-from serve.production_settings import ProductionSettings, admin_access
+from serve.production.settings import ProductionSettings, admin_access
 
 __all__ = ["IngressAuth"]
 

@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError
 
 from serve.engines.cpu.faults import Fault, FaultSpecError, parse_faults
 from serve.errors import ConfigError  # the one ConfigError of both floors; re-exported here
-from serve.engines.settings import BY_FIELD, SETTINGS, server_args_of
+from serve.engines.spec_flags import BY_FIELD, SETTINGS, server_args_of
 from serve.spec import FrozenModel, NgramSpec, NoSpec, StandaloneSpec, validate_spec
 
 __all__ = ["ConfigError", "EngineConfig", "build_parser", "parse_config", "DEFAULT_MAX_RUNNING_REQUESTS"]

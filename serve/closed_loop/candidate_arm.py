@@ -1,4 +1,4 @@
-"""The candidate arm of the production endpoint's canary (`serve.canary_contract` states the semantics).
+"""The candidate arm of the production endpoint's canary (`serve.closed_loop.control` states the semantics).
 
 One ingress replica owns it: `POST /v1/canary/start` deploys the candidate's engine as its own Serve application
 (`<app>-canary`, no HTTP route; the production app and its engines are never touched), and once it runs, `pick`
@@ -18,10 +18,10 @@ import random
 import time
 from typing import Any
 
-from serve.canary_contract import CanaryStart, CanaryStatus
+from serve.closed_loop.control import CanaryStart, CanaryStatus
 from serve.http_errors import RequestRejected
-from serve.live import CANDIDATE_ARM, PRODUCTION_ARM
-from serve.production_settings import ProductionSettings
+from serve.closed_loop.live import CANDIDATE_ARM, PRODUCTION_ARM
+from serve.production.settings import ProductionSettings
 
 __all__ = ["CanaryArm", "CANARY_ENGINE"]
 
@@ -85,7 +85,7 @@ class CanaryArm:
     def _deploy_blocking(self, start: CanaryStart) -> Any:
         from ray import serve
 
-        from serve.engine_app import engine_deployment, load_serving_config
+        from serve.production.engine_app import engine_deployment, load_serving_config
 
         ref = start.candidate
         config = load_serving_config(self.settings.tracking_uri, f"models:/{ref.registered_model}/{ref.version}")

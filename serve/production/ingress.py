@@ -11,24 +11,24 @@ told about in the error. A full queue (Serve's `max_queued_requests` on either d
 waiting queue) is a 429 with `Retry-After`; a request running longer than `request_timeout_s` is cut (504, or an
 error event on a stream) and its generation cancelled. An engine that is gone or restarting is a 503 with
 `Retry-After` (`serve.http_errors.failure_answer`), a stream it leaves ends with an error event and `[DONE]`
-(`serve.stream_relay`); `/health` asks every engine within `health_timeout_s` (503 when one is gone, 504 when one
+(`serve.production.stream_relay`); `/health` asks every engine within `health_timeout_s` (503 when one is gone, 504 when one
 does not answer). Every answer, 401s and 500s included, is counted in `/metrics`; a streamed answer's latency ends at
-its last byte. Auth (`serve.ingress_auth`) follows the address Serve's proxy really binds
-(`serve.production_settings`). No `/docs` or `/openapi.json`. API keys, request bodies and generated text are never
+its last byte. Auth (`serve.production.auth`) follows the address Serve's proxy really binds
+(`serve.production.settings`). No `/docs` or `/openapi.json`. API keys, request bodies and generated text are never
 logged.
 
 Serving policy (`serve.serving.RoutingPolicy`, shown by `/v1/config`): with two engines, a generation request that
 makes more than `switch_above` generation requests in flight at this ingress replica goes to the high-concurrency
 engine; the answer's `x-specdec-route` header says which engine served it (`low` / `high`).
 
-Live figures (`serve.live`, `serve.live_book`, `serve.live_stream`): every generation request forwarded to an engine
+Live figures (`serve.closed_loop.live`, `serve.closed_loop.live_book`, `serve.closed_loop.live_stream`): every generation request forwarded to an engine
 becomes one `LiveRecord` when its answer ends (a stream: at `data: [DONE]`), with the engine's token counts (a
 streamed request asks the engine for its usage chunk, which a client that did not ask never sees) and the same
 figures as Prometheus histograms and counters (labels `version`, `arm`, `route`, `bucket`). `GET /v1/live` and
 `GET /v1/live/summary` serve them (this replica's ring of `live_records`); the closed loop posts its drift verdicts
 to `POST /v1/drift` (shown on `/v1/config` and `/metrics`) and reads the capture's parts from `GET /v1/capture` and
-`GET /v1/capture/<name>`; it runs a canary of a candidate version on a share of the traffic (`serve.canary`, routes
-`/v1/canary*`). The capture, drift and canary routes take an admin key only (`serve.production_settings`).
+`GET /v1/capture/<name>`; it runs a canary of a candidate version on a share of the traffic (`serve.closed_loop.candidate_arm`, routes
+`/v1/canary*`). The capture, drift and canary routes take an admin key only (`serve.production.settings`).
 """
 
 
@@ -44,25 +44,25 @@ from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from serve.canary import CanaryArm
-from serve.canary_contract import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH, CAPTURE_PATH,
+from serve.closed_loop.candidate_arm import CanaryArm
+from serve.closed_loop.control import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH, CAPTURE_PATH,
                                    DRIFT_PATH, CanaryShare, CanaryStart, CanaryStop, DriftReport)
-from serve.capture import Capture
+from serve.closed_loop.capture import Capture
 from serve.http_errors import (RequestRejected, busy_response, error_response, failure_answer, log_failure,
                                unavailable_response)
 from serve.engines import engine_for
-from serve.ingress_auth import IngressAuth
+from serve.production.auth import IngressAuth
 from serve.http_limits import BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
-from serve.ingress_support import (MAX_ERROR_BODY_BYTES, IngressMetrics, bounded, engine_error, explain_filled,
+from serve.production.ingress_support import (MAX_ERROR_BODY_BYTES, IngressMetrics, bounded, engine_error, explain_filled,
                                    serve_bind_host, timed)
-from serve.live import CANDIDATE_ARM, LIVE_PATH, LIVE_SUMMARY_PATH, PRODUCTION_ARM, summarize_live
-from serve.live_book import LiveBook, feed_query, version_label
-from serve.live_stream import Added, Measure, ask_spec_details, ask_usage, metered
-from serve.loop_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
-from serve.production_settings import (ProductionSettings, auth_problem, auth_required, load_admin_keys,
+from serve.closed_loop.live import CANDIDATE_ARM, LIVE_PATH, LIVE_SUMMARY_PATH, PRODUCTION_ARM, summarize_live
+from serve.closed_loop.live_book import LiveBook, feed_query, version_label
+from serve.closed_loop.live_stream import Added, Measure, ask_spec_details, ask_usage, metered
+from serve.closed_loop.control_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
+from serve.production.settings import (ProductionSettings, auth_problem, auth_required, load_admin_keys,
                                        load_api_keys)
 from serve.serving import HIGH, LOW, RoutingPolicy, ServingConfig
-from serve.stream_relay import relay
+from serve.production.stream_relay import relay
 
 app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -282,7 +282,7 @@ class OpenAIIngress(IngressAuth):
         except Exception as exc:  # noqa: BLE001 - every failure is an answer in OpenAI's shape, and is counted
             response = self._failure(route, exc)
         data = getattr(request.state, "body", None)
-        response = await self.capture.observe(route, data, response)  # opt-in traffic capture (serve.capture)
+        response = await self.capture.observe(route, data, response)  # opt-in traffic capture (serve.closed_loop.capture)
         measure = getattr(request.state, "live", None)
         if measure is not None and not measure.metered:  # a metered stream records itself when it ends
             self.live.record(measure, response.status_code, time.monotonic())

@@ -15,14 +15,14 @@ Canary semantics the endpoint guarantees:
 - `GET /v1/canary` (`CanaryStatus`): the state, the candidate, the share and the requests each arm got. A call renews
   the lease: a canary whose controller has not called any canary route for `lease_s` is stopped by the endpoint
   itself (reason `lease expired`), so a loop that died mid-canary cannot leave traffic on an unwatched candidate.
-- Every answer carries the live records' `arm` (`serve.live.LiveRecord`), and `/v1/config` adds `canary` (the
+- Every answer carries the live records' `arm` (`serve.closed_loop.live.LiveRecord`), and `/v1/config` adds `canary` (the
   `CanaryStatus`) beside what it serves.
 
 Drift: `POST /v1/drift` (`DriftReport`): the loop posts its drift verdicts and workload-shift summary after every
 poll; the endpoint shows the latest on `/v1/config` (`drift`) and `/metrics` (`specdec_drift_statistic` and
 `specdec_drift_alarm`, labels `metric`, `bucket`), so the test runs in one place and both read the same.
 
-Capture: `GET /v1/capture` (`CaptureListing`) lists the capture directory's parts (`serve/capture.py`), `GET
+Capture: `GET /v1/capture` (`CaptureListing`) lists the capture directory's parts (`serve/closed_loop/capture.py`), `GET
 /v1/capture/<name>` returns one part's Parquet bytes. Captured rows hold user prompts and answers: these routes, like
 the canary routes, take only an admin key (`ADMIN_KEYS_ENV`), never a user key; without admin keys they answer 403,
 except on an endpoint bound to localhost without keys at all (docs/security.md).
@@ -48,7 +48,7 @@ CANARY_STOP_PATH = "/v1/canary/stop"
 CAPTURE_PATH = "/v1/capture"
 DRIFT_PATH = "/v1/drift"
 ADMIN_KEYS_ENV = "SPECDEC_ADMIN_KEYS"
-PART_NAME = re.compile(r"^part-[A-Za-z0-9]+-[0-9]+\.parquet$")  # serve/capture.py's part names; nothing else served
+PART_NAME = re.compile(r"^part-[A-Za-z0-9]+-[0-9]+\.parquet$")  # serve/closed_loop/capture.py's part names; nothing else served
 
 CanaryState = Literal["off", "starting", "running", "stopping", "failed"]
 
@@ -101,7 +101,7 @@ class CapturePart(FrozenModel):
 
 class CaptureListing(FrozenModel):
     parts: tuple[CapturePart, ...]
-    max_rows: int = Field(ge=1, description="the capture's bound; capture stops at it (serve/capture.py)")
+    max_rows: int = Field(ge=1, description="the capture's bound; capture stops at it (serve/closed_loop/capture.py)")
 
 
 class DriftLine(FrozenModel):

@@ -2,7 +2,7 @@
 
 An engine launch of a big model costs minutes of every GPU it holds, and SGLang 0.5.23 changes nothing speculative
 at runtime except accept thresholds (ignored at temperature 0) and external corpora (`POST /add_external_corpus`,
-list, remove). So in a trial replica (serve/replica.py) an NGRAM corpus is never a launch flag: the engine starts
+list, remove). So in a trial replica (serve/replica/deployment.py) an NGRAM corpus is never a launch flag: the engine starts
 without it and the replica loads it over HTTP (the load is timed there, on both engines alike). Two trial configs
 whose launches are then equal share one launch: the replica keeps the engine, swaps the corpus, and the trial
 flushes, warms up and measures as after a fresh start. Warm-up length and concurrency are not engine settings at all.

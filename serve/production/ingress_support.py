@@ -1,4 +1,4 @@
-"""Parts of the production ingress (`serve/ingress.py`) that need no replica state: its metrics, the bind address
+"""Parts of the production ingress (`serve/production/ingress.py`) that need no replica state: its metrics, the bind address
 Serve's proxy uses, bounded handle calls, an engine's error answer in OpenAI's shape, and a streamed body's timing.
 """
 

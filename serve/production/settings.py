@@ -1,5 +1,5 @@
 """Settings of the production endpoint and the pure rules about them: where the config comes from, limits, and
-who must authenticate. Shared by `serve.production` (the driver, which checks before deploying) and `serve.ingress`
+who must authenticate. Shared by `serve.production` (the driver, which checks before deploying) and `serve.production.ingress`
 (the replica, which enforces); neither imports the other for these.
 
 Auth rule (`auth_required`): keys are required when the endpoint is reachable beyond this machine, judged from the
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from pydantic import Field
 
-from serve.canary_contract import ADMIN_KEYS_ENV
-from serve.capture import CaptureSettings
+from serve.closed_loop.control import ADMIN_KEYS_ENV
+from serve.closed_loop.capture import CaptureSettings
 from serve.spec import FrozenModel
 
 __all__ = ["ProductionSettings", "PRODUCTION", "LOCAL_HOSTS", "MIN_KEY_CHARS", "load_api_keys", "auth_required",
@@ -68,7 +68,7 @@ class ProductionSettings(FrozenModel):
                                                             "engine is gone")
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
     capture: CaptureSettings | None = Field(None, description="traffic capture to Parquet (opt-in; a directory or "
-                                                            "JSON settings; see serve/capture.py and the PII "
+                                                            "JSON settings; see serve/closed_loop/capture.py and the PII "
                                                             "warning in docs/security.md)")
     live_records: int = Field(10_000, ge=1, description="live records (GET /v1/live) each ingress replica holds; "
                                                        "older ones are dropped")

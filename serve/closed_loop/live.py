@@ -1,7 +1,7 @@
 """Live figures of the production endpoint: the record kept for every answered generation request, the JSON shapes of
 the routes that export them, and the concurrency buckets they are grouped by. Pure types and functions, no I/O.
 
-The endpoint (`serve/ingress.py`) fills one `LiveRecord` per generation request it answered and serves them, in
+The endpoint (`serve/production/ingress.py`) fills one `LiveRecord` per generation request it answered and serves them, in
 order, on `GET /v1/live?after=<seq>&limit=<n>` (`LiveFeed`) and summarized per group on `GET /v1/live/summary`
 (`LiveSummary`, computed by `summarize_live`); the closed loop (`pipeline/loop/`) reads them to test for drift and to
 compare a canary with production. Both sides use these types, so the shapes cannot drift apart. Prometheus metrics

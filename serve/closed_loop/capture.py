@@ -13,7 +13,7 @@ Rows use the workload schema (`pipeline.workloads`), so a capture is a workload 
 `max_new_tokens` (what the engine was asked for: the request's `max_tokens`/`max_completion_tokens`, or the value
 the ingress filled in for a request without one) and `output` (the answer's text). Each flush writes a new part
 file `part-<random>-<seq>.parquet` into `dir` (Parquet files cannot be appended to, and a part is complete the
-moment it exists); `python -m serve.capture merge DIR OUT.parquet` joins the parts into the file
+moment it exists); `python -m serve.closed_loop.capture merge DIR OUT.parquet` joins the parts into the file
 `python -m pipeline.tune --workload OUT.parquet` replays.
 
 Writes happen on a worker thread, never on the event loop; a failed write is logged and drops that part, never a
@@ -44,7 +44,7 @@ from serve.spec import FrozenModel
 __all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "DIR_MODE", "FILE_MODE", "row_of", "merge_parts",
            "make_private_dir", "write_private", "main"]
 
-log = logging.getLogger("serve.capture")
+log = logging.getLogger("serve.closed_loop.capture")
 CAPTURED_ROUTES = ("/v1/chat/completions", "/v1/completions")
 DIR_MODE, FILE_MODE = 0o700, 0o600  # captured prompts are user data: operators only (as identity.json, promoted.yaml)
 
@@ -308,7 +308,7 @@ def merge_parts(directory: str | Path, out: str | Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serve.capture", description="traffic capture tools")
+    parser = argparse.ArgumentParser(prog="python -m serve.closed_loop.capture", description="traffic capture tools")
     sub = parser.add_subparsers(dest="command", required=True)
     merge = sub.add_parser("merge", help="join a capture directory's parts into one workload Parquet file")
     merge.add_argument("dir")

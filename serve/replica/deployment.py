@@ -18,7 +18,7 @@ every `serve.run` under a random version, which replaces the replica.
 That start runs in a thread and reports its phases (serve/engines/phases.py: stopping, preflight, waiting for GPUs,
 loading, corpus) at `GET /replica/start`, each with its limit, so the trial's deadline follows the phase; their
 durations are written to the engine log and returned with `/replica/argv`. When the running engine's launch fits the
-next config (serve/launch.py: equal flags; corpora are loaded over HTTP, never as a flag, in a trial replica) the
+next config (serve/replica/sharing.py: equal flags; corpora are loaded over HTTP, never as a flag, in a trial replica) the
 engine is kept and only its corpus swapped ("launch shared"); the trial flushes and warms it up as a fresh one.
 """
 
@@ -38,12 +38,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from serve import engine_client
+from serve.replica import engine_client
 from serve.engines import engine_for
 from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, corpus_jsonl, python_module_argv
 from serve.engines.phases import StartState
 from serve.ports import free_port
-from serve.trial_start import TrialStarts
+from serve.replica.engine_start import TrialStarts
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
@@ -242,12 +242,12 @@ class _EngineOwner:
     async def call(self, method: str, path: str, body: bytes = b"",
                    headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
         """One engine request, whole response: (status, content type, body). EngineUnavailable when the engine is
-        gone (serve.engine_client: a reset idle connection is retried once)."""
+        gone (serve.replica.engine_client: a reset idle connection is retried once)."""
         return await engine_client.call(self.client, self._engine_down, method, path, body, headers)
 
     async def call_stream(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
         """Streaming engine request: yields (status, content type) first, then the raw body chunks
-        (serve.engine_client, as `call`)."""
+        (serve.replica.engine_client, as `call`)."""
         async for item in engine_client.call_stream(self.client, self._engine_down, method, path, body, headers):
             yield item
 
@@ -261,7 +261,7 @@ class EngineBackend(_EngineOwner):
 @serve.ingress(app)
 class EngineReplica(TrialStarts, _EngineOwner):
     """An engine replica with every engine route proxied over HTTP under the app's prefix (one per trial). Its engine
-    starts (`POST /replica/engine`) are `TrialStarts` (serve/trial_start.py)."""
+    starts (`POST /replica/engine`) are `TrialStarts` (serve/replica/engine_start.py)."""
 
     stop_limit_s = 2 * STOP_GRACE_S + 5
 
@@ -269,7 +269,7 @@ class EngineReplica(TrialStarts, _EngineOwner):
         super().__init__(config, standby)
         self.start = StartState()  # the trial-driven starts (POST /replica/engine), polled at GET /replica/start
         self.launched: ReplicaConfig | None = self.config if self.engine is not None else None  # the running
-        # engine's launch config (serve/launch.py): a later config that can share it runs on this engine
+        # engine's launch config (serve/replica/sharing.py): a later config that can share it runs on this engine
         self.corpus: dict[str, Any] | None = None  # the runtime-loaded corpus: id, load seconds, tokens
 
     def _spawn(self, config: ReplicaConfig) -> EngineProcess:
@@ -315,7 +315,7 @@ class EngineReplica(TrialStarts, _EngineOwner):
         {"ok": true} when the start began (follow it at `GET /replica/start`), {"ok": false, "error"} while another
         start is under way, 409 when the config needs other `ray_actor_options` (the caller deploys a fresh app:
         resources are the actor's). The running engine is kept when the config can share its launch
-        (serve/launch.py) and `fresh` is not asked; else it is stopped and a new one started. The actor and its app
+        (serve/replica/sharing.py) and `fresh` is not asked; else it is stopped and a new one started. The actor and its app
         stay either way."""
         config = ReplicaConfig.model_validate(await request.json())
         if actor_options(config) != actor_options(self.config):

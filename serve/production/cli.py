@@ -1,0 +1,134 @@
+"""`python -m serve.production`: start (or join) Ray, deploy the production app, follow the registry alias.
+
+Auth is checked before Ray starts (exit 2 with the reason) and the banner reports what the running ingress enforces
+(docs/security.md). A promotion or rollback moves the alias; `follow` rolls the app to it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+from serve.engines.base import ENDPOINT_MALLOC_MARKER
+from serve.production.app import deploy
+from serve.production.settings import ProductionSettings, auth_problem, load_admin_keys, load_api_keys
+
+
+def _parser() -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m serve.production",
+                                     description="Serve the promoted config behind an OpenAI-compatible endpoint.")
+    for name, field in ProductionSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation in (bool, bool | None):
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=field.description)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=f"{field.description or name} "
+                                f"(default: {field.default})")
+    parser.add_argument("--ray-address", default=None, help="join a Ray cluster instead of starting a local one")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    address = args.pop("ray_address")
+    try:
+        settings = ProductionSettings.model_validate({k: v for k, v in args.items() if v is not None})
+        settings.source_uri()
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    # The same rule the ingress enforces, checked here first: a refused start says why in this terminal, at once,
+    # instead of after Serve's retries with the reason only in Ray's logs.
+    problem: str | None
+    try:
+        keys, admin_keys = load_api_keys(settings), load_admin_keys(settings)
+    except OSError as exc:
+        which = "--admin-key-file" if exc.filename == settings.admin_key_file else "--api-key-file"
+        problem = f"{which}: cannot read {exc.filename!r}: {exc.strerror}"
+    else:
+        problem = auth_problem(settings, settings.host, keys, admin_keys)
+    if problem:
+        print(f"error: {problem}", flush=True)
+        return 2
+    if not address:
+        local_ray_environment(os.environ)
+    import ray
+    from ray import serve
+
+    # SIGTERM (a service manager, `kill`) stops the endpoint as Ctrl-C does: Serve shuts its replicas down, which
+    # stop their engines. A SIGKILL runs nothing here: the engine watchdog's owner link stops the engine then.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        ray.init(address=address or "local", include_dashboard=False)  # help: "instead of starting a local one"
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        try:
+            served = deploy(settings)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"error: {exc}", flush=True)
+            serve.shutdown()
+            return 1
+        origin = served["origin"]
+        # Ask the running ingress, not the settings: it knows the bind address and the keys it actually loaded.
+        auth = serve.get_app_handle(settings.app_name).auth_summary.remote().result(timeout_s=60)
+        print(f"serving {origin['source']} (version {origin['version']}) at http://{settings.host}:{settings.port}"
+              f"/v1 -- auth {auth}; Ctrl-C stops", flush=True)
+        follow(settings, origin.get("version"))
+    except KeyboardInterrupt:
+        print("stopping: shutting the endpoint and its engines down", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def local_ray_environment(env: MutableMapping[str, str]) -> None:
+    """The environment of a local Ray that serves this machine only (set in `env` unless it is set already; Ray's
+    processes read it when they start, this one when it imports Ray):
+    - Ray's single-machine mode binds every Ray listener, its metrics exporter (which answers without auth) included,
+      to 127.0.0.1 (Ray 2.60 turns an explicit 127.0.0.1 node address into the machine's routable one). Serve's HTTP
+      proxy binds --host regardless.
+    - a fixed glibc mmap threshold (128 KiB): request bodies pass through Serve's proxy and the ingress replica in
+      buffers of up to megabytes, and with glibc's default (a threshold that rises to the largest buffer freed) the
+      freed ones stay in the heap among live allocations. Under streaming traffic, refused 64 MiB uploads grew the
+      proxy's and the ingress's private memory by ~60 MiB each (benchmarks/soak.py); fixed, by none. Engines get
+      glibc's default back (`serve.engines.base.child_env`)."""
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if "MALLOC_MMAP_THRESHOLD_" not in env:
+        env["MALLOC_MMAP_THRESHOLD_"] = env[ENDPOINT_MALLOC_MARKER] = str(128 * 1024)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def current_version(settings: ProductionSettings) -> str | None:
+    """The version the alias points at now (None when serving a pinned version or a file)."""
+    if settings.config_file or settings.version or not settings.registered_model:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    return str(MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri).get_model_version_by_alias(
+        settings.registered_model, settings.alias).version)
+
+
+def follow(settings: ProductionSettings, serving_version: str | None) -> None:
+    """Promotion and rollback move a registry alias; this loop rolls the app to wherever the alias points."""
+    while True:
+        time.sleep(settings.follow_alias_s or 3600)
+        if not settings.follow_alias_s:
+            continue
+        try:
+            wanted = current_version(settings)
+        except Exception as exc:  # noqa: BLE001 - a registry hiccup must not take the endpoint down
+            print(f"registry check failed, still serving version {serving_version}: {exc}", flush=True)
+            continue
+        if wanted is not None and wanted != serving_version:
+            print(f"alias {settings.alias} moved to version {wanted}: rolling (new replica first)", flush=True)
+            deploy(settings)
+            serving_version = wanted
+            print(f"now serving version {wanted}", flush=True)
