@@ -5,7 +5,7 @@ its start (or, if it was already running, from the first reading) to its last re
 line (read again when a Ray worker renames itself `ray::...`). A process that lives less than one interval is
 missed, so the total is a floor. Linux only. Run it with the machine to itself: other processes are counted too.
 
-    python benchmarks/cpu_by_process.py -- python -m pytest -q -p no:cacheprovider tests/integration/test_levels_study.py
+    python benchmarks/cpu_by_process.py -- python -m pytest -q -p no:cacheprovider tests/end_to_end/test_levels_study.py
 """
 
 from __future__ import annotations

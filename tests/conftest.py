@@ -1,7 +1,7 @@
 """Shared fixtures. `finished_study` runs one small real study (local Ray, CPU engine with the smallest model, MLflow
 and Optuna on SQLite) once per test run, shared by the xdist workers; tests that only read its results share it.
 
-Every run ends with the skipped tests grouped by reason (`pytest_terminal_summary`): a skip's reason says what is
+Every run ends with the tiers it left out (`TIERS`: a file's tier is its folder) and the skipped tests grouped by reason (`pytest_terminal_summary`): a skip's reason says what is
 missing and the command that installs it, so a run on a new machine says which groups did not run and how to run them.
 """
 
@@ -25,8 +25,36 @@ def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
     return text.removeprefix("Skipped: ").strip()
 
 
+# The tiers, fastest first: a file's tier is its folder. The default run (pyproject's testpaths) is unit, model,
+# integration and gpu; `python -m pytest -q -n 2 --dist loadfile tests` adds the engines and end-to-end tiers.
+TIERS = ("unit", "model", "integration", "engines", "end_to_end", "gpu")
+LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract, studies, production",
+            "end_to_end": "the closed loop, levels, distributed (PostgreSQL), 2-node cluster, serve deploy, "
+                          "the production driver, open-loop and corpus studies"}
+EVERY_TIER = "python -m pytest -q -n 2 --dist loadfile tests"
+
+
+def left_out_tiers(rootpath: Path, args: list[str]) -> dict[str, int]:
+    """Tiers of `LEFT_OUT` none of whose files the run's `args` (paths, maybe with ::test ids) reached, with their
+    test-file counts. Pure apart from listing the folders."""
+    reached = [Path(rootpath, a.split("::")[0]).resolve() for a in args]
+    out = {}
+    for tier in LEFT_OUT:
+        folder = (rootpath / "tests" / tier).resolve()
+        if not any(r == folder or folder in r.parents or r in folder.parents for r in reached):
+            out[tier] = len(list(folder.glob("test_*.py")))
+    return out
+
+
 @pytest.hookimpl(trylast=True)  # after the slowest-tests list: the groups close the run's output
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    # the default run (no paths given: pyproject's testpaths) names the tiers it left out; a run of chosen files does not
+    default_run = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    missing = left_out_tiers(config.rootpath, list(config.args)) if default_run else {}
+    if missing:
+        terminalreporter.write_sep("=", f"{len(missing)} tier(s) not in this run: every tier runs with {EVERY_TIER}")
+        for tier, files in missing.items():
+            terminalreporter.write_line(f"{files:5d} files  tests/{tier}: {LEFT_OUT[tier]}")
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.skipped]
     if not skipped:
         return
@@ -38,13 +66,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"{len(files):5d}  {reason}")
         terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
 
-# The integration files that take longest (worker-seconds in a CI run's --junitxml; docs/benchmarks.md, CI section),
-# longest first. `-n 2 --dist loadfile` hands whole files to the two workers in collection order (pyproject's addopts
-# turn off xdist's own order, most tests first, which started these one- to three-test files last, one then running
-# alone on one worker while the other had finished).
-LONGEST_FIRST = ("test_loop_end_to_end.py", "test_distributed.py", "test_sglang_study.py", "test_levels_study.py",
-                 "test_faults.py", "test_sglang_contract_cpu.py", "test_study.py", "test_cluster.py",
-                 "test_open_loop_study.py")
+# The files that take longest (worker-seconds in a CI run's --junitxml; docs/benchmarks.md, CI section), longest
+# first. `-n 2 --dist loadfile` hands whole files to the two workers in collection order (pyproject's addopts turn off
+# xdist's own order, most tests first, which started these one- to three-test files last, one then running alone on
+# one worker while the other had finished).
+LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_levels_study.py",
+                 "test_study.py", "test_faults.py", "test_sglang_contract_cpu.py", "test_llama_cpp_study.py",
+                 "test_cluster.py", "test_open_loop_study.py", "test_production_driver.py")
 
 
 def run_order(tiers: list[list[str]], longest: tuple[str, ...]) -> list[str]:
@@ -64,9 +92,9 @@ def run_order(tiers: list[list[str]], longest: tuple[str, ...]) -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tiers in pyproject's testpaths order (a broken unit shows within minutes), the files of each in `run_order`;
-    the tests of a file keep their collected order (the sort is stable)."""
-    roots = [Path(config.rootpath, path).resolve() for path in config.getini("testpaths")]
+    """Tiers in `TIERS` order (a broken unit shows within minutes), the files of each in `run_order`; the tests of a
+    file keep their collected order (the sort is stable)."""
+    roots = [(Path(config.rootpath, "tests", tier)).resolve() for tier in TIERS]
     tiers: list[list[str]] = [[] for _ in range(len(roots) + 1)]
     for item in items:
         folder, name = item.path.resolve().parent, str(item.path)

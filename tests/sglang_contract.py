@@ -1,5 +1,5 @@
 """What the tuner relies on from a real SGLang server, beyond the engine contract every engine keeps
-(tests/engine_contract.py). One suite for SGLang on CPU (tests/integration/test_sglang_contract_cpu.py, in CI) and on
+(tests/engine_contract.py). One suite for SGLang on CPU (tests/engines/test_sglang_contract_cpu.py, in CI) and on
 a GPU (tests/gpu/test_engine_contract_sglang.py). The `engine` fixture: an object with `.url` and `.log_path` for an
 SGLang started by the adapter with NGRAM, draft 4, breadth 2, no study cap on running requests; `engine_config`: the
 ReplicaConfig it was started from.

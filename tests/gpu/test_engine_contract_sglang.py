@@ -1,7 +1,7 @@
 """The engine contract and SGLang's own contract (tests/sglang_contract.py: the read-backs of the pinned attention
 backend and running-request cap, health without generations, flush refused while busy, the corpus routes) against
 a real SGLang server on a GPU; the same suite runs on SGLang's CPU server in CI
-(tests/integration/test_sglang_contract_cpu.py). Runs only on a GPU node with SGLang installed:
+(tests/engines/test_sglang_contract_cpu.py). Runs only on a GPU node with SGLang installed:
 
     pip install --no-deps -e . && pip install -e ".[gpu]" pytest
     SPECDEC_GPU_MODEL=/models/Qwen2.5-0.5B-Instruct python -m pytest -q tests/gpu

@@ -1,7 +1,7 @@
 """The study report (report/report.html) opened in a real (headless Debian) Chromium at a laptop's width, and what a
 reader sees checked: the headline first, the per-level decision as an HTML table, the speed-up chart when the study
 has several levels, every image drawn (no empty plot), nothing wider than the window (no sideways scroll). Used by
-the study tests that produce a report (tests/integration/test_levels_study.py); a full-page screenshot goes to
+the study tests that produce a report (tests/end_to_end/test_levels_study.py); a full-page screenshot goes to
 `$SPECDEC_TEST_ARTIFACTS/test_report_browser/` (default `<repo>/test-artifacts/test_report_browser/`).
 """
 

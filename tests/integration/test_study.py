@@ -165,7 +165,7 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 
 def test_an_sglang_study_on_a_cluster_without_gpus_fails_fast_and_says_why(tmp_path):
     # The replica asks Ray for a GPU; no node has one, so it could never be placed. The trial says so at once instead
-    # of waiting out the deploy timeout. (Preflight and node checks in the replica: tests/integration/test_cluster.py.)
+    # of waiting out the deploy timeout. (Preflight and node checks in the replica: tests/end_to_end/test_cluster.py.)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))

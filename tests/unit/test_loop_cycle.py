@@ -4,7 +4,7 @@ canaried and promoted, a slower one rolled back, an operator's abort honoured, a
 carries on. Every HTTP call goes through the loop's real client; the endpoint here is `ContractEndpoint`, a
 stand-in that serves the contract's routes from memory (the production endpoint's own implementation of them is
 tested with the endpoint), and the re-tune is a stand-in that registers a candidate (the real one is
-tests/integration/test_loop_retune.py)."""
+tests/end_to_end/test_loop_retune.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The environment `python -m serve.production` gives its local Ray (issue #31 items 2 and 12): Ray's single-machine
 mode (every Ray listener on 127.0.0.1) and a fixed glibc mmap threshold for the proxy and replicas; the engines
-started under it get glibc's default back. Checked live by tests/integration/test_production_driver.py (listeners)
+started under it get glibc's default back. Checked live by tests/end_to_end/test_production_driver.py (listeners)
 and benchmarks/soak.py (memory back to its start level after oversize uploads)."""
 
 from __future__ import annotations

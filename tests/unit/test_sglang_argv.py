@@ -1,5 +1,5 @@
 """The SGLang command line the adapter renders, for a GPU and for a CPU (issue 27 defects 2.2, 2.5, 2.6, 2.7 and the
-CPU launch). Pure rendering: the real SGLang reads these back in tests/integration/test_sglang_contract_cpu.py and
+CPU launch). Pure rendering: the real SGLang reads these back in tests/engines/test_sglang_contract_cpu.py and
 test_sglang_study.py."""
 
 from pathlib import Path

@@ -19,7 +19,7 @@ from serve.closed_loop.capture import Capture, CaptureSettings
 from serve.engines.base import ReplicaConfig
 from serve.serving import Provenance, ServingConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 NAME = "specdec-retune-it"
 SPEC = {"algorithm": "ngram", "num_draft_tokens": 3, "max_bfs_breadth": 2, "capacity": 100000}
 SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\nbranches:\n  ngram:\n"

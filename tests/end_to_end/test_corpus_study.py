@@ -28,7 +28,7 @@ from pipeline.workloads import load_workload
 
 from tests.conftest import TINY_STUDY
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 NAME = "it-corpus"
 MODEL = "smollm2-135m"

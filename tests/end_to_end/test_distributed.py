@@ -25,7 +25,7 @@ from pipeline.search.space import BASELINE_ATTR
 from serve.ports import free_port
 from serve.production.app import load_serving_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 PG_BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1:] or [""]
 psycopg2 = pytest.importorskip("psycopg2", reason="psycopg2-binary is not installed")

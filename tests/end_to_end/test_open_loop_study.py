@@ -16,7 +16,7 @@ from pipeline.search.space import load_space
 from pipeline.study.driver import run_study
 from tests.conftest import TINY_SPACE, TINY_STUDY
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 RATE, BOUND, MEASURED = 20.0, 60.0, 4
 
 

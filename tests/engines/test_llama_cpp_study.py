@@ -17,7 +17,7 @@ from serve.production.app import load_serving_config
 from tests.conftest import TINY_STUDY
 from tests.integration.llama_cpp_helpers import require_llama_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines]
 SPACE = ("algorithms: [none, llama_ngram_simple, llama_ngram_mod]\n"
          "common:\n  warmup_requests: {type: fixed, value: 1}\n"
          "branches:\n"

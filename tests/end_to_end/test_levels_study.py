@@ -27,7 +27,7 @@ from serve.production.app import deploy, load_serving_config
 from serve.serving import HIGH, LOW, Provenance, RoutingPolicy, ServingConfig
 from tests.conftest import TINY_SPACE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 NAME = "it-levels"
 # Generous on purpose: the verdicts must show (figure and limit) without the CPU machine's load deciding the test.

@@ -26,7 +26,7 @@ from serve.serving import Provenance, ServingConfig
 
 from tests.conftest import TINY_STUDY
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 MODEL = "smollm2-135m"
 NGRAM = {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1, "match_type": "BFS",
          "max_trie_depth": 8, "capacity": 100000}

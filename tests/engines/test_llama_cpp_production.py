@@ -32,7 +32,7 @@ from serve.serving import SERVING_FILE, Provenance, deploy_files, serving_config
 from tests.conftest import TINY_STUDY
 from tests.integration.llama_cpp_helpers import require_llama_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines]
 TARGET = "smollm2-135m@f32"
 # One speculative choice only: the study's second trial is the draft-model trial.
 SPACE = ("algorithms: [none, llama_draft]\n"

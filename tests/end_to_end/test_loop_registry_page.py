@@ -20,7 +20,7 @@ from tests.integration.ui_helpers import CHROMIUM, CHROMIUM_ARGS, PAGE_TIMEOUT_M
 
 sync_api = browser_api()
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 NAME = "specdec-page"
 
 

@@ -24,7 +24,7 @@ from serve.production.app import deploy
 from tests.conftest import TINY_STUDY
 from tests.sglang_servers import needs_sglang_cpu
 
-pytestmark = [pytest.mark.integration, needs_sglang_cpu]
+pytestmark = [pytest.mark.integration, pytest.mark.engines, needs_sglang_cpu]
 SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: categorical, choices: [1, 2]}\n"
          "branches:\n  ngram:\n    num_draft_tokens: {type: fixed, value: 4}\n"
          "    max_bfs_breadth: {type: fixed, value: 2}\n    capacity: {type: fixed, value: 100000}\n")

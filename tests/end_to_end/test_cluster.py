@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_RESOURCE = "specdec_engine"
 

@@ -27,7 +27,7 @@ from serve.spec import LlamaNgramSimpleSpec
 from tests.engine_contract import EngineContract, generate
 from tests.integration.llama_cpp_helpers import require_llama_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines]
 SPEC = LlamaNgramSimpleSpec(size_n=2, size_m=6)
 
 

@@ -43,7 +43,7 @@ from pipeline.workloads import read_prompts
 from serve.ports import free_port
 from tests.integration.conftest import REPO
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 NAME = "specdec-loop-e2e"
 KEY, ADMIN = "user-key-0123456789abcdef", "admin-key-0123456789abcdef"
 FAST = ["--verify-probe-seconds", "0"]  # no verify-cost probe at engine start: nothing here reads it

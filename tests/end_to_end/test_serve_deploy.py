@@ -22,7 +22,7 @@ from serve.engines.base import ReplicaConfig
 from serve.ports import free_port
 from serve.serving import SERVE_CONFIG_FILE, SERVING_FILE, Provenance, deploy_files, serving_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m"

@@ -19,7 +19,7 @@ from serve.spec import NgramSpec
 from tests.sglang_contract import CORPUS, SglangContract
 from tests.sglang_servers import needs_sglang_cpu, owned_engine
 
-pytestmark = [pytest.mark.integration, needs_sglang_cpu]
+pytestmark = [pytest.mark.integration, pytest.mark.engines, needs_sglang_cpu]
 NGRAM = NgramSpec(num_draft_tokens=4, max_bfs_breadth=2, capacity=200_000)
 CONFIG = ReplicaConfig(engine="sglang", device="cpu", model="smollm2-135m", spec=NGRAM, threads=1,
                        start_timeout_s=600)
