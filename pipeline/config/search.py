@@ -44,6 +44,7 @@ class SimulateSettings(FrozenModel):
 
 
 class SearchSettings(FrozenModel):
-    strategy: Literal["auto", "tpe", "simulate-first"] = Field(
-        "auto", description="auto: simulate-first where the space can be simulated, else tpe")
+    strategy: Literal["auto", "tpe", "simulate-first", "grid"] = Field(
+        "auto", description="auto: simulate-first where the space can be simulated, else tpe; grid: every point of "
+        "a small space launched in order after the baseline (budget.max_trials permitting), then tpe")
     simulate: SimulateSettings = Field(default_factory=SimulateSettings)

@@ -61,6 +61,12 @@ class WorkloadSettings(FrozenModel):
     temperature: float = Field(0.0, ge=0)
     arrival: ArrivalSettings = Field(default_factory=ArrivalSettings, description="closed loop (default) or "
                                      "open-loop poisson arrivals for the measurement")
+    # pipeline/measure/window.py: the engine's run-queue wait and the hypervisor's steal over the window
+    remeasure: int = Field(2, ge=0, le=5, description="a measurement window other work disturbed (the engine waited "
+                           "for its cores, or the hypervisor took them) is measured again at most this often, after a "
+                           "flush and the same warm-up; 0 = record it as it is, flagged")
+    wait_limit: float = Field(0.15, gt=0, lt=1, description="a window is disturbed when the engine's threads waited "
+                              "for a core more than this share of their runnable time")
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -57,13 +57,20 @@ class ProgressBoard:
         return self.best is None or (value > self.best[0] if self.mode == "max" else value < self.best[0])
 
     def line(self, *, label: str, algorithm: str, outcome: str, value: float | None, reason: str = "",
-             seconds: float | None = None) -> str:
+             seconds: float | None = None, spread: float | None = None, flag: str = "",
+             remeasured: int = 0) -> str:
+        """`spread`: the per-request MAD / median of the measurement; `flag` and `remeasured`: whether other work
+        disturbed its window (pipeline/measure/window.py), shown when it did."""
         self.done += 1
         head = f"[trial {self.done}/{self.total}] {label:<40} {outcome:<14}"
         took = f"  ({duration(seconds)})" if seconds is not None else ""
+        if flag == "disturbed":
+            took += f"  [DISTURBED: other work held the CPU in every window, {remeasured} re-measured]"
+        elif flag == "re-measured":
+            took += f"  [re-measured {remeasured}x: other work held the CPU]"
         if outcome != "COMPLETE" or value is None:
             return f"{head} {self.metric}=-{took}" + (f"  -- {reason[:200]}" if reason else "")
-        figure = f"{self.metric}={value:.2f}"
+        figure = f"{self.metric}={value:.2f}" + (f" ±{spread:.0%}" if spread is not None else "")
         if algorithm == "none" and self.baseline is None:
             self.baseline = value
             return f"{head} {figure}  (the baseline){took}"
@@ -259,7 +266,9 @@ def progress_callback(total: int, metric: str, mode: str, trials_dir: Path) -> A
                                   algorithm=str(trial.config.get("algorithm", "?")),
                                   outcome=str(result.get("outcome")),
                                   value=float(value) if isinstance(value, (int, float)) else None,
-                                  reason=str(result.get("reason") or ""), seconds=result.get("time_total_s")),
+                                  reason=str(result.get("reason") or ""), seconds=result.get("time_total_s"),
+                                  spread=result.get("tput_spread"), flag=str(result.get("measurement_flag") or ""),
+                                  remeasured=int(result.get("window_remeasured") or 0)),
                   flush=True)
 
     return Progress()

@@ -90,7 +90,9 @@ def measure_phase(url: str, items: list[Any], kwargs: dict[str, Any], watch: Wat
     """The measurement phase: in one piece without a watch; else chunk by chunk, asking the watch after each one.
     With `arrival` (a `pipeline.config.ArrivalSettings`) in poisson mode: open loop on the schedule seeded by `seed`
     (records labelled with `kwargs["concurrency"]`), never watched.
-    Returns the records and, when the rule stopped the trial, its reason (the bound that stopped it)."""
+    Returns the records and, when the rule stopped the trial, its reason (the bound that stopped it). Chunk by chunk,
+    a lost request ends the phase at once: the trial fails whatever the rest would measure (a dead or hung engine
+    would only make every later request wait out its timeout)."""
     if arrival is not None and arrival.open_loop:
         if watch is not None:
             raise ValueError("open-loop measurement cannot be watched: early stopping is off under "
@@ -109,6 +111,8 @@ def measure_phase(url: str, items: list[Any], kwargs: dict[str, Any], watch: Wat
         # The next chunk starts where this one's last request ended: the time the watch takes (Tune's report waits
         # for the driver) is not engine time, so Summary.window_s counts the requests only.
         offset += max((r.start_s + r.e2e_s for r in got), default=0.0)
+        if any(not r.ok for r in got):
+            return records, None
         verdict = watch(records, server_info)
         if verdict is not None and verdict.stop and chunk.stop < len(items):
             return records, verdict.reason

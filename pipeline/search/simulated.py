@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline.config import StudyConfig, TrialConfig
-from pipeline.decide.pareto import dominates
 from pipeline.decide.sla import check as sla_check
 from pipeline.errors import ConfigError
 from pipeline.search.space import SearchSpace, define_by_run, grid_points, resolve, tpe_sampler
@@ -108,6 +107,10 @@ def _tpe(space: SearchSpace, study: StudyConfig, predict: Predict, points: int, 
 
 
 def rank(predicted: Sequence[Predicted], study: StudyConfig) -> list[Predicted]:
+    """Feasible first (every SLA limit kept at the search level), then by non-dominated fronts of the objectives, each
+    front by the first objective; ties by the point's key, so the order never depends on the input's. The fronts come
+    from one pass of domination counts (`fronts`): a space's thousands of points rank in well under a second, where
+    peeling the fronts one by one took tens of seconds after every launch."""
     metrics, modes = list(study.objective.metrics), list(study.objective.modes)
     signs = [1.0 if m == "max" else -1.0 for m in modes]
     level = study.search_concurrency
@@ -115,19 +118,50 @@ def rank(predicted: Sequence[Predicted], study: StudyConfig) -> list[Predicted]:
     def feasible(p: Predicted) -> bool:
         return all(v.ok for v in sla_check(study.objective.constraints, level, p.figures))
 
-    def row(p: Predicted) -> dict[str, Any]:
-        return {"name": p.key, **{m: p.figures.get(m, 0.0) for m in metrics}}
-
     ordered: list[Predicted] = []
     for group in ([p for p in predicted if feasible(p)], [p for p in predicted if not feasible(p)]):
-        pool = [(row(p), p) for p in group]
-        while pool:
-            front = [(r, p) for r, p in pool if not any(dominates(o, r, metrics, signs) for o, _ in pool if o is not r)]
-            front.sort(key=lambda item: (-item[0][metrics[0]] * signs[0], item[0]["name"]))
-            ordered.extend(p for _, p in front)
-            chosen = {id(r) for r, _ in front}
-            pool = [(r, p) for r, p in pool if id(r) not in chosen]
+        scores = [tuple(p.figures.get(m, 0.0) * sign for m, sign in zip(metrics, signs)) for p in group]
+        front = fronts(scores)
+        order = sorted(range(len(group)), key=lambda i: (front[i], -scores[i][0], group[i].key))
+        ordered.extend(group[i] for i in order)
     return ordered
+
+
+def fronts(scores: Sequence[tuple[float, ...]]) -> list[int]:
+    """Each score's non-dominated front (0 = dominated by none; higher is better in every coordinate). One
+    coordinate: the rank of its distinct value. Several: Deb's fast non-dominated sort. Pure."""
+    if not scores:
+        return []
+    if len(scores[0]) == 1:
+        values = sorted({s[0] for s in scores}, reverse=True)
+        place = {v: i for i, v in enumerate(values)}
+        return [place[s[0]] for s in scores]
+    n = len(scores)
+    beaten_by = [0] * n
+    beats: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        a = scores[i]
+        for j in range(i + 1, n):
+            b = scores[j]
+            if all(x >= y for x, y in zip(a, b)) and a != b:
+                beats[i].append(j)
+                beaten_by[j] += 1
+            elif all(y >= x for x, y in zip(a, b)) and a != b:
+                beats[j].append(i)
+                beaten_by[i] += 1
+    out = [0] * n
+    current = [i for i in range(n) if beaten_by[i] == 0]
+    level = 0
+    while current:
+        following = []
+        for i in current:
+            out[i] = level
+            for j in beats[i]:
+                beaten_by[j] -= 1
+                if beaten_by[j] == 0:
+                    following.append(j)
+        current, level = following, level + 1
+    return out
 
 
 def distance(a: dict[str, Any], b: dict[str, Any]) -> int:

@@ -1,16 +1,18 @@
-"""Which search a study runs (`search.strategy`, pipeline/config/search.py): `tpe` over launches, or
-`simulate-first` where the acceptance simulator can model every config of the space. Pure."""
+"""Which search a study runs (`search.strategy`, pipeline/config/search.py): `tpe` over launches, `simulate-first`
+where the acceptance simulator can model every config of the space, or `grid` (every point of a small space, in
+order). Pure apart from `enqueue_grid`, which tells the Optuna study."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.config import StudyConfig
-from pipeline.search.space import SearchSpace
+from pipeline.search.space import SearchSpace, grid_points
 from pipeline.simulate.predict import PREDICTABLE_METRICS
 from serve.engines import algorithms_of
 
-__all__ = ["SIMULATED_ALGORITHMS", "Strategy", "resolve_strategy"]
+__all__ = ["SIMULATED_ALGORITHMS", "Strategy", "enqueue_grid", "resolve_strategy"]
 
 # draft-free algorithms the simulator replays (NGRAM with SGLang 0.5.23's trie, schedule and external corpus)
 SIMULATED_ALGORITHMS = frozenset({"none", "ngram"})
@@ -18,7 +20,7 @@ SIMULATED_ALGORITHMS = frozenset({"none", "ngram"})
 
 @dataclass(frozen=True)
 class Strategy:
-    name: str  # "tpe" | "simulate-first"
+    name: str  # "tpe" | "simulate-first" | "grid"
     reason: str  # why, in words for the dry run and the log
 
     @property
@@ -52,6 +54,9 @@ def resolve_strategy(study: StudyConfig, space: SearchSpace) -> Strategy:
     wanted = study.search.strategy
     if wanted == "tpe":
         return Strategy("tpe", "search.strategy is tpe: every trial is a launch")
+    if wanted == "grid":
+        return Strategy("grid", "search.strategy is grid: every point of the space is launched in order after the "
+                        f"baseline, as budget.max_trials={study.budget.max_trials} permits; tpe for any budget left")
     problem = _unsimulable(study, space)
     if problem is None and study.budget.max_trials < 2:
         problem = "budget.max_trials=1 launches the baseline only: nothing is left to predict"
@@ -65,3 +70,14 @@ def resolve_strategy(study: StudyConfig, space: SearchSpace) -> Strategy:
         f"(up to {settings.points} points, {settings.seconds:g} s), then {launches - 1} predicted config(s) are "
         f"launched ({launches} of budget.max_trials={study.budget.max_trials} with the baseline; more, by "
         f"{settings.widen_by} a launch, while the median prediction error exceeds {settings.error_threshold:.0%})"))
+
+
+def enqueue_grid(ot_study: Any, space: SearchSpace, max_trials: int) -> int:
+    """Enqueue every point of the space after the baseline (at most `max_trials` - 1), unless the study has any trial
+    besides its baseline already (a resumed study keeps what it ran). Returns the points enqueued."""
+    if len(ot_study.get_trials(deepcopy=False)) > 1:
+        return 0
+    points = [p for p in grid_points(space) if p.get("algorithm") != "none"][:max(0, max_trials - 1)]
+    for params in points:
+        ot_study.enqueue_trial(params)
+    return len(points)

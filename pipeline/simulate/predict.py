@@ -10,7 +10,7 @@ request is there. Open loop: arrival times are in seconds, so the replay itself 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +42,12 @@ class Timed:
     correct_drafts: int
 
 
-def timed(replay: Replay, model: CostModel, phase: str = "measure", *, already_timed: bool = False) -> list[Timed]:
+def timed(replay: Replay, model: CostModel, phase: str = "measure", *, already_timed: bool = False,
+          seconds: Callable[[Round], float] | None = None) -> list[Timed]:
     """The requests of `phase` with times: from the replay itself when it ran with a cost (`already_timed`), else by
-    walking its rounds in order with `model`'s durations (closed loop)."""
+    walking its rounds in order with `model`'s durations (closed loop; `seconds`, when given, is `model.seconds`
+    memoized by the caller)."""
+    seconds = seconds or model.seconds
     requests = replay.phase(phase)
     if already_timed:
         return [Timed(r.arrival_s, r.first_token_s, r.finished_s, tuple(r.step_ends_s), r.completion_tokens,
@@ -65,7 +68,7 @@ def timed(replay: Replay, model: CostModel, phase: str = "measure", *, already_t
         new = joined.get(index, [])
         if running == 0 and new:  # the engine was idle: the round starts when its first request is there
             now = max(now, min(arrival(r) for r in new))
-        now += model.seconds(rnd)
+        now += seconds(rnd)
         ends.append(now)
         running += len(new) - leaving.get(index, 0)
     return [Timed(arrival(r), ends[r.admitted_round], ends[r.finished_round],

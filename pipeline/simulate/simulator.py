@@ -7,6 +7,7 @@ cached rounds instead of replaying). Pure apart from reading corpus files throug
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from pipeline.measure.summary import RequestRecord
 from pipeline.simulate.cost import CostModel, Launch, fit_cost, prefill_fit, round_table
 from pipeline.simulate.predict import decode_rounds, predicted_metrics, timed
-from pipeline.simulate.replay import Answer, Replay, replay
+from pipeline.simulate.replay import Answer, Replay, Round, replay
 from pipeline.simulate.workload import phases_for
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec
@@ -55,6 +56,13 @@ class Simulator:
         self.corpora = corpora
         self.lag = lag
         self._replays: dict[str, Replay] = {}
+        self._signatures: dict[str, str] = {}  # config -> its replay's signature
+        # Pricing memo, valid for one cost model (`_cost`): a refit changes the cost, never a closed-loop replay, so
+        # re-predicting a space re-times each distinct replay once (configs whose replays are identical -- same
+        # rounds, same requests in them -- are one config to the cost model and get one prediction).
+        self._cost: CostModel | None = None
+        self._priced: dict[str, dict[str, float]] = {}
+        self._seconds: Callable[[Round], float] | None = None
 
     @property
     def open_loop(self) -> bool:
@@ -79,13 +87,32 @@ class Simulator:
             self._replays[key] = result
         return result
 
+    def signature(self, trial: Any) -> str:
+        """What the cost model sees of the trial's closed-loop replay: its rounds and which requests ran in them.
+        Two configs with one signature have the same predicted figures under every cost model."""
+        key = trial.model_dump_json()
+        found = self._signatures.get(key)
+        if found is None:
+            result = self.replay(trial)
+            shape = (result.rounds, [(r.phase, r.admitted_round, r.finished_round, r.after_round, r.completion_tokens,
+                                      r.spec_verify_ct, r.spec_num_correct_drafts) for r in result.requests],
+                     trial.spec.algorithm != "none")
+            found = self._signatures[key] = hashlib.blake2b(repr(shape).encode(), digest_size=16).hexdigest()
+        return found
+
     def predict(self, trial: Any, cost: CostModel) -> dict[str, float]:
         """Predicted Summary figures of the trial's measurement."""
         if self.open_loop:
             requests = timed(self.replay(trial, cost), cost, already_timed=True)
-        else:
-            requests = timed(self.replay(trial), cost)
-        return predicted_metrics(requests, trial.spec.algorithm != "none")
+            return predicted_metrics(requests, trial.spec.algorithm != "none")
+        if cost is not self._cost or self._seconds is None:
+            self._cost, self._priced, self._seconds = cost, {}, memoized(cost.seconds)
+        signature = self.signature(trial)
+        figures = self._priced.get(signature)
+        if figures is None:
+            requests = timed(self.replay(trial), cost, seconds=self._seconds)
+            figures = self._priced[signature] = predicted_metrics(requests, trial.spec.algorithm != "none")
+        return dict(figures)
 
     def launch(self, trial: Any, records: Sequence[RequestRecord], cost: CostModel | None = None) -> Launch:
         """A measured launch as a point of the cost fit: its measured requests' decode time against the rounds the
@@ -119,6 +146,19 @@ class Simulator:
                 return base
             model = fit_cost(base, points)
         return model
+
+
+def memoized(seconds: Callable[[Round], float]) -> Callable[[Round], float]:
+    """`seconds` remembered per round (rounds repeat across the configs of a space)."""
+    memo: dict[Round, float] = {}
+
+    def cached(r: Round) -> float:
+        value = memo.get(r)
+        if value is None:
+            value = memo[r] = seconds(r)
+        return value
+
+    return cached
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:

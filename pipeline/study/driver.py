@@ -27,8 +27,9 @@ from pipeline.study.resume import (
 from pipeline.decide.sla import constraint_user_attrs
 from pipeline.search.space import SearchSpace, define_by_run, enqueue_baseline, resolve, tpe_sampler
 from pipeline.search.space.sampler import constrained_search_class
-from pipeline.search.strategy import resolve_strategy
+from pipeline.search.strategy import enqueue_grid, resolve_strategy
 from pipeline.trial.replicas import delete_study_apps, start_standby, study_apps
+from pipeline.measure.window import flag
 from pipeline.trial.lifecycle import Outcome, TrialContext, replica_config, run_trial
 from pipeline.trial.launches import record_launches
 from pipeline.trial.gate import reports_measurement
@@ -70,6 +71,11 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
         report["accept_len"] = result.summary.accept_len or 1.0
+    if result.windows:  # the measurement's own noise and whether other work disturbed it (pipeline/measure/window.py)
+        report["measurement_flag"] = flag(result.windows)
+        report["window_remeasured"] = len(result.windows) - 1
+        if result.windows[-1].spread is not None:
+            report["tput_spread"] = result.windows[-1].spread
     # SLA figures at the search level, copied into the Optuna trial's user attributes by the searcher
     # (`constrained_search_class`) for the sampler's constraints_func; an unmeasured one is left out (= broken).
     figures = result.summary.to_metrics() if result.summary is not None and result.outcome is Outcome.COMPLETE else {}
@@ -216,6 +222,8 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         if settled:
             print(f"trial(s) {settled} were left running by a previous driver: recorded as failed", flush=True)
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
+    if strategy.name == "grid":
+        enqueue_grid(ot_study, space, study.budget.max_trials)
     # SLA limits at the search level steer the sampler (Optuna's constraints_func); the others are checked when the
     # finalists are re-measured at every level (pipeline/study/finalists.py).
     sampler = tpe_sampler(study.seed, study.budget.max_trials, constraints=study.objective.constraints,

@@ -23,6 +23,7 @@ from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, l
 from pipeline.decide.equivalence import EquivalenceReport
 from pipeline.measure.load import LoadRequest, run_phase
 from pipeline.measure.summary import RequestRecord, Summary, summarize, to_table
+from pipeline.measure.window import Window, judge_window, window_record
 from pipeline.search.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
 from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label, params_label
@@ -34,6 +35,7 @@ from serve.engines import engine_for, pinned_settings
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.spec_flags import effective_diff, effective_settings
 from serve.replica.deployment import log_tail
+from serve.replica.usage import Usage
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
 FLUSH_DEADLINE_S = 120.0
@@ -80,6 +82,12 @@ class Measurement:
     replica: str = ""  # where the engine started: "reused" live replica, the study's "standby", a "new" app
     launch: str = ""  # "new" engine launch, or "shared" with the previous config's (serve/replica/sharing.py)
     launches: int = 0  # engine launches this pass cost (equivalence passes add theirs: pipeline/trial/gate.py)
+    windows: list[Window] = field(default_factory=list)  # every measurement window, the recorded one last
+
+    @property
+    def remeasured(self) -> int:
+        """Windows measured again because other work disturbed them."""
+        return max(0, len(self.windows) - 1)
 
 
 @dataclass
@@ -101,6 +109,7 @@ class TrialResult:
     summary: Summary | None = None
     equivalence: EquivalenceReport | None = None
     run_id: str | None = None
+    windows: tuple[Window, ...] = ()  # the measurement windows, the recorded one last
 
     def objective(self, metric: str) -> float | None:
         return getattr(self.summary, metric, None) if self.summary else None
@@ -153,124 +162,171 @@ def _engine_log(url: str | None, log_dir: Path) -> str:
     return "\n".join(log_tail(p, 200_000) for p in sorted(log_dir.glob("engine-*.log")))
 
 
+class TrialFailure(Exception):
+    """A step of `measure_config` that ended the pass: the outcome it means and why. Raised by the steps, turned
+    into `Measurement.failure` in one place."""
+
+    def __init__(self, outcome: Outcome, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome, self.reason = outcome, reason
+
+
 def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: Path,
                    watch: Watch | None = None) -> Measurement:
     """Start `trial`'s engine (a restart in this process's live replica, else a fresh app), read back, flush, warm
-    up, measure; the app stays for the next trial unless anything failed. Never raises for engine trouble.
+    up, measure; the app stays for the next trial unless anything failed. Never raises for engine trouble: each step
+    raises `TrialFailure`, recorded as `Measurement.failure`.
     With a `watch` (a search trial with early stopping on) the measurement runs in chunks of `concurrency` requests
     and stops as PRUNED when the watch's rule says so.
 
     The engine kind's node checks and preflight run inside the replica (on the node that runs the engine); a config
     the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
-    LAUNCH_FAILED."""
-    study = ctx.study
+    LAUNCH_FAILED. A measurement window that other work disturbed (`pipeline.measure.window`) is measured again,
+    after a flush and the same warm-up, at most `workload.remeasure` times; every window is kept in `windows`."""
     out = Measurement()
     started = time.monotonic()
-    try:  # a corpus travels in the replica's config: the engine may run on a node without the driver's files
-        config, corpus = shipped_replica_config(study, trial, ctx.warmup, log_dir)
-    except ValueError as exc:
-        out.failure = (Outcome.INVALID, str(exc))
-        return out
-    problem = cluster_cannot_host(config)
-    if problem:
-        out.failure = (Outcome.LAUNCH_FAILED, problem)
-        return out
     clean = False  # measured without an engine or replica failure: the app may serve the next trial
     try:
-        note_phase(log_dir, "engine", config=config_label(trial))
-        try:
-            live, out.replica = start_engine(study.name, label, ctx.serve_url, config,
-                                                    study.engine.start_timeout_s + 60)
-        except TimeoutError as exc:
-            out.failure = (Outcome.TIMEOUT, str(exc))
-            return out
-        except RuntimeError as exc:
-            message = str(exc)
-            if ConfigRejected.MARKER in message:
-                reason = message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]
-                out.failure = (Outcome.INVALID, reason)
-            else:
-                out.failure = (Outcome.LAUNCH_FAILED, message)
-            return out
-        out.timings["deploy_s"] = time.monotonic() - started
-        url = live.url
-        with httpx.Client(base_url=url, timeout=30) as client:
-            replica = client.get("/replica/argv").json()
-            launch = launch_of(replica, config)  # start phases' seconds, shared or not, the launch's own config
-            out.timings.update(launch.timings)
-            out.launch, out.launches = ("shared" if launch.shared else "new"), launch.launches
-            if isinstance(replica.get("startup_s"), (int, float)):
-                out.timings["engine_start_s"] = float(replica["startup_s"])
-            note_phase(log_dir, "ready", phases=replica.get("phases"), **out.timings)
-            prepared = replica.get("prepared") or {}
-            out.server_info = client.get("/server_info").json()
-            out.server_info.update(replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
-                                   **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}),
-                                   node_checks=prepared)
-            preflight = out.server_info.get("preflight")
-            if isinstance(preflight, dict) and preflight.get("ok"):
-                out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
-                                                preflight["resolved"]))
-            out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests, out.server_info,
-                                            pinned_settings(launch.config)))
-            listed = listed_corpora(client) if config.spec.algorithm == "ngram" else None
-            if listed is not None:  # the trial's record of what its engine held (SGLang's list route)
-                out.server_info["list_external_corpora"] = listed
-            out.corpus, held_wrong = corpus_record(listed, replica.get("corpus"), corpus)  # load time: every start
-            if held_wrong:
-                out.failure = (Outcome.LAUNCH_FAILED, held_wrong)
-                return out
-            refused = flush(client)
-            if refused:
-                out.failure = (Outcome.TIMEOUT, refused)
-                return out
-        phase_start = time.monotonic()
-        kwargs = dict(concurrency=trial.concurrency, temperature=study.workload.temperature,
-                      timeout_s=study.engine.request_timeout_s)
-        # warmup_requests may exceed the warm-up split: cycle it (the trie then sees some prompts twice).
-        warm = [ctx.warmup[i % len(ctx.warmup)] for i in range(trial.warmup_requests)] if ctx.warmup else []
-        baseline = trial.spec.algorithm == "none"
-        settle, flush_after = settle_requests(ctx.measure, ctx.warmup) if baseline else ([], False)
-        warm += settle
-        note_phase(log_dir, "warmup", requests=len(warm))
-        out.records += run_phase(url, warm, phase="warmup", **kwargs) if warm else []
-        if flush_after:
-            with httpx.Client(base_url=url, timeout=30) as client:
-                refused = flush(client)
-            if refused:
-                out.failure = (Outcome.TIMEOUT, refused)
-                return out
-        out.timings["warmup_s"] = time.monotonic() - phase_start
-        phase_start = time.monotonic()
-        note_phase(log_dir, "measure", requests=len(ctx.measure))
-        measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
-                                         arrival=study.workload.arrival, seed=study.seed)
-        out.records += measured
-        out.timings["measure_s"] = time.monotonic() - phase_start
-        try:
-            after = httpx.get(f"{url}/server_info", timeout=30).json()
-            out.server_info["internal_states_after"] = after.get("internal_states")
-        except (httpx.HTTPError, ValueError):
-            pass
-        if trial.spec.algorithm == "none" and ctx.reference and not lost_requests(measured):
-            answered = {r.prompt_index for r in out.records if r.ok}
-            todo = [item for item in ctx.reference if item.index not in answered]
-            phase_start = time.monotonic()
-            out.records += run_phase(url, todo, phase="reference", **kwargs) if todo else []
-            out.timings["reference_s"] = time.monotonic() - phase_start
-        # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
-        out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
+        try:  # a corpus travels in the replica's config: the engine may run on a node without the driver's files
+            config, corpus = shipped_replica_config(ctx.study, trial, ctx.warmup, log_dir)
+        except ValueError as exc:
+            raise TrialFailure(Outcome.INVALID, str(exc)) from None
+        problem = cluster_cannot_host(config)
+        if problem:
+            raise TrialFailure(Outcome.LAUNCH_FAILED, problem)
+        url = _start(ctx, trial, label, config, log_dir, out, started)
+        _read_back(url, config, corpus, log_dir, out)
+        _measure(ctx, trial, url, watch, log_dir, out)
         clean = out.failure is None or out.failure[0] is Outcome.PRUNED
-        return out
+    except TrialFailure as failure:
+        out.failure = (failure.outcome, failure.reason)
     except (httpx.HTTPError, ValueError) as exc:
         out.failure = (Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
-        return out
     finally:
-        tried = live_app(study.name)  # the app this trial started its engine in (also when that failed)
+        tried = live_app(ctx.study.name)  # the app this trial started its engine in (also when that failed)
         out.engine_log = _engine_log(tried.url if tried else None, log_dir)
         if not clean:
-            release(study.name)
+            release(ctx.study.name)
         out.timings["total_s"] = time.monotonic() - started
+    return out
+
+
+def _start(ctx: TrialContext, trial: TrialConfig, label: str, config: ReplicaConfig, log_dir: Path,
+           out: Measurement, started: float) -> str:
+    """The engine running and healthy; its URL."""
+    note_phase(log_dir, "engine", config=config_label(trial))
+    try:
+        live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config,
+                                         ctx.study.engine.start_timeout_s + 60)
+    except TimeoutError as exc:
+        raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
+    except RuntimeError as exc:
+        message = str(exc)
+        if ConfigRejected.MARKER in message:
+            raise TrialFailure(Outcome.INVALID,
+                               message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]) from None
+        raise TrialFailure(Outcome.LAUNCH_FAILED, message) from None
+    out.timings["deploy_s"] = time.monotonic() - started
+    return live.url
+
+
+def _read_back(url: str, config: ReplicaConfig, corpus: CorpusFile | None, log_dir: Path,
+               out: Measurement) -> None:
+    """What the engine says it runs (`/server_info`, the replica's argv and launch), diffed against what was asked."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        replica = client.get("/replica/argv").json()
+        launch = launch_of(replica, config)  # start phases' seconds, shared or not, the launch's own config
+        out.timings.update(launch.timings)
+        out.launch, out.launches = ("shared" if launch.shared else "new"), launch.launches
+        if isinstance(replica.get("startup_s"), (int, float)):
+            out.timings["engine_start_s"] = float(replica["startup_s"])
+        note_phase(log_dir, "ready", phases=replica.get("phases"), **out.timings)
+        prepared = replica.get("prepared") or {}
+        out.server_info = client.get("/server_info").json()
+        out.server_info.update(replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
+                               **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}),
+                               node_checks=prepared)
+        preflight = out.server_info.get("preflight")
+        if isinstance(preflight, dict) and preflight.get("ok"):
+            out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
+                                            preflight["resolved"]))
+        out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests, out.server_info,
+                                        pinned_settings(launch.config)))
+        listed = listed_corpora(client) if config.spec.algorithm == "ngram" else None
+        if listed is not None:  # the trial's record of what its engine held (SGLang's list route)
+            out.server_info["list_external_corpora"] = listed
+        out.corpus, held_wrong = corpus_record(listed, replica.get("corpus"), corpus)  # load time: every start
+        if held_wrong:
+            raise TrialFailure(Outcome.LAUNCH_FAILED, held_wrong)
+
+
+def _flush(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=30) as client:
+        refused = flush(client)
+    if refused:
+        raise TrialFailure(Outcome.TIMEOUT, refused)
+
+
+def usage(url: str) -> Usage | None:
+    """The engine's node's CPU counters now (`/replica/usage`), None when the replica cannot say."""
+    try:
+        response = httpx.get(f"{url}/replica/usage", timeout=30)
+        return Usage.model_validate(response.json()) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | None, log_dir: Path,
+             out: Measurement) -> None:
+    """Flush, warm up, measure; again (flush and the same warm-up first) while the window was disturbed, at most
+    `workload.remeasure` times; then the baseline's `reference` phase. `out.records` holds the warm-up and the last
+    window's measured requests."""
+    study = ctx.study
+    kwargs = dict(concurrency=trial.concurrency, temperature=study.workload.temperature,
+                  timeout_s=study.engine.request_timeout_s)
+    # warmup_requests may exceed the warm-up split: cycle it (the trie then sees some prompts twice).
+    warm = [ctx.warmup[i % len(ctx.warmup)] for i in range(trial.warmup_requests)] if ctx.warmup else []
+    baseline = trial.spec.algorithm == "none"
+    settle, flush_after = settle_requests(ctx.measure, ctx.warmup) if baseline else ([], False)
+    warm += settle
+    measured: list[RequestRecord] = []
+    pruned: str | None = None
+    for attempt in range(study.workload.remeasure + 1):
+        _flush(url)
+        phase_start = time.monotonic()
+        note_phase(log_dir, "warmup", requests=len(warm), attempt=attempt)
+        warmed = run_phase(url, warm, phase="warmup", **kwargs) if warm else []
+        if flush_after:
+            _flush(url)
+        out.timings["warmup_s"] = time.monotonic() - phase_start
+        phase_start = time.monotonic()
+        note_phase(log_dir, "measure", requests=len(ctx.measure), attempt=attempt)
+        before = usage(url)
+        measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
+                                         arrival=study.workload.arrival, seed=study.seed)
+        window = judge_window(before, usage(url), [r for r in measured if r.phase == "measure"],
+                              wait_limit=study.workload.wait_limit)
+        out.windows.append(window)
+        out.timings["measure_s"] = time.monotonic() - phase_start
+        out.records = warmed + measured
+        note_phase(log_dir, "window", attempt=attempt, check=window.line())
+        # A disturbed window is measured again, also when early stopping stopped it: a config slowed by other work
+        # is not a slow config.
+        if not window.disturbed or lost_requests(measured):
+            break
+    try:
+        after = httpx.get(f"{url}/server_info", timeout=30).json()
+        out.server_info["internal_states_after"] = after.get("internal_states")
+    except (httpx.HTTPError, ValueError):
+        pass
+    if baseline and ctx.reference and not lost_requests(measured):
+        answered = {r.prompt_index for r in out.records if r.ok}
+        todo = [item for item in ctx.reference if item.index not in answered]
+        phase_start = time.monotonic()
+        out.records += run_phase(url, todo, phase="reference", **kwargs) if todo else []
+        out.timings["reference_s"] = time.monotonic() - phase_start
+    # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
+    out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
 
 
 def settle_requests(measure: Sequence[LoadRequest], warmup: Sequence[LoadRequest]
@@ -348,6 +404,9 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
              "server_info.json": json.dumps(m.server_info, indent=2, default=str),
              "effective_diff.json": json.dumps({k: list(v) for k, v in m.diffs.items()}, indent=2, default=str),
              "timings.json": json.dumps(m.timings, indent=2)}
+    if m.windows:
+        texts["windows.json"] = json.dumps([w.model_dump(mode="json") for w in m.windows], indent=2)
+    window_metrics, window_tags = window_record(m.windows)
     if equivalence is not None:
         texts["equivalence.json"] = equivalence.model_dump_json(indent=2)
     metrics = dict(summary.to_metrics()) if summary else {}
@@ -355,6 +414,7 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
     metrics.update(m.corpus)
     metrics.update(stop_metrics(watch.last if watch else None))
     metrics["engine_launches"] = m.launches
+    metrics.update(window_metrics)
     metrics.update(gate_metrics)
     if equivalence is not None:
         metrics["equiv_identical_share"] = equivalence.identical_share
@@ -381,9 +441,10 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
                                  "engine_launch": m.launch,
                                  "engine_diffs": json.dumps({k: list(v) for k, v in m.diffs.items()}, default=str),
                                  # what the engine says it ran with (attention backend, running-request cap, ...)
-                                 "engine_effective": json.dumps(effective_settings(m.server_info), default=str)},
+                                 "engine_effective": json.dumps(effective_settings(m.server_info), default=str),
+                                 **window_tags},
         started_at=started_at)
-    return TrialResult(outcome, reason, config, summary, equivalence, run_id)
+    return TrialResult(outcome, reason, config, summary, equivalence, run_id, tuple(m.windows))
 
 
 def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_dir: Path,

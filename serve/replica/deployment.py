@@ -44,6 +44,7 @@ from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, c
 from serve.engines.phases import StartState
 from serve.ports import free_port
 from serve.replica.engine_start import TrialStarts
+from serve.replica.usage import read_usage
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
@@ -308,6 +309,14 @@ class EngineReplica(TrialStarts, _EngineOwner):
                 "startup_s": None if status["shared"] else self.engine.startup_s,
                 "prepared": self.engine.prepared, "node_id": node, "replica_pid": os.getpid(),
                 "phases": status["phases"], "launch": launch, "corpus": self.corpus}
+
+    @app.get("/replica/usage")
+    async def usage(self) -> dict[str, Any]:
+        """The engine's and this node's CPU counters now (serve/replica/usage.py): a trial reads them around its
+        measurement window to tell whether the engine had the CPU it wanted."""
+        engine = self.engine
+        group = engine.process.pid if engine is not None and engine.alive() else None  # the engine leads its group
+        return (await asyncio.to_thread(read_usage, group)).model_dump(mode="json")
 
     @app.post("/replica/engine")
     async def replace_engine(self, request: Request, fresh: bool = False) -> JSONResponse:

@@ -92,34 +92,6 @@ def test_promoted_config_is_in_the_registry_and_no_trial_app_is_left(happy):
     assert json.loads((out / APPS_LEFT).read_text()) == []
 
 
-def test_faults_are_recorded_and_the_study_continues(tmp_path):
-    # ngram's ranges make every point break min <= max (INVALID, never deployed); standalone's draft model does not
-    # exist, so its engine exits at start (LAUNCH_FAILED with the engine log). The study must go on and finish.
-    space = write_space(tmp_path, "algorithms: [none, ngram, standalone]\n"
-                                  "branches:\n  ngram:\n    min_bfs_breadth: {type: int, low: 3, high: 4}\n"
-                                  "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"
-                                  "  standalone:\n    num_steps: {type: fixed, value: 2}\n"
-                                  "    topk: {type: fixed, value: 1}\n    num_draft_tokens: {type: fixed, value: 3}\n")
-    study = load_study(None, {**TINY, "name": "it-faults", "output_dir": str(tmp_path), "search_space": space,
-                              "budget.max_trials": 5, "seed": 1,
-                              "model.drafts": {"standalone": str(tmp_path / "no-such-model")}})
-    assert run_study(study, load_space(space)) == 0
-    _, runs = child_runs(study, tmp_path)
-    outcomes = {}
-    for run in runs:
-        outcomes.setdefault(run.data.params.get("spec.algorithm"), []).append(run)
-    assert [r.data.tags["outcome"] for r in outcomes["none"]] == ["COMPLETE"]
-    assert {r.data.tags["outcome"] for r in outcomes.get("ngram", [])} <= {"INVALID"}
-    assert {r.data.tags["outcome"] for r in outcomes.get("standalone", [])} <= {"LAUNCH_FAILED"}
-    assert outcomes.get("ngram") and outcomes.get("standalone"), "seed 1 should sample both fault kinds"
-    for run in outcomes["ngram"]:
-        assert "min_bfs_breadth <= max_bfs_breadth" in run.data.tags["reason"]
-        assert "time_deploy_s" not in run.data.metrics  # never deployed
-    for run in outcomes["standalone"]:
-        assert "no-such-model" in run.data.tags["reason"]
-    assert len(optuna_trials(tmp_path, study.name)) == 5
-
-
 def test_interrupted_study_resumes_without_duplicates(tmp_path):
     # Ctrl-C right after the baseline reported to Tune, before Optuna was told. Before the fix the driver read the
     # interrupt off fit()'s grid (which shows the stopped trial TERMINATED), failed the baseline in Optuna and

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from serve.engines.cpu.command_line import ConfigError, parse_config
-from serve.engines.cpu.faults import Fault, FaultSpecError, armed, before_start, parse_fault, request_action
+from serve.engines.cpu.faults import (Fault, FaultSpecError, armed, before_start, parse_fault, parse_faults,
+                                      request_action)
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -101,6 +102,8 @@ def test_batch_noise_follows_the_rounds_batch_composition_and_spares_the_prefill
     tokens when they are not (another request id), the same first token always; without the switch, exact decoding."""
     from types import SimpleNamespace
 
+    from serve.spec import NoSpec
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -115,7 +118,8 @@ def test_batch_noise_follows_the_rounds_batch_composition_and_spares_the_prefill
 
     def decode(rid: str, noise: bool) -> list[int]:
         decoder = Decoder(ModelRunner(model), None, None)
-        engine = SimpleNamespace(config=SimpleNamespace(test_faults=(parse_fault("batch-noise=2"),) if noise else ()),
+        engine = SimpleNamespace(config=SimpleNamespace(test_faults=(parse_fault("batch-noise=2"),) if noise else (),
+                                                        spec=NoSpec()),
                                  speculative=False, decoder=decoder, scheduler=SimpleNamespace(decoder=decoder),
                                  runner=decoder.runner)
         install(None, engine)  # type: ignore[arg-type]
@@ -132,3 +136,24 @@ def test_batch_noise_follows_the_rounds_batch_composition_and_spares_the_prefill
     assert first == again  # the same compositions: the same numerics
     assert other != first and exact not in (first, other)  # other compositions: other tokens
     assert first[0] == other[0] == exact[0]  # the prefill's token is exact
+
+
+def test_a_drafts_scope_arms_a_fault_for_one_draft_size_only():
+    faults = parse_faults(["exit-at-start@drafts=2", "hang-after=1@drafts=3", "wrong-tokens@speculative"])
+    assert set(armed(faults, True, 2)) == {"exit-at-start", "wrong-tokens"}
+    assert set(armed(faults, True, 3)) == {"hang-after", "wrong-tokens"}
+    assert set(armed(faults, True, 4)) == {"wrong-tokens"}
+    assert armed(faults, False) == {}  # the baseline arms none of them
+    assert str(parse_fault("crash-after=2@drafts=5")) == "crash-after=2@drafts=5"
+    with pytest.raises(FaultSpecError, match="'@drafts=N' with N >= 1"):
+        parse_fault("crash-after=2@drafts=0")
+    with pytest.raises(FaultSpecError, match="given more than once for one engine"):
+        parse_faults(["crash-after=2@drafts=3", "crash-after=4@speculative"])  # both arm on a 3-draft engine
+    parse_faults(["crash-after=2@drafts=3", "crash-after=4@drafts=4"])  # different engines: fine
+
+
+def test_busy_neighbours_start_once_at_their_request():
+    faults = armed(parse_faults(["busy-neighbours=2"]), False)
+    actions = [request_action(faults, "POST", "/generate", count) for count in range(4)]
+    assert actions == ["pass", "pass", "neighbours", "pass"]
+    assert request_action(faults, "GET", "/health", 2) == "pass"

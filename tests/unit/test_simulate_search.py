@@ -116,3 +116,26 @@ def test_the_baseline_records_become_answers_and_a_missing_one_is_named():
 def test_predicted_points_carry_their_key():
     p = Predicted({"algorithm": "ngram", "ngram.num_draft_tokens": 4}, TrialConfig(), {})
     assert p.key == '{"algorithm": "ngram", "ngram.num_draft_tokens": 4}'
+
+
+def test_fronts_match_peeling_the_non_dominated_points_one_front_at_a_time():
+    import random
+
+    from pipeline.search.simulated import fronts
+
+    def peeled(scores):
+        left, out, level = set(range(len(scores))), [0] * len(scores), 0
+        while left:
+            front = {i for i in left if not any(all(x >= y for x, y in zip(scores[j], scores[i]))
+                                                 and scores[j] != scores[i] for j in left)}
+            for i in front:
+                out[i] = level
+            left -= front
+            level += 1
+        return out
+
+    rng = random.Random(0)
+    for dims in (1, 2, 3):
+        for _ in range(30):
+            scores = [tuple(float(rng.randint(0, 5)) for _ in range(dims)) for _ in range(rng.randint(0, 25))]
+            assert fronts(scores) == peeled(scores), scores

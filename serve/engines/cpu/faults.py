@@ -12,6 +12,11 @@ SPEC is `KIND[=VALUE][@speculative|@baseline]`:
 - `slow-steps=FACTOR`     every scheduler round takes FACTOR (> 1) times as long: after each round the worker sleeps
                           (FACTOR - 1) x the round's own time. Outputs and accept lengths are unchanged, so the engine
                           is a correct but uniformly slower one (a config that cannot beat the baseline).
+- `busy-neighbours=N`     when generation request N+1 arrives, busy-looping processes start beside the engine, one per
+                          CPU it may run on and pinned to those CPUs, and run until the next `/flush_cache` (once per
+                          engine): the engine's threads then wait for their cores as they would beside another
+                          program's work. A trial flushes before it measures a window again, so the first measurement
+                          window is disturbed and the next is not (pipeline/measure/window.py).
 - `wrong-tokens`          the first output token of every answer is replaced by the next token id (the engine decodes
                           on from the true token, so only what the client sees is wrong).
 - `batch-noise=SIGMA`     decoding becomes numerically batch-dependent, as bf16 on a GPU under continuous batching is:
@@ -22,10 +27,12 @@ SPEC is `KIND[=VALUE][@speculative|@baseline]`:
                           tokens are argmaxes of equally noisy logits). Prefill logits stay exact: a first token never
                           flips, so `wrong-tokens` stays visible on every answer. For equivalence-mode tests.
 Generation requests are `POST /generate`, `/v1/completions` and `/v1/chat/completions`; other routes are never faulty.
-`@speculative` arms the fault only when `--speculative-algorithm` is set, `@baseline` only when it is not. One study's
-trials share `extra_flags`, so this is how a study gets a faulty speculative trial next to a correct baseline (which
-`wrong-tokens` needs), or a slowed baseline that any speculative config beats (`slow-steps=3@baseline`: a test that
-must reach a PROMOTE forces it instead of hoping the machine's speed gives one).
+`@speculative` arms the fault only when `--speculative-algorithm` is set, `@baseline` only when it is not, `@drafts=N`
+only for a speculative config of N draft tokens (`--speculative-num-draft-tokens`). One study's trials share
+`extra_flags`, so this is how a study gets a faulty speculative trial next to a correct baseline (which `wrong-tokens`
+needs), a slowed baseline that any speculative config beats (`slow-steps=3@baseline`: a test that must reach a PROMOTE
+forces it instead of hoping the machine's speed gives one), or one study whose trials each fail their own way
+(`exit-at-start@drafts=2`, `hang-after=1@drafts=3`, ...: one point per fault).
 
 Parsing and the per-request decision are pure; `before_start` and `install` apply them to a starting server.
 """
@@ -57,19 +64,21 @@ CRASH_EXIT_CODE = 70  # EX_SOFTWARE: distinguishable from a clean exit and from 
 DEFAULT_EXIT_CODE = 3
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
+DRAFTS_SCOPE = "drafts="  # `@drafts=N`: armed only for a speculative config of N draft tokens
 Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "slow-steps", "wrong-tokens",
-               "batch-noise"]
+               "batch-noise", "busy-neighbours"]
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
     "slow-start": ("seconds > 0", float),
     "crash-after": ("a request count >= 0", int),
     "hang-after": ("a request count >= 0", int),
+    "busy-neighbours": ("a request count >= 0", int),
     "slow-steps": ("a slow-down factor > 1", float),
     "wrong-tokens": ("no value", None),
     "batch-noise": ("a logit noise scale > 0", float),
 }
 _USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, crash-after=N, "
-          "hang-after=N, slow-steps=FACTOR, wrong-tokens, batch-noise=SIGMA")
+          "hang-after=N, busy-neighbours=N, slow-steps=FACTOR, wrong-tokens, batch-noise=SIGMA")
 
 
 class FaultSpecError(ValueError):
@@ -79,7 +88,7 @@ class FaultSpecError(ValueError):
 class Fault(FrozenModel):
     kind: Kind
     value: float | None = None  # exit code, seconds or request count, per kind
-    scope: Literal["speculative", "baseline"] | None = None  # None: armed always
+    scope: str | None = None  # "speculative", "baseline", "drafts=N"; None: armed always
 
     def __str__(self) -> str:
         value = "" if self.value is None else f"={self.value:g}"
@@ -89,9 +98,10 @@ class Fault(FrozenModel):
 def parse_fault(text: str) -> Fault:
     """`KIND[=VALUE][@speculative|@baseline]` -> Fault; FaultSpecError naming the value and the fix."""
     spec, _, scope = text.strip().partition("@")
-    if scope and scope not in SCOPES:
-        raise FaultSpecError(f"{FLAG}: unknown scope '@{scope}' in {text!r}; the scopes are '@speculative' and "
-                             f"'@baseline' (omit it to arm the fault always)")
+    drafts = scope.removeprefix(DRAFTS_SCOPE) if scope.startswith(DRAFTS_SCOPE) else None
+    if scope and scope not in SCOPES and not (drafts and drafts.isdigit() and int(drafts) >= 1):
+        raise FaultSpecError(f"{FLAG}: unknown scope '@{scope}' in {text!r}; the scopes are '@speculative', "
+                             f"'@baseline' and '@drafts=N' with N >= 1 (omit it to arm the fault always)")
     kind, has_value, raw = spec.partition("=")
     if kind not in _VALUE_RULES:
         raise FaultSpecError(f"{FLAG}: unknown fault {kind!r} in {text!r}; {_USAGE}")
@@ -130,25 +140,47 @@ def parse_faults(texts: Iterable[str]) -> tuple[Fault, ...]:
     factors)."""
     faults = tuple(parse_fault(t) for t in texts)
     repeated: set[str] = set()
-    for scope in SCOPES:
-        kinds = [f.kind for f in faults if f.scope in (None, scope)]  # the faults one engine of this scope arms
+    sizes = sorted({n for n in (_drafts(f) for f in faults) if n is not None})
+    engines: list[tuple[bool, int | None]] = [(False, None), (True, None), *((True, n) for n in sizes)]
+    for speculative, drafts in engines:  # every kind of engine the flags could start, and the faults it would arm
+        kinds = [f.kind for f in faults if _applies(f, speculative, drafts)]
         repeated |= {kind for kind in kinds if kinds.count(kind) > 1}
     if repeated:
         raise FaultSpecError(f"{FLAG}: {', '.join(sorted(repeated))} given more than once for one engine; give each "
-                             "kind at most once, or once @speculative and once @baseline")
+                             "kind at most once per engine (e.g. once @speculative and once @baseline, or once per "
+                             "@drafts=N)")
     return faults
 
 
-def armed(faults: Iterable[Fault], speculative: bool) -> dict[str, Fault]:
-    """The faults that apply to an engine running with (`speculative`) or without speculation, by kind. Pure."""
-    return {f.kind: f for f in faults if f.scope is None or f.scope == ("speculative" if speculative else "baseline")}
+def _drafts(fault: Fault) -> int | None:
+    scope = fault.scope or ""
+    return int(scope.removeprefix(DRAFTS_SCOPE)) if scope.startswith(DRAFTS_SCOPE) else None
 
 
-def request_action(faults: dict[str, Fault], method: str, path: str, count: int) -> Literal["pass", "crash", "hang"]:
+def _applies(fault: Fault, speculative: bool, draft_tokens: int | None) -> bool:
+    if fault.scope is None:
+        return True
+    if fault.scope in SCOPES:
+        return fault.scope == ("speculative" if speculative else "baseline")
+    return speculative and _drafts(fault) == draft_tokens
+
+
+def armed(faults: Iterable[Fault], speculative: bool, draft_tokens: int | None = None) -> dict[str, Fault]:
+    """The faults that apply to an engine running with (`speculative`, `draft_tokens` drafts) or without
+    speculation, by kind. Pure."""
+    return {f.kind: f for f in faults if _applies(f, speculative, draft_tokens)}
+
+
+def request_action(faults: dict[str, Fault], method: str, path: str, count: int
+                   ) -> Literal["pass", "crash", "hang", "neighbours"]:
     """What to do with an incoming request, `count` being the generation requests seen before it. Pure.
-    A crash wins over a hang when both are due: the process is gone either way."""
+    A crash wins over a hang when both are due: the process is gone either way. "neighbours": start the busy
+    neighbours (the caller starts them once)."""
     if method != "POST" or path not in GENERATION_ROUTES:
         return "pass"
+    neighbours = faults.get("busy-neighbours")
+    if neighbours is not None and count == (neighbours.value or 0):
+        return "neighbours"
     crash, hang = faults.get("crash-after"), faults.get("hang-after")
     if crash is not None and count >= (crash.value or 0):
         return "crash"
@@ -157,12 +189,12 @@ def request_action(faults: dict[str, Fault], method: str, path: str, count: int)
     return "pass"
 
 
-def before_start(faults: Iterable[Fault], speculative: bool,
-                 sleep: Callable[[float], None] = time.sleep) -> int | None:
+def before_start(faults: Iterable[Fault], speculative: bool, sleep: Callable[[float], None] = time.sleep, *,
+                 draft_tokens: int | None = None) -> int | None:
     """Apply the start-up faults: an exit code to return from the server's main, or None to go on starting
     (after sleeping for `slow-start`). Logs every armed fault so the engine log says this engine misbehaves on
     purpose."""
-    active = armed(faults, speculative)
+    active = armed(faults, speculative, draft_tokens)
     for fault in active.values():
         log.warning("TEST FAULT armed: %s (testing only: this engine misbehaves on purpose)", fault)
     if "exit-at-start" in active:
@@ -179,8 +211,8 @@ def before_start(faults: Iterable[Fault], speculative: bool,
 def install(app: FastAPI, engine: Any) -> None:
     """Arm the request-time faults of `engine.config.test_faults` on a server that has not started yet.
     `engine` is a `serve.engines.cpu.engine.Engine`; not imported here, since the engine's config imports this."""
-    active = armed(engine.config.test_faults, engine.speculative)
-    if "crash-after" in active or "hang-after" in active:
+    active = armed(engine.config.test_faults, engine.speculative, getattr(engine.config.spec, "num_draft_tokens", None))
+    if "crash-after" in active or "hang-after" in active or "busy-neighbours" in active:
         app.add_middleware(_RequestFaults, faults=active)
     # The scheduler's worker calls `scheduler.decoder.step_many` for every round; nothing else steps requests.
     if "wrong-tokens" in active:
@@ -201,14 +233,21 @@ class _RequestFaults:
         self.app = app
         self.faults = faults
         self.count = 0
+        self.neighbours: BusyNeighbours | None = None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope.get("path") == "/flush_cache" and self.neighbours is not None:
+            self.neighbours.stop()
         action = request_action(self.faults, scope.get("method", ""), scope.get("path", ""), self.count)
         if scope.get("method") == "POST" and scope.get("path") in GENERATION_ROUTES:
             self.count += 1
+        if action == "neighbours" and self.neighbours is None:
+            self.neighbours = BusyNeighbours()
+            log.warning("TEST FAULT busy-neighbours: generation request %d arrived; %d busy processes run on CPUs %s "
+                        "until the next /flush_cache", self.count, len(self.neighbours.cpus), self.neighbours.cpus)
         if action == "crash":
             log.error("TEST FAULT crash-after: generation request %d arrived; exiting with code %d",
                       self.count, CRASH_EXIT_CODE)
@@ -289,3 +328,34 @@ class _BatchNoise:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class BusyNeighbours:
+    """One busy-looping process per CPU this process may run on, each pinned to those CPUs, until `stop` (and at the
+    latest when this process exits: the kernel kills them with it)."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import signal
+        import subprocess
+
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        code = ("import os\nif hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, %r)\nwhile True: pass"
+                % (set(self.cpus),))
+        libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # loaded here, not after the fork
+
+        def die_with_engine() -> None:
+            if libc is not None:
+                libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+        self.processes = [subprocess.Popen([sys.executable, "-c", code], preexec_fn=die_with_engine)
+                          for _ in self.cpus]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if self.processes:
+            log.warning("TEST FAULT busy-neighbours: stopped at /flush_cache")
+        self.processes = []

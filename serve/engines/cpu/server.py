@@ -200,7 +200,8 @@ def serve(config: EngineConfig) -> int:
     from serve.engines.cpu.models import ModelFetchError
 
     started = time.monotonic()
-    code = before_start(config.test_faults, config.spec.algorithm != "none")  # test-only --test-fault
+    code = before_start(config.test_faults, config.spec.algorithm != "none",  # test-only --test-fault
+                        draft_tokens=getattr(config.spec, "num_draft_tokens", None))
     if code is not None:
         return code
     try:

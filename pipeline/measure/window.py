@@ -1,0 +1,147 @@
+"""Was a measurement window disturbed? Two usage snapshots of the engine's node around the window
+(`serve.replica.usage`, read by the replica on the engine's node) and the window's own requests, judged. Pure.
+
+A closed-loop measurement keeps the engine busy for the whole window: every second of it the engine either runs or
+waits for a core. Other work on the node shows as the engine's **run-queue wait** (its threads runnable but not
+running) and as **steal** (a hypervisor running another guest on our cores). Either one beyond its limit means the
+figure measured the machine, not the config: the trial re-measures the window (at most `workload.remeasure` times)
+and says so; a window still disturbed after that is recorded with its flag, never silently.
+
+The window's own spread (per-request throughput: the median and the median absolute deviation over it) travels
+with the figure: the search, early stopping and simulate-first read it as the measurement's noise.
+
+Limits (docs/benchmarks.md, "Repeatability"; `workload.wait_limit` sets the first): on a quiet 2-core machine a
+study's engine waits for a core in under WAIT_LIMIT of its runnable time, with the load generator, Serve and Ray's
+daemons beside it; a busy core beside the study pushes it well past.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field
+
+from pipeline.measure.summary import RequestRecord
+from serve.replica.usage import Usage
+from serve.spec import FrozenModel
+
+__all__ = ["STEAL_LIMIT", "WAIT_LIMIT", "Window", "flag", "judge_window", "request_spread", "window_record"]
+
+WAIT_LIMIT = 0.15  # share of the engine's runnable time spent waiting for a core
+STEAL_LIMIT = 0.05  # share of the node's CPU time taken by the hypervisor
+MIN_ENGINE_CPU_S = 0.2  # engine CPU seconds below which its wait share is not judged
+
+
+class Window(FrozenModel):
+    """One measurement window's checks. `disturbed` is None when the node could not be read (not Linux, or no
+    engine process on this node): such a window is recorded as unchecked."""
+
+    wall_s: float = Field(ge=0)
+    engine_cores: float | None = None  # engine CPU seconds per wall second
+    wait_share: float | None = None  # run-queue wait / (run + wait) of the engine's threads
+    steal_share: float | None = None  # steal / all CPU time of the node
+    others_cores: float | None = None  # the node's busy CPU seconds outside the engine, per wall second
+    load1: float | None = None
+    requests: int = 0
+    tput_median: float | None = None  # per-request throughput (completion tokens / e2e), tok/s
+    tput_mad: float | None = None
+    disturbed: bool | None = None
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def spread(self) -> float | None:
+        """The per-request throughput's MAD relative to its median."""
+        if self.tput_median is None or self.tput_mad is None or self.tput_median <= 0:
+            return None
+        return self.tput_mad / self.tput_median
+
+    def line(self) -> str:
+        """One line for the console and the trial's record."""
+        parts = [f"{self.wall_s:.1f} s"]
+        if self.wait_share is not None:
+            parts.append(f"engine waited {self.wait_share:.0%} of its runnable time")
+        if self.steal_share is not None and self.steal_share > 0.005:
+            parts.append(f"steal {self.steal_share:.0%}")
+        if self.others_cores is not None:
+            parts.append(f"other work {self.others_cores:.2f} cores")
+        verdict = {None: "unchecked", False: "clean", True: "DISTURBED: " + "; ".join(self.reasons)}[self.disturbed]
+        return f"{verdict} ({', '.join(parts)})"
+
+
+def request_spread(records: Sequence[RequestRecord]) -> tuple[float | None, float | None]:
+    """(median, MAD) of the successful requests' throughput (completion tokens / e2e seconds)."""
+    rates = [r.completion_tokens / r.e2e_s for r in records if r.ok and r.e2e_s > 0 and r.completion_tokens > 0]
+    if not rates:
+        return None, None
+    median = statistics.median(rates)
+    return median, statistics.median(abs(x - median) for x in rates)
+
+
+def judge_window(before: Usage | None, after: Usage | None, records: Sequence[RequestRecord], *,
+                 wait_limit: float = WAIT_LIMIT, steal_limit: float = STEAL_LIMIT) -> Window:
+    """The window between `before` and `after` (snapshots of one node), with its measured `records`."""
+    median, mad = request_spread(records)
+    base: dict[str, Any] = {"requests": sum(1 for r in records if r.ok), "tput_median": median, "tput_mad": mad}
+    if before is None or after is None or after.at_s <= before.at_s:
+        return Window(wall_s=0.0, **base)
+    wall = after.at_s - before.at_s
+    out: dict[str, Any] = {"wall_s": wall, "load1": after.load1, **base}
+    reasons: list[str] = []
+    checked = False
+    engine_cpu = None
+    if before.engine_cpu_s is not None and after.engine_cpu_s is not None:
+        engine_cpu = max(0.0, after.engine_cpu_s - before.engine_cpu_s)
+        out["engine_cores"] = engine_cpu / wall
+    # An engine that barely ran (hung, dead, or a window of a few milliseconds) has no wait share worth judging.
+    if (engine_cpu is not None and engine_cpu >= MIN_ENGINE_CPU_S and before.engine_wait_s is not None
+            and after.engine_wait_s is not None):
+        wait = max(0.0, after.engine_wait_s - before.engine_wait_s)
+        if engine_cpu + wait > 0:
+            share = wait / (engine_cpu + wait)
+            out["wait_share"] = share
+            checked = True
+            if share > wait_limit:
+                reasons.append(f"the engine waited for a core {share:.0%} of its runnable time (limit "
+                               f"{wait_limit:.0%}): other work held the CPU")
+    if before.node is not None and after.node is not None:
+        busy = after.node.busy_s - before.node.busy_s
+        total = busy + (after.node.idle_s - before.node.idle_s) + (after.node.steal_s - before.node.steal_s)
+        if total > 0:
+            steal = max(0.0, after.node.steal_s - before.node.steal_s) / total
+            out["steal_share"] = steal
+            checked = True
+            if steal > steal_limit:
+                reasons.append(f"the hypervisor took {steal:.0%} of the CPU time (steal; limit {steal_limit:.0%})")
+        if engine_cpu is not None:
+            out["others_cores"] = max(0.0, busy - engine_cpu) / wall
+    return Window(**out, disturbed=bool(reasons) if checked else None, reasons=tuple(reasons))
+
+
+def window_record(windows: Sequence[Window]) -> tuple[dict[str, float], dict[str, str]]:
+    """MLflow metrics and tags of a pass's windows (the recorded one last): `window_remeasured` (windows measured
+    again), the recorded window's checks and the per-request spread (`tput_spread`); tag `measurement_window` is
+    its line, `measurement_flag` "clean", "re-measured", "disturbed" or "unchecked"."""
+    if not windows:
+        return {}, {}
+    last = windows[-1]
+    metrics: dict[str, float] = {"window_remeasured": float(len(windows) - 1)}
+    for name, value in (("window_wait_share", last.wait_share), ("window_steal_share", last.steal_share),
+                        ("window_others_cores", last.others_cores), ("window_engine_cores", last.engine_cores),
+                        ("tput_spread", last.spread)):
+        if value is not None:
+            metrics[name] = float(value)
+    return metrics, {"measurement_window": last.line()[:500], "measurement_flag": flag(windows)}
+
+
+def flag(windows: Sequence[Window]) -> str:
+    """"disturbed" when the recorded window still was; "re-measured" when an earlier one was; "unchecked" when none
+    could be judged; else "clean"."""
+    if not windows:
+        return "unchecked"
+    if windows[-1].disturbed:
+        return "disturbed"
+    if len(windows) > 1:
+        return "re-measured"
+    return "unchecked" if windows[-1].disturbed is None else "clean"

@@ -1,0 +1,126 @@
+"""A measurement window's checks (pipeline/measure/window.py) and the /proc readings they rest on
+(serve/replica/usage.py): parsing captured text, judging fixed snapshots, and one real reading of this process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from pipeline.measure.summary import RequestRecord
+from pipeline.measure.window import WAIT_LIMIT, Window, flag, judge_window, request_spread, window_record
+from serve.replica.usage import NodeCpu, Usage, node_cpu, pid_stat, read_usage, schedstat_wait_ns
+
+STAT = ("cpu  246567 125423 69346 86998 2189 0 1588 7451 0 0\n"
+        "cpu0 115155 61565 29883 58040 769 0 469 3910 0 0\n")
+
+
+def test_node_cpu_splits_busy_idle_and_steal():
+    cpu = node_cpu(STAT)
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    assert cpu.busy_s == pytest.approx((246567 + 125423 + 69346 + 0 + 1588) * tick)
+    assert cpu.idle_s == pytest.approx((86998 + 2189) * tick)
+    assert cpu.steal_s == pytest.approx(7451 * tick)
+    with pytest.raises(ValueError, match="no aggregate 'cpu' line"):
+        node_cpu("cpu0 1 2 3 4\n")
+
+
+def test_pid_stat_reads_past_a_command_name_with_spaces_and_parentheses():
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    text = "4242 (python -m (x) y) S 1 4240 4240 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 100 0 0"
+    assert pid_stat(text) == (4240, pytest.approx(300 * tick))
+
+
+def test_schedstat_wait_is_the_second_field():
+    assert schedstat_wait_ns("425068805 207956149 414\n") == 207956149
+
+
+def usage(at: float, cpu: float | None, wait: float | None, busy: float = 0.0, idle: float = 0.0,
+          steal: float = 0.0) -> Usage:
+    return Usage(at_s=at, cpus=2, engine_processes=1, engine_threads=2, engine_cpu_s=cpu, engine_wait_s=wait,
+                 node=NodeCpu(busy_s=busy, idle_s=idle, steal_s=steal), load1=1.0, runnable=2)
+
+
+def record(i: int, tokens: int, e2e: float) -> RequestRecord:
+    return RequestRecord(request_id=f"r{i}", phase="measure", prompt_index=i, concurrency=1, start_s=float(i),
+                         ttft_s=0.01, e2e_s=e2e, prompt_tokens=5, completion_tokens=tokens, finish_reason="length")
+
+
+RECORDS = [record(0, 10, 1.0), record(1, 10, 0.5), record(2, 10, 2.0)]
+
+
+def test_a_quiet_window_is_clean_and_carries_its_spread():
+    window = judge_window(usage(10.0, 5.0, 0.1, busy=100, idle=50), usage(12.0, 8.8, 0.2, busy=104, idle=50),
+                          RECORDS)
+    assert window.disturbed is False and window.reasons == ()
+    assert window.wall_s == pytest.approx(2.0)
+    assert window.engine_cores == pytest.approx(1.9)
+    assert window.wait_share == pytest.approx(0.1 / 3.9)
+    assert window.others_cores == pytest.approx((4 - 3.8) / 2.0)
+    assert window.tput_median == pytest.approx(10.0) and window.tput_mad == pytest.approx(5.0)
+    assert window.spread == pytest.approx(0.5)
+    assert "clean" in window.line()
+
+
+def test_an_engine_that_waited_for_its_cores_is_disturbed():
+    window = judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=0), usage(2.0, 2.0, 1.0, busy=4, idle=0), RECORDS)
+    assert window.disturbed is True
+    assert window.wait_share == pytest.approx(1 / 3) and window.wait_share > WAIT_LIMIT
+    assert "waited for a core 33%" in window.reasons[0] and "DISTURBED" in window.line()
+
+
+def test_steal_disturbs_a_window_even_when_the_engine_never_waited():
+    window = judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=0, steal=0),
+                          usage(2.0, 2.0, 0.0, busy=3.0, idle=0.5, steal=0.5), RECORDS)
+    assert window.disturbed is True and window.steal_share == pytest.approx(0.125)
+    assert "steal" in window.reasons[0]
+
+
+def test_a_window_without_readings_is_unchecked_never_disturbed():
+    assert judge_window(None, None, RECORDS).disturbed is None
+    no_engine = judge_window(usage(0.0, None, None), usage(1.0, None, None, busy=1, idle=1), RECORDS)
+    assert no_engine.disturbed is False  # the node's steal could be judged, the engine's wait could not
+    assert no_engine.wait_share is None and no_engine.engine_cores is None
+
+
+def test_flags_and_records_name_the_recorded_window():
+    clean = Window(wall_s=1.0, disturbed=False, wait_share=0.01, tput_median=10.0, tput_mad=1.0)
+    bad = Window(wall_s=1.0, disturbed=True, wait_share=0.5, reasons=("x",))
+    unchecked = Window(wall_s=0.0)
+    assert flag([clean]) == "clean" and flag([bad, clean]) == "re-measured" and flag([bad, bad]) == "disturbed"
+    assert flag([unchecked]) == "unchecked" and flag([]) == "unchecked"
+    metrics, tags = window_record([bad, clean])
+    assert metrics["window_remeasured"] == 1.0 and metrics["window_wait_share"] == 0.01
+    assert metrics["tput_spread"] == pytest.approx(0.1)
+    assert tags["measurement_flag"] == "re-measured" and tags["measurement_window"].startswith("clean")
+    assert window_record([]) == ({}, {})
+
+
+def test_request_spread_skips_failed_and_empty_requests():
+    failed = RequestRecord(request_id="f", phase="measure", prompt_index=9, concurrency=1, start_s=0.0, ttft_s=None,
+                           e2e_s=1.0, prompt_tokens=5, completion_tokens=0, finish_reason="error", error="boom")
+    assert request_spread([failed]) == (None, None)
+    assert request_spread([*RECORDS, failed]) == (10.0, 5.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")
+def test_read_usage_sees_this_process_group_burn_cpu():
+    group = os.getpgrp()
+    before = read_usage(group)
+    spin = time.process_time() + 0.2
+    while time.process_time() < spin:
+        pass
+    after = read_usage(group)
+    assert after.engine_processes >= 1 and after.engine_threads >= 1
+    assert after.engine_cpu_s is not None and before.engine_cpu_s is not None
+    assert after.engine_cpu_s - before.engine_cpu_s >= 0.15
+    assert after.node is not None and after.at_s > before.at_s
+    assert read_usage(None).engine_cpu_s is None
+
+
+def test_an_engine_that_barely_ran_is_not_judged_by_its_wait():
+    # a hung engine waits its few milliseconds of CPU out behind anything: no verdict from that
+    window = judge_window(usage(0.0, 1.0, 0.0, busy=0, idle=0), usage(20.0, 1.05, 0.05, busy=20, idle=20), RECORDS)
+    assert window.wait_share is None and window.disturbed is False  # the node's steal was still judged
