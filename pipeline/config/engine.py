@@ -64,6 +64,8 @@ class EngineSettings(FrozenModel):
     replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
                                                 "needs, e.g. {specdec_engine: 1} to keep replicas on engine nodes")
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads; None = all cores")
+    cpus: tuple[int, ...] | None = Field(None, min_length=1, description="CPUs the engine runs on (Linux affinity, "
+                                         "the same for every trial); None = any")
     weights: Literal["auto", "fp32", "gguf"] = Field("auto", description="cpu engine --weights (decode kernel)")
     start_timeout_s: float = Field(600.0, gt=0, description="readiness timeout; minutes for big models")
     request_timeout_s: float = Field(300.0, gt=0)

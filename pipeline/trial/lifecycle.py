@@ -120,7 +120,8 @@ def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> Rep
     return ReplicaConfig(
         engine=engine.kind, model=study.model.target, dtype=study.model.dtype, device=engine.device,
         attention_backend=engine.attention_backend, spec=trial.spec,
-        max_running_requests=trial.max_running_requests, threads=engine.threads, weights=engine.weights,
+        max_running_requests=trial.max_running_requests, threads=engine.threads, cpus=engine.cpus,
+        weights=engine.weights,
         tp_size=engine.tp_size,
         replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
         env=engine.env, start_timeout_s=engine.start_timeout_s, log_dir=str(log_dir))

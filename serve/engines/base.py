@@ -80,6 +80,8 @@ class ReplicaConfig(FrozenModel):
     spec: SpecConfig = Field(default_factory=NoSpec)
     max_running_requests: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
+    cpus: tuple[int, ...] | None = Field(None, min_length=1, description="CPUs the engine process and its children "
+                                         "may run on (Linux affinity); None = those of the replica that starts it")
     weights: Literal["auto", "fp32", "gguf"] = Field("auto", description="cpu engine --weights (serve/engines/cpu/"
                                                      "gguf_linear.py): decode matmuls on the GGUF blocks or fp32")
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")

@@ -1,4 +1,5 @@
-"""`python -m serve.engines.watchdog -- ARGV...`: run ARGV and make it die with its owner, however the owner ends.
+"""`python -m serve.engines.watchdog [--cpus N,M] -- ARGV...`: run ARGV and make it die with its owner, however the owner
+ends; with `--cpus`, on those CPUs only (Linux affinity, inherited by the engine's own children).
 
 Every engine is started through this wrapper, in a new session (so the wrapper leads the process group). The
 owner is the wrapper's parent (a Serve replica, a test, a benchmark). Two links, so that neither end can be lost:
@@ -63,11 +64,26 @@ def _pidfd(pid: int) -> int | None:
 
 
 def main(argv: list[str]) -> int:
+    cpus = None
+    if argv[:1] == ["--cpus"] and len(argv) > 1:
+        try:
+            cpus = {int(c) for c in argv[1].split(",")}
+        except ValueError:
+            cpus = set()
+        argv = argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
-    if not argv:
-        print("usage: python -m serve.engines.watchdog -- COMMAND [ARGS...]", file=sys.stderr)
+    if not argv or cpus == set():
+        print("usage: python -m serve.engines.watchdog [--cpus N,M,...] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
+    if cpus is not None:  # the engine and every process it starts run on these CPUs only (they inherit it)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError) as exc:
+            print(f"[watchdog] cannot run the engine on CPUs {sorted(cpus)}: {exc} (this machine has CPUs "
+                  f"{sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'})",
+                  file=sys.stderr, flush=True)
+            return 2
     parent = os.getppid()
     owner = _pidfd(parent)
     if owner is not None and os.getppid() != parent:  # the owner died before we could watch it

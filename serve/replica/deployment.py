@@ -130,7 +130,8 @@ class EngineProcess:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
             # Own session = own process group, led by the watchdog: teardown kills the engine and its children.
-            self.process = subprocess.Popen(python_module_argv("serve.engines.watchdog") + ["--", *self.argv],
+            pinned = ["--cpus", ",".join(map(str, config.cpus))] if config.cpus else []
+            self.process = subprocess.Popen(python_module_argv("serve.engines.watchdog") + [*pinned, "--", *self.argv],
                                             stdout=log, stderr=subprocess.STDOUT, env=self.kind.start_env(config),
                                             start_new_session=True, cwd=os.getcwd())
 

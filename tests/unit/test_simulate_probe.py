@@ -27,7 +27,8 @@ def tiny_dir(tmp_path, monkeypatch):
     return tmp_path / "tiny"
 
 
-def test_the_round_table_is_measured_once_per_key_and_the_cost_model_reads_it(tiny_dir):
+def test_the_round_table_is_measured_once_per_key_and_the_cost_model_reads_it(tiny_dir, monkeypatch):
+    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", 1.0)  # the cache, not this machine's load, is under test here
     runner = ModelRunner.from_dir(tiny_dir, "float32")
     curve = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 4))
     table = curve["round_cost"]
@@ -38,3 +39,50 @@ def test_the_round_table_is_measured_once_per_key_and_the_cost_model_reads_it(ti
     assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 4))["round_cost"] == table  # cached
     model = round_table(curve)
     assert model is not None and model.verify_ms(3, 3, 5, 200) > 0
+
+
+def clean_table(ms):
+    return {"disturbance": {"wait_share": 0.02, "steal_share": 0.0},
+            "round_cost": {"batches": [1, 2], "widths": [1, 2, 3], "ms": ms}}
+
+
+def test_a_table_measured_under_load_or_out_of_order_is_not_trusted():
+    assert probe.table_problem(clean_table([[10.0, 11.0, 12.0], [12.0, 13.0, 14.0]])) is None
+    assert probe.table_problem(clean_table([[10.0, 9.5, 12.0], [12.0, 13.0, 14.0]])) is None  # within the slack
+    problem = probe.table_problem(clean_table([[10.0, 38.5, 31.3], [40.0, 41.0, 42.0]]))
+    assert problem is not None and "width 3 measured 31.3 ms, below a narrower width's 38.5 ms" in problem
+    problem = probe.table_problem(clean_table([[10.0, 11.0, 12.0], [6.0, 13.0, 14.0]]))
+    assert problem is not None and "2 requests x width 1 measured 6.0 ms" in problem
+    busy = {**clean_table([[10.0, 11.0, 12.0], [12.0, 13.0, 14.0]]), "disturbance": {"wait_share": 0.4}}
+    assert "waited for a core 40%" in (probe.table_problem(busy) or "")
+    unchecked = {"round_cost": clean_table([[1.0]])["round_cost"]}
+    assert "no check" in (probe.table_problem(unchecked) or "")
+
+
+def test_a_poisoned_cache_entry_is_refused_and_measured_again(tiny_dir, monkeypatch):
+    import json
+
+    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", 1.0)  # this test is about the cache, not this machine's load
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    first = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 4))
+    assert first["source"] == "measured" and "not_cached" not in first
+    (entry_path,) = (tiny_dir.parent / "cache" / "probe").glob("*.json")
+    entry = json.loads(entry_path.read_text())
+    # a table measured while something else ran: width 2 three times width 1, width 4 back at width 1
+    entry["curve"]["round_cost"]["ms"][0][:3] = [10.0, 30.0, 10.0]
+    entry_path.write_text(json.dumps(entry))
+    again = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 4))
+    assert again["source"] == "measured" and "not monotone" in again["refused_cache"]
+    assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 4))["source"] == "cache"  # re-stored
+    entry = json.loads(entry_path.read_text())
+    del entry["curve"]["disturbance"]  # an entry written before the probe checked itself
+    entry_path.write_text(json.dumps(entry))
+    assert "no check" in probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 4)).get("refused_cache", "")
+
+
+def test_a_probe_measured_under_load_is_used_but_never_cached(tiny_dir, monkeypatch):
+    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", -1.0)  # every measurement reads as disturbed
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    curve = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
+    assert "waited for a core" in curve["not_cached"] and curve["round_cost"]["ms"]
+    assert not list((tiny_dir.parent / "cache" / "probe").glob("*.json"))

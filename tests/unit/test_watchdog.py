@@ -8,6 +8,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from serve.engines.base import child_env
 
@@ -112,3 +113,18 @@ def test_stop_group_without_grace_kills_a_group_that_ignores_sigterm():
     stop_group(leader, 0.0)
     assert leader.returncode == -signal.SIGKILL  # killed, not asked: SIGTERM would have been ignored
     assert wait_gone(members) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_the_engine_runs_on_the_cpus_it_was_given_and_its_children_inherit_them():
+    code = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+            "print(subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], "
+            "capture_output=True, text=True).stdout.strip())")
+    last = max(os.sched_getaffinity(0))
+    result = subprocess.run([sys.executable, "-m", "serve.engines.watchdog", "--cpus", str(last), "--",
+                             sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [f"[{last}]", f"[{last}]"]
+    refused = subprocess.run([sys.executable, "-m", "serve.engines.watchdog", "--cpus", "4096", "--", "true"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "cannot run the engine on CPUs [4096]" in refused.stderr

@@ -8,12 +8,19 @@ Measuring it costs ~1.5 s (the curve) + ~9 s (the round table, SmolLM2-135M on 2
 trial starts an engine; both depend only on the model, the dtype, the thread count, the forward implementation and
 the machine. So `cached_verify_cost` measures it
 once per such key and keeps it on disk under `cache_root()/probe/`; `refresh=True` (`--verify-probe-refresh`)
-measures again and overwrites the entry (after a hardware change the key changes by itself)."""
+measures again and overwrites the entry (after a hardware change the key changes by itself).
+
+A table measured while other work held the CPU would mislead every later study on the machine, so a measurement
+checks itself (`serve.replica.usage`: this process group's run-queue wait over the probe, the node's steal) and is
+taken again, at most `PROBE_ATTEMPTS` times in all; one still disturbed is used for this engine but never cached. A
+cached entry is checked before use (`table_problem`: it must carry a clean disturbance check and read as monotone,
+more rows never much cheaper than fewer) and measured again when it fails."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -25,9 +32,12 @@ import torch
 from serve.engines.cpu.llama import FORWARD_VERSION
 from serve.engines.cpu.models import cache_root
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
+from serve.replica.usage import Usage, read_usage
 
-__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "probe_key", "PROBE_SIZES",
-           "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
+log = logging.getLogger("serve.engines.cpu")
+
+__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "probe_disturbance", "probe_key",
+           "table_problem", "PROBE_SIZES", "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
 
 PROBE_SIZES = tuple(range(1, 17))
 # At engine start-up: the curve's shape at a third of the cost (~2 s instead of ~4.5 s for a 135M model on 2 cores).
@@ -41,6 +51,11 @@ ROUND_BATCHES = (1, 2, 4)  # larger batches: extrapolated linearly in rows by th
 ROUND_PASSES = 3
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LONG_CONTEXT_TOKENS = 512
+PROBE_ATTEMPTS = 3
+PROBE_WAIT_LIMIT = 0.15  # the share of the probe's runnable time spent waiting for a core above which it is disturbed
+PROBE_STEAL_LIMIT = 0.05
+MONOTONE_SLACK = 0.85  # a cell below this share of a narrower or smaller one (and by more than MONOTONE_SLACK_MS)
+MONOTONE_SLACK_MS = 1.0  # is not the noise of a quiet machine
 
 
 def measure_verify_cost(runner: ModelRunner, budget_s: float, sizes: tuple[int, ...] = PROBE_SIZES,
@@ -190,18 +205,77 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
     key = probe_key(model_dir, dtype, runner.backend, sizes, choice.mode + (f"-{choice.isa}" if choice.isa else ""))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_root() / "probe" / f"{digest}.json"
+    refused = None
     if not refresh:
         stored = _read(path)
         if stored is not None and stored.get("key") == key:
-            return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
-    curve = measure_verify_cost(runner, budget_s, sizes)
-    curve["round_cost"] = measure_round_cost(runner, sizes)
-    entry = {"key": key, "curve": curve, "measured_at": round(time.time(), 3)}
+            refused = table_problem(stored["curve"])
+            if refused is None:
+                return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
+            log.warning("verify-cost probe: the cached table %s is refused (%s); measuring it again", path, refused)
+    for attempt in range(1, PROBE_ATTEMPTS + 1):
+        before = read_usage(os.getpgrp())
+        curve = measure_verify_cost(runner, budget_s, sizes)
+        curve["round_cost"] = measure_round_cost(runner, sizes)
+        curve["disturbance"] = probe_disturbance(before, read_usage(os.getpgrp()))
+        problem = table_problem(curve)
+        if problem is None:
+            break
+        log.warning("verify-cost probe, attempt %d of %d: %s", attempt, PROBE_ATTEMPTS, problem)
+    measured_at = round(time.time(), 3)
+    extra = {"refused_cache": refused} if refused else {}
+    if problem is not None:  # used by this engine, never kept for the next one
+        return {**curve, "source": "measured", "measured_at": measured_at, "not_cached": problem, **extra}
+    entry = {"key": key, "curve": curve, "measured_at": measured_at}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(entry, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a concurrent engine reads the old entry or the new one, never half
-    return {**curve, "source": "measured", "measured_at": entry["measured_at"]}
+    return {**curve, "source": "measured", "measured_at": measured_at, **extra}
+
+
+def probe_disturbance(before: Usage, after: Usage) -> dict[str, float | None]:
+    """This process group's run-queue wait share and the node's steal share between two snapshots. Pure."""
+    wait = steal = None
+    if None not in (before.engine_cpu_s, after.engine_cpu_s, before.engine_wait_s, after.engine_wait_s):
+        ran = (after.engine_cpu_s or 0.0) - (before.engine_cpu_s or 0.0)
+        waited = (after.engine_wait_s or 0.0) - (before.engine_wait_s or 0.0)
+        wait = waited / (ran + waited) if ran + waited > 0 else None
+    if before.node is not None and after.node is not None:
+        total = sum(getattr(after.node, f) - getattr(before.node, f) for f in ("busy_s", "idle_s", "steal_s"))
+        steal = (after.node.steal_s - before.node.steal_s) / total if total > 0 else None
+    return {"wait_share": wait, "steal_share": steal}
+
+
+def table_problem(curve: dict) -> str | None:
+    """Why a measured curve cannot be trusted for later studies, None when it can: it was measured while other work
+    held the CPU, it carries no such check (an entry from before the check existed), or its round table is not
+    monotone (a wider or larger round measured clearly cheaper than a narrower or smaller one). Pure."""
+    disturbance = curve.get("disturbance")
+    if not isinstance(disturbance, dict):
+        return "it carries no check of what else ran while it was measured"
+    wait, steal = disturbance.get("wait_share"), disturbance.get("steal_share")
+    if isinstance(wait, (int, float)) and wait > PROBE_WAIT_LIMIT:
+        return (f"measured while other work held the CPU: the probe waited for a core {wait:.0%} of its runnable "
+                f"time (limit {PROBE_WAIT_LIMIT:.0%})")
+    if isinstance(steal, (int, float)) and steal > PROBE_STEAL_LIMIT:
+        return f"measured while the hypervisor took {steal:.0%} of the CPU (steal; limit {PROBE_STEAL_LIMIT:.0%})"
+    table = curve.get("round_cost")
+    if not isinstance(table, dict):
+        return "it has no round table"
+    ms, widths, batches = table.get("ms") or [], table.get("widths") or [], table.get("batches") or []
+    for i, row in enumerate(ms):
+        for j in range(1, len(row)):
+            if row[j] < MONOTONE_SLACK * max(row[:j]) and max(row[:j]) - row[j] > MONOTONE_SLACK_MS:
+                return (f"not monotone: {batches[i]} request(s) x width {widths[j]} measured {row[j]:.1f} ms, below "
+                        f"a narrower width's {max(row[:j]):.1f} ms")
+    for i in range(1, len(ms)):
+        for j, cell in enumerate(ms[i]):
+            smaller = max(row[j] for row in ms[:i])
+            if cell < MONOTONE_SLACK * smaller and smaller - cell > MONOTONE_SLACK_MS:
+                return (f"not monotone: {batches[i]} requests x width {widths[j]} measured {cell:.1f} ms, below "
+                        f"a smaller batch's {smaller:.1f} ms")
+    return None
 
 
 def _read(path: Path) -> dict | None:
