@@ -31,7 +31,7 @@ from typing import Any
 
 from pipeline.measure.summary import RequestRecord, to_records
 from pipeline.search.pruning import baseline_run
-from pipeline.search.simulated import Explored, Predicted, explore, misses, pick, rank
+from pipeline.search.simulated import Explored, Predicted, explore, misses, pick, point_key, rank
 from pipeline.search.space import SearchSpace, baseline_point, resolve
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.predict import PREDICTION_ATTR
@@ -85,8 +85,22 @@ class SimulateFirstPlan:
             return None
         settings = self.ctx.study.search.simulate
         taken = [self.predicted[t]["params"] for t in self.suggested[1:] if t in self.predicted]
-        chosen = pick(self._cache["ranked"], 1, settings.min_distance, taken)
+        chosen = pick(self._cache["ranked"], 1, settings.min_distance, taken, same=self._signature_of)
         return chosen[0] if chosen else None
+
+    def _signature_of(self, params: dict[str, Any]) -> str:
+        """The replay signature of an explored point (configs that share one are one config to the cost model);
+        its own key for any other."""
+        key = point_key(params)
+        classes = self._cache.get("classes")
+        if classes is None:
+            classes = self._cache["classes"] = {}
+            for p in self._cache["explored"].predicted:
+                try:
+                    classes[p.key] = self._cache["simulator"].signature(p.config)
+                except (Unsimulable, ValueError, OSError):
+                    continue
+        return classes.get(key, key)
 
     def on_suggested(self, trial_id: str, launch: Predicted | None) -> None:
         self.suggested.append(trial_id)
@@ -105,7 +119,8 @@ class SimulateFirstPlan:
         outcome, run_id = str(result.get("outcome", "FAILED")), str(result.get("mlflow_run_id") or "")
         metric = self.ctx.study.objective.metrics[0]
         entry: dict[str, Any] = {"outcome": outcome, "run_id": run_id, "measured": result.get(metric)
-                                 if outcome == "COMPLETE" else None, "error": None}
+                                 if outcome == "COMPLETE" else None, "error": None,
+                                 "noise": result.get("tput_noise") if metric == "tput_tok_s" else None}
         self.outcomes[trial_id] = entry
         if trial_id == self.baseline_id:
             if outcome != "COMPLETE":
@@ -262,8 +277,9 @@ class SimulateFirstPlan:
 
     def _judge(self, metric: str) -> None:
         settings = self.ctx.study.search.simulate
-        errors = [e["error"] for t, e in self.outcomes.items() if t in self.predicted]
-        median, missed = misses(errors, settings.error_threshold)
+        judged = [e for t, e in self.outcomes.items() if t in self.predicted]
+        median, missed = misses([e["error"] for e in judged], settings.error_threshold,
+                                [e.get("noise") for e in judged])
         if median is None:
             return
         room = self.ctx.study.budget.max_trials - self.budget
@@ -272,8 +288,8 @@ class SimulateFirstPlan:
             self.budget += extra
             self.widened += extra
             print(f"[simulate-first] predictions miss: median |predicted - measured| / measured of {metric} = "
-                  f"{median:.1%} > {settings.error_threshold:.0%}; launching {extra} more (now {self.budget} "
-                  f"launches)", flush=True)
+                  f"{median:.1%}, beyond the measurements' own noise by more than {settings.error_threshold:.0%}; "
+                  f"launching {extra} more (now {self.budget} launches)", flush=True)
         elif missed:
             print(f"[simulate-first] predictions miss: median error {median:.1%} > {settings.error_threshold:.0%}, "
                   f"and the budget ({self.ctx.study.budget.max_trials} trials) leaves no launch to add", flush=True)
@@ -300,14 +316,17 @@ class SimulateFirstPlan:
         print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: predicted {metric}="
               f"{predicted.get(metric, float('nan')):.2f}, measured "
               + (f"{measured:.2f}" if isinstance(measured, (int, float)) else "-")
-              + (f" ({error:.1%} off)" if error is not None else ""), flush=True)
+              + (f" ({error:.1%} off" if error is not None else "")
+              + (f"; the measurement's own noise ±{entry['noise']:.1%})" if error is not None and entry.get("noise")
+                 is not None else (")" if error is not None else "")), flush=True)
 
     def summary(self) -> dict[str, Any]:
         """Predicted vs measured per launch, the median error, the cost model: what the study run records."""
         metric = self.ctx.study.objective.metrics[0]
         rows = [{"trial_id": t, "params": p["params"], "predicted": p["figures"], **self.outcomes.get(t, {})}
                 for t, p in self.predicted.items()]
-        median, missed = misses([r.get("error") for r in rows], self.ctx.study.search.simulate.error_threshold)
+        median, missed = misses([r.get("error") for r in rows], self.ctx.study.search.simulate.error_threshold,
+                                [r.get("noise") for r in rows])
         cost: CostModel | None = self._cache.get("cost")
         return {"metric": metric, "launches": rows, "median_error": median, "missed": missed,
                 "widened": self.widened, "fallback": self.fallback, "explored": self.explored_note,

@@ -170,30 +170,47 @@ def distance(a: dict[str, Any], b: dict[str, Any]) -> int:
 
 
 def pick(ranked: Sequence[Predicted], count: int, min_distance: int,
-         taken: Sequence[dict[str, Any]] = ()) -> list[Predicted]:
-    """Up to `count` points down the ranking, each at least `min_distance` from the others and from `taken`."""
+         taken: Sequence[dict[str, Any]] = (), same: Callable[[dict[str, Any]], str] | None = None
+         ) -> list[Predicted]:
+    """Up to `count` points down the ranking, each at least `min_distance` from the others and from `taken`.
+    `same` maps a point's params to its equivalence class (the simulator's replay signature): points of one class
+    have the same predicted acceptance and cost, so they are one config to the instrument, and only the first of a
+    class (the best ranked) is ever picked, never a second one whose measurement could only differ by noise."""
     taken_keys = {point_key(t) for t in taken}
+    classes = {same(t) for t in taken} if same is not None else set()
     pool = [p for p in ranked if p.key not in taken_keys]
     for floor in range(min_distance, -1, -1):
         chosen: list[Predicted] = []
         others = list(taken)
+        seen = set(classes)
         for p in pool:
             if len(chosen) == count:
                 break
+            kind = same(p.params) if same is not None else None
+            if kind is not None and kind in seen:
+                continue
             if all(distance(p.params, o) >= max(floor, 1) for o in others):
                 chosen.append(p)
                 others.append(p.params)
+                if kind is not None:
+                    seen.add(kind)
         if len(chosen) == count or floor == 0:
             return chosen
     return []
 
 
-def misses(errors: Sequence[float | None], threshold: float) -> tuple[float | None, bool]:
-    """(median relative error of the known errors, whether it exceeds `threshold`)."""
+def misses(errors: Sequence[float | None], threshold: float,
+           noises: Sequence[float | None] | None = None) -> tuple[float | None, bool]:
+    """(median relative error of the known errors, whether the predictions miss). With `noises` (each launch's
+    measurement noise, relative: its figure is only known to within it), a launch's error counts only beyond its
+    noise: a prediction within the noise is as good as a measurement, and a threshold below the noise could
+    otherwise never be met."""
     import statistics
 
-    known = sorted(e for e in errors if e is not None)
-    if not known:
+    pairs = [(e, (noises[i] if noises is not None and i < len(noises) else None) or 0.0)
+             for i, e in enumerate(errors) if e is not None]
+    if not pairs:
         return None, False
-    median = statistics.median(known)
-    return median, median > threshold
+    median = statistics.median(e for e, _ in pairs)
+    beyond = statistics.median(max(0.0, e - n) for e, n in pairs)
+    return median, beyond > threshold

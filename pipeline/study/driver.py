@@ -71,6 +71,10 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
         report["accept_len"] = result.summary.accept_len or 1.0
+        s = result.summary
+        if s.tput_ci_low is not None and s.tput_ci_high is not None and s.tput_tok_s > 0:
+            # the figure's own noise: half its bootstrap CI, relative (simulate-first judges predictions against it)
+            report["tput_noise"] = (s.tput_ci_high - s.tput_ci_low) / 2 / s.tput_tok_s
     if result.windows:  # the measurement's own noise and whether other work disturbed it (pipeline/measure/window.py)
         report["measurement_flag"] = flag(result.windows)
         report["window_remeasured"] = len(result.windows) - 1

@@ -25,6 +25,11 @@ class FixedSimulator:
     def predict(self, config: TrialConfig, cost: CostModel) -> dict[str, float]:
         return {"tput_tok_s": self.figures[config.spec.num_draft_tokens]}
 
+    def signature(self, config: TrialConfig) -> str:
+        return f"class-{self.classes.get(config.spec.num_draft_tokens, config.spec.num_draft_tokens)}"
+
+    classes: dict[int, int] = {}  # draft tokens -> a shared class (configs with one replay)
+
 
 @dataclass
 class Ctx:
@@ -97,3 +102,24 @@ def test_a_failed_baseline_falls_back_to_tpe():
     plan.on_complete("t0", {"outcome": "UNHEALTHY"})
     assert plan.fallback and "UNHEALTHY" in plan.fallback and not plan.exhausted()
     assert plan.next_launch() is None
+
+
+def test_a_miss_within_the_measurements_noise_is_a_hit():
+    plan = plan_with(min_distance=1)
+    plan.on_suggested("t0", None)
+    plan.on_complete("t0", {"outcome": "COMPLETE", "tput_tok_s": 9.0})
+    launch_next(plan, "t1")  # predicted 20
+    # 25% off, but the measurement itself is only known to within +-20%: 5% beyond it, under the 10% threshold
+    plan.on_complete("t1", {"outcome": "COMPLETE", "tput_tok_s": 16.0, "tput_noise": 0.2, "mlflow_run_id": ""})
+    assert plan.widened == 0 and plan.exhausted() and not plan.summary()["missed"]
+    assert plan.summary()["median_error"] == 0.25
+
+
+def test_a_config_the_simulator_cannot_tell_from_a_launched_one_is_never_launched(monkeypatch):
+    monkeypatch.setattr(FixedSimulator, "classes", {6: 4})  # 6 draft tokens replay exactly as 4 do
+    plan = plan_with(min_distance=1)
+    plan.on_suggested("t0", None)
+    plan.on_complete("t0", {"outcome": "COMPLETE", "tput_tok_s": 9.0})
+    assert launch_next(plan, "t1") == 4
+    plan.on_complete("t1", {"outcome": "COMPLETE", "tput_tok_s": 10.0, "mlflow_run_id": ""})  # a miss: widen
+    assert launch_next(plan, "t2") == 8  # 6, second in the ranking, is the same config as 4 to the instrument
