@@ -145,6 +145,14 @@ class SimulateFirstPlan:
             return
         entry["error"] = relative_error(predicted.get(metric), entry["measured"])
         self._log_launch(trial_id, predicted, entry)
+        if result.get("measurement_flag") == "disturbed":
+            # other work held the CPU in every window it measured: its figure neither judges the predictions nor
+            # refits the cost model (either would learn the machine's load, not the config)
+            entry["disturbed"] = True
+            print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: its measurement was disturbed "
+                  "in every window: not used to judge or refit the predictions", flush=True)
+            self._log_study()
+            return
         self._refit(trial_id)
         self._judge(metric)
         self._log_study()
@@ -258,7 +266,8 @@ class SimulateFirstPlan:
 
     def _remember_launch(self, trial_id: str) -> None:
         entry = self.outcomes.get(trial_id)
-        if entry is None or entry["outcome"] != "COMPLETE" or not entry["run_id"] or trial_id not in self.predicted:
+        if (entry is None or entry["outcome"] != "COMPLETE" or not entry["run_id"] or trial_id not in self.predicted
+                or entry.get("disturbed")):
             return
         config = resolve(self.space, self.predicted[trial_id]["params"], self.ctx.study).config
         records = _all_records(self.ctx.tracker, entry["run_id"])
@@ -277,7 +286,7 @@ class SimulateFirstPlan:
 
     def _judge(self, metric: str) -> None:
         settings = self.ctx.study.search.simulate
-        judged = [e for t, e in self.outcomes.items() if t in self.predicted]
+        judged = [e for t, e in self.outcomes.items() if t in self.predicted and not e.get("disturbed")]
         median, missed = misses([e["error"] for e in judged], settings.error_threshold,
                                 [e.get("noise") for e in judged])
         if median is None:
@@ -325,8 +334,9 @@ class SimulateFirstPlan:
         metric = self.ctx.study.objective.metrics[0]
         rows = [{"trial_id": t, "params": p["params"], "predicted": p["figures"], **self.outcomes.get(t, {})}
                 for t, p in self.predicted.items()]
-        median, missed = misses([r.get("error") for r in rows], self.ctx.study.search.simulate.error_threshold,
-                                [r.get("noise") for r in rows])
+        judged = [r for r in rows if not r.get("disturbed")]  # each row keeps its own error, disturbed or not
+        median, missed = misses([r.get("error") for r in judged], self.ctx.study.search.simulate.error_threshold,
+                                [r.get("noise") for r in judged])
         cost: CostModel | None = self._cache.get("cost")
         return {"metric": metric, "launches": rows, "median_error": median, "missed": missed,
                 "widened": self.widened, "fallback": self.fallback, "explored": self.explored_note,

@@ -123,3 +123,15 @@ def test_a_config_the_simulator_cannot_tell_from_a_launched_one_is_never_launche
     assert launch_next(plan, "t1") == 4
     plan.on_complete("t1", {"outcome": "COMPLETE", "tput_tok_s": 10.0, "mlflow_run_id": ""})  # a miss: widen
     assert launch_next(plan, "t2") == 8  # 6, second in the ranking, is the same config as 4 to the instrument
+
+
+def test_a_launch_disturbed_in_every_window_neither_judges_nor_refits():
+    plan = plan_with(min_distance=1)
+    plan.on_suggested("t0", None)
+    plan.on_complete("t0", {"outcome": "COMPLETE", "tput_tok_s": 9.0})
+    launch_next(plan, "t1")
+    refits = []
+    plan._refit = lambda trial_id: refits.append(trial_id)  # type: ignore[method-assign]
+    plan.on_complete("t1", {"outcome": "COMPLETE", "tput_tok_s": 10.0, "measurement_flag": "disturbed",
+                            "mlflow_run_id": ""})  # 100% off, but measured the machine's load
+    assert plan.widened == 0 and refits == [] and plan.summary()["median_error"] is None

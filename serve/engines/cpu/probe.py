@@ -12,9 +12,9 @@ measures again and overwrites the entry (after a hardware change the key changes
 
 A table measured while other work held the CPU would mislead every later study on the machine, so a measurement
 checks itself (`serve.replica.usage`: this process group's run-queue wait over the probe, the node's steal) and is
-taken again, at most `PROBE_ATTEMPTS` times in all; one still disturbed is used for this engine but never cached. A
-cached entry is checked before use (`table_problem`: it must carry a clean disturbance check and read as monotone,
-more rows never much cheaper than fewer) and measured again when it fails."""
+taken again, at most `PROBE_ATTEMPTS` times in all; the least disturbed one is kept only until a later engine start
+measures a quieter one. A cached entry is checked before use (`table_problem`: it must carry a clean disturbance
+check and read as monotone, more rows never much cheaper than fewer) and measured again when it fails."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ from serve.replica.usage import Usage, read_usage
 
 log = logging.getLogger("serve.engines.cpu")
 
-__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "probe_disturbance", "probe_key",
-           "table_problem", "PROBE_SIZES", "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
+__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "disturbance_problem",
+           "probe_disturbance", "probe_key", "shape_problem", "table_problem", "PROBE_SIZES", "STARTUP_PROBE_SIZES",
+           "ROUND_BATCHES"]
 
 PROBE_SIZES = tuple(range(1, 17))
 # At engine start-up: the curve's shape at a third of the cost (~2 s instead of ~4.5 s for a 135M model on 2 cores).
@@ -51,7 +52,7 @@ ROUND_BATCHES = (1, 2, 4)  # larger batches: extrapolated linearly in rows by th
 ROUND_PASSES = 3
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LONG_CONTEXT_TOKENS = 512
-PROBE_ATTEMPTS = 3
+PROBE_ATTEMPTS = 2
 PROBE_WAIT_LIMIT = 0.15  # the share of the probe's runnable time spent waiting for a core above which it is disturbed
 PROBE_STEAL_LIMIT = 0.05
 MONOTONE_SLACK = 0.85  # a cell below this share of a narrower or smaller one (and by more than MONOTONE_SLACK_MS)
@@ -199,39 +200,63 @@ def probe_key(model_dir: Path, dtype: str, backend: str, sizes: tuple[int, ...],
 def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_s: float,
                        sizes: tuple[int, ...] = STARTUP_PROBE_SIZES, refresh: bool = False) -> dict:
     """The curve for this (model, dtype, threads, forward, weights mode, machine): from the on-disk cache when present
-    (and not `refresh`), else measured now and stored. The result carries `source` ("cache" or "measured") and
-    `measured_at` (unix time of the measurement)."""
+    and clean (and not `refresh`), else measured now. The result carries `source` ("cache" or "measured"),
+    `measured_at` (unix time of the measurement) and, when it was measured while other work held the CPU,
+    `disturbed` (why).
+
+    A table measured under load is kept only until a quieter one: while the cached entry is disturbed, every start
+    measures once more and keeps the less disturbed table, so a busy machine pays one probe a start until a quiet
+    moment gives a clean table. A cached entry without a check, or out of order, is refused outright."""
     choice = runner.weights
     key = probe_key(model_dir, dtype, runner.backend, sizes, choice.mode + (f"-{choice.isa}" if choice.isa else ""))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_root() / "probe" / f"{digest}.json"
-    refused = None
+    refused, best, best_at = None, None, None
     if not refresh:
         stored = _read(path)
         if stored is not None and stored.get("key") == key:
-            refused = table_problem(stored["curve"])
-            if refused is None:
+            refused = shape_problem(stored["curve"])
+            if refused is None and disturbance_problem(stored["curve"]) is None:
                 return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
-            log.warning("verify-cost probe: the cached table %s is refused (%s); measuring it again", path, refused)
-    for attempt in range(1, PROBE_ATTEMPTS + 1):
+            if refused is None:  # clean in shape, measured under load: kept unless a quieter measurement comes
+                best, best_at = stored["curve"], stored["measured_at"]
+                log.warning("verify-cost probe: the cached table %s was %s; measuring once more",
+                            path, disturbance_problem(best))
+            else:
+                log.warning("verify-cost probe: the cached table %s is refused (%s); measuring it again", path,
+                            refused)
+    fresh = None
+    for attempt in range(1, (1 if best is not None else PROBE_ATTEMPTS) + 1):
         before = read_usage(os.getpgrp())
         curve = measure_verify_cost(runner, budget_s, sizes)
         curve["round_cost"] = measure_round_cost(runner, sizes)
         curve["disturbance"] = probe_disturbance(before, read_usage(os.getpgrp()))
         problem = table_problem(curve)
         if problem is None:
+            best, fresh = curve, curve
             break
-        log.warning("verify-cost probe, attempt %d of %d: %s", attempt, PROBE_ATTEMPTS, problem)
-    measured_at = round(time.time(), 3)
+        log.warning("verify-cost probe, attempt %d: %s", attempt, problem)
+        if shape_problem(curve) is None and (best is None or _wait(curve) < _wait(best)):
+            best, fresh = curve, curve
     extra = {"refused_cache": refused} if refused else {}
-    if problem is not None:  # used by this engine, never kept for the next one
-        return {**curve, "source": "measured", "measured_at": measured_at, "not_cached": problem, **extra}
-    entry = {"key": key, "curve": curve, "measured_at": measured_at}
+    if best is None:  # every attempt out of order: used by this engine, never kept for the next one
+        return {**curve, "source": "measured", "measured_at": round(time.time(), 3), "not_cached": problem, **extra}
+    disturbed = disturbance_problem(best)
+    extra.update({"disturbed": disturbed} if disturbed else {})
+    if fresh is None:  # the cached table was still the quietest
+        return {**best, "source": "cache", "measured_at": best_at, **extra}
+    entry = {"key": key, "curve": fresh, "measured_at": round(time.time(), 3)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(entry, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a concurrent engine reads the old entry or the new one, never half
-    return {**curve, "source": "measured", "measured_at": measured_at, **extra}
+    return {**fresh, "source": "measured", "measured_at": entry["measured_at"], **extra}
+
+
+def _wait(curve: dict) -> float:
+    disturbance = curve.get("disturbance") or {}
+    wait = disturbance.get("wait_share")
+    return float(wait) if isinstance(wait, (int, float)) else 1.0
 
 
 def probe_disturbance(before: Usage, after: Usage) -> dict[str, float | None]:
@@ -248,18 +273,31 @@ def probe_disturbance(before: Usage, after: Usage) -> dict[str, float | None]:
 
 
 def table_problem(curve: dict) -> str | None:
-    """Why a measured curve cannot be trusted for later studies, None when it can: it was measured while other work
-    held the CPU, it carries no such check (an entry from before the check existed), or its round table is not
-    monotone (a wider or larger round measured clearly cheaper than a narrower or smaller one). Pure."""
+    """Why a measured curve cannot be trusted for later studies, None when it can: `shape_problem`, else
+    `disturbance_problem`. Pure."""
+    return shape_problem(curve) or disturbance_problem(curve)
+
+
+def disturbance_problem(curve: dict) -> str | None:
+    """Measured while other work held the CPU (the probe's run-queue wait share, the node's steal), else None."""
     disturbance = curve.get("disturbance")
     if not isinstance(disturbance, dict):
-        return "it carries no check of what else ran while it was measured"
+        return None
     wait, steal = disturbance.get("wait_share"), disturbance.get("steal_share")
     if isinstance(wait, (int, float)) and wait > PROBE_WAIT_LIMIT:
         return (f"measured while other work held the CPU: the probe waited for a core {wait:.0%} of its runnable "
                 f"time (limit {PROBE_WAIT_LIMIT:.0%})")
     if isinstance(steal, (int, float)) and steal > PROBE_STEAL_LIMIT:
         return f"measured while the hypervisor took {steal:.0%} of the CPU (steal; limit {PROBE_STEAL_LIMIT:.0%})"
+    return None
+
+
+def shape_problem(curve: dict) -> str | None:
+    """Why a curve cannot be used at all, None when it can: it carries no check of what ran beside it (an entry
+    from before the check existed), it has no round table, or its table is not monotone (a wider or larger round
+    measured clearly cheaper than a narrower or smaller one: no quiet machine measures that). Pure."""
+    if not isinstance(curve.get("disturbance"), dict):
+        return "it carries no check of what else ran while it was measured"
     table = curve.get("round_cost")
     if not isinstance(table, dict):
         return "it has no round table"

@@ -1,0 +1,44 @@
+"""`python -m pipeline.tune` as a user runs it from a shell: a subprocess with a clean environment (only PATH, the
+locale, a new HOME without ~/.ray, and the model and engine caches), to its decision. Library-level studies miss what
+the command line's process sets up itself (its Ray auth mode, its library settings); these do not. Shared by the
+default tier (the CPU engine) and the engines tier (SGLang on CPU, llama-server)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from serve.engines.cpu.models import cache_root
+from serve.engines.llama_cpp.models import install_root
+
+REPO = Path(__file__).resolve().parents[1]
+# small and fast: two measured prompts of 8 tokens, no re-runs, every trial a launch
+QUICK = ["--trials", "2", "--set", "workload.warmup_prompts=1", "--set", "workload.measure_prompts=2",
+         "--set", "workload.max_new_tokens=8", "--set", "promotion.finalists=0", "--set", "search.strategy=tpe",
+         "--set", "engine.threads=1"]
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    home.mkdir(parents=True, exist_ok=True)
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": str(home),
+            "SPECDEC_CACHE": str(cache_root()), "SPECDEC_LLAMA_CPP_HOME": str(install_root()),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def tune(engine: str, tmp_path: Path, *extra: str, timeout_s: float = 1200) -> subprocess.CompletedProcess[str]:
+    """Run the study to its end; the caller checks its exit code and its lines."""
+    args = [sys.executable, "-m", "pipeline.tune", "--engine", engine, "--name", f"cli-{engine.replace('_', '-')}",
+            "--output", str(tmp_path / "out"), *QUICK, *extra]
+    env = clean_env(tmp_path / "home")
+    assert not Path(env["HOME"], ".ray").exists()
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def check_decided(result: subprocess.CompletedProcess[str]) -> None:
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-6000:]
+    assert "[trial 1/2]" in result.stdout and "(the baseline)" in result.stdout, out[-6000:]
+    assert "decision: " in result.stdout, out[-6000:]
+    assert "InvalidAuthToken" not in out and "Failed to start GCS" not in out, out[-6000:]
