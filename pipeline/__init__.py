@@ -1,4 +1,4 @@
-"""The pipeline (DESIGN §1), one folder per stage of the data flow:
+"""The pipeline (docs/design.md, "Data flow = module layout"), one folder per stage of the data flow:
 
     search/ -> trial/ -> measure/ -> decide/ -> records/, composed by study/
 

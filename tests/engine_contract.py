@@ -1,4 +1,4 @@
-"""The engine contract (docs/design.md, DESIGN §3) as a reusable test class.
+"""The engine contract (docs/design.md, "Engines") as a reusable test class.
 
 Everything the pipeline relies on from an engine, checked over HTTP only, so the same tests run against the embedded
 CPU engine (tests/integration/test_engine_contract_cpu.py, in CI) and against a real SGLang server

@@ -1,4 +1,4 @@
-"""The promotion decision: should a finalist replace the baseline? Pure and unit-tested (DESIGN §8).
+"""The promotion decision: should a finalist replace the baseline? Pure and unit-tested (docs/design.md, "Promotion").
 
 Every finalist and the baseline are re-measured (>= `policy.runs` runs each, a freshly started engine, flush +
 warm-up each time). A finalist's score = median - 1.4826 x MAD of its throughputs: a noise-penalized centre, so a

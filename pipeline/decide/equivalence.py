@@ -1,6 +1,6 @@
 """Greedy-output equivalence of a trial against the baseline: is speculation lossless here, and how nearly?
 
-Pure: no I/O. Greedy speculative decoding must give token-identical outputs (DESIGN §4); in fp32 the CPU engine does,
+Pure: no I/O. Greedy speculative decoding must give token-identical outputs (docs/cpu-engine.md); in fp32 the CPU engine does,
 in bf16 (and SGLang on GPUs) batched verification shifts logits and outputs drift apart after a while. So the report
 gives the share of identical outputs, the mean matched prefix and the first divergence per prompt, and the gate is a
 policy threshold on the identical share (1.0 for fp32).

@@ -240,28 +240,3 @@ def routing_policy(decision: LevelsDecision, replicas: Mapping[str, ReplicaConfi
                          f"given (have {sorted(replicas)})")
     return RoutingPolicy(text=served.text, levels=levels, winners=winners, source=source,
                          switch_above=served.up_to, high=replicas[high], high_source=high)
-
-
-def format_level_table(decision: LevelsDecision) -> str:
-    """The level table: per level, each config's median tok/s, speed-up over the baseline at that level, latency
-    medians, constraint verdicts; the winner marked. Ends with the serving policy."""
-    lines = [f"{'level':>5} {'config':<24} {'tok/s':>8} {'speedup':>7} {'ttft p50':>8} {'ttft p99':>8} "
-             f"{'itl p50':>8} {'itl p99':>8} {'e2e p99':>8}  verdict"]
-    for result in decision.levels:
-        for row in result.rows:
-            lat = row.latencies_ms
-            cells = " ".join(f"{_ms(lat.get(m)):>8}" for m in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                                               "itl_p99_ms", "e2e_p99_ms"))
-            speed = f"{row.speedup:.2f}x" if row.speedup is not None else "-"
-            verdict = "WINNER" if row.winner else ("REFUSED" if row.refused else "")
-            sla = "; ".join(("ok " if v.ok else "BROKEN ") + v.text for v in row.verdicts)
-            lines.append(f"{result.level:>5} {row.id[:24]:<24} {row.median_tok_s:>8.2f} {speed:>7} {cells}  "
-                         f"{verdict}{'  ' if verdict and sla else ''}{sla}")
-    lines.append(f"policy: {decision.policy.text}")
-    if decision.finalists:
-        lines.append(decision.finalists)
-    return "\n".join(lines)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}ms"

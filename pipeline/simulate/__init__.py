@@ -1,4 +1,4 @@
-"""Simulate: predict a draft-free config's figures without launching it (DESIGN §8b). Under greedy decoding a
+"""Simulate: predict a draft-free config's figures without launching it (docs/design.md, "Search"). Under greedy decoding a
 lossless NGRAM config emits exactly the baseline's tokens, so its accepted length at every step follows from the
 draft trees the n-gram structures propose: `replay` runs the baseline's recorded prompt and output ids through
 SGLang 0.5.23's drafting schedule (`serve.ngram`, the code the CPU engine drafts with) on the engine's rounds;

@@ -1,4 +1,4 @@
-"""Engine kinds. `engine_for(kind)` is the one place a kind string becomes behaviour (DESIGN §3)."""
+"""Engine kinds. `engine_for(kind)` is the one place a kind string becomes behaviour (docs/design.md, "Engines")."""
 
 from __future__ import annotations
 

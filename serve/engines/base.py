@@ -1,6 +1,6 @@
 """The engine contract: what a replica is told (`ReplicaConfig`) and what an engine kind must know (`Engine`).
 
-Every engine is a separate process speaking one HTTP protocol (DESIGN §3): SGLang's native `/generate`, `/health`,
+Every engine is a separate process speaking one HTTP protocol (docs/design.md, "Engines"): SGLang's native `/generate`, `/health`,
 `/server_info`, `/flush_cache`, and the OpenAI routes. So one replica class, one load generator and one record format
 serve every engine. What differs per engine kind lives in its `Engine` subclass, chosen once from the config
 (`serve.engines.engine_for`): the algorithms it implements, its command line, the Ray resources of its replica, the

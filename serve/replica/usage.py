@@ -53,7 +53,7 @@ def node_cpu(stat_text: str) -> NodeCpu:
     """`/proc/stat`'s aggregate `cpu` line in seconds. Pure."""
     for line in stat_text.splitlines():
         fields = line.split()
-        if fields and fields[0] == "cpu":
+        if line.startswith("cpu "):  # the aggregate line; "cpu0 ", "cpu1 ", ... are the single CPUs
             ticks = [int(x) for x in fields[1:9]] + [0] * max(0, 9 - len(fields))
             user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
             return NodeCpu(busy_s=(user + nice + system + irq + softirq) * TICK_S,

@@ -8,7 +8,7 @@ import pytest
 
 from serve.engines.cpu.decode import Decoder, Request, StopRules
 from serve.engines.cpu.engine import eos_ids_of
-from serve.engines.cpu.ngram import DraftTree, NgramCache
+from serve.ngram.trie import DraftTree, NgramCache
 from serve.engines.cpu.runner import ModelRunner
 from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
 from serve.engines.cpu.verify import Sampling

@@ -16,10 +16,10 @@ import pytest
 from pipeline.simulate.replay import Answer, ClosedLoop, Phase, replay
 from pipeline.simulate.workload import corpus_automaton
 from pipeline.workloads import load_workload
-from serve.engines.cpu.corpus import ExternalCorpora
+from serve.ngram.corpus import ExternalCorpora
 from serve.engines.cpu.decode import Decoder, Request, StopRules
 from serve.engines.cpu.engine import encoder_of, eos_ids_of
-from serve.engines.cpu.ngram import NgramCache
+from serve.ngram.trie import NgramCache
 from serve.engines.cpu.runner import ModelRunner
 from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serve.engines.cpu.decode import Decoder, Request, StepStats, StopRules
-from serve.engines.cpu.ngram import DraftTree
+from serve.ngram.trie import DraftTree
 from serve.engines.cpu.runner import ModelRunner, tree_visibility
 from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.verify import Sampling

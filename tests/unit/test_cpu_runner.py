@@ -11,7 +11,7 @@ import torch
 
 from serve.engines.cpu.decode import Decoder, Request, StopRules
 from serve.engines.cpu.llama import KVCache
-from serve.engines.cpu.ngram import DraftTree
+from serve.ngram.trie import DraftTree
 from serve.engines.cpu.runner import ModelRunner, tree_visibility
 from serve.engines.cpu.speculators import StandaloneSpeculator
 from serve.engines.cpu.verify import Sampling

@@ -1,4 +1,4 @@
-"""House rules checked on the source (DESIGN §1, §3): no import circles among serve/ and pipeline/ modules (imports
+"""House rules checked on the source (docs/design.md, "Data flow = module layout" and "Engines"): no import circles among serve/ and pipeline/ modules (imports
 inside functions count: they only hide a circle), serve/ never imports pipeline/, pipeline/ never imports an engine's
 implementation, and outside the engine package the engine-kind strings appear only in config parsing."""
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KIND_STRINGS = {"cpu", "sglang"}
+KIND_STRINGS = {"cpu", "sglang", "llama_cpp"}
 # Config parsing: the study file's `engine.kind` (its Literal lives in serve/engines/base.py as EngineKind).
 KIND_STRINGS_ALLOWED = {"pipeline/config/engine.py", "pipeline/config/trial.py"}
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from serve.engines.cpu.corpus import ExternalCorpora, corpus_file_chunks, document_chunks, draft_with_corpora
+from serve.ngram.corpus import ExternalCorpora, corpus_file_chunks, document_chunks, draft_with_corpora
 from serve.engines.cpu.decode import Request, StopRules
-from serve.engines.cpu.ngram import NgramCache
-from serve.engines.cpu.sam import SEPARATOR_TOKEN as SEP
-from serve.engines.cpu.sam import SuffixAutomaton
+from serve.ngram.trie import NgramCache
+from serve.ngram.sam import SEPARATOR_TOKEN as SEP
+from serve.ngram.sam import SuffixAutomaton
 from serve.engines.cpu.speculators import NgramSpeculator
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.engines.cpu.ngram import DraftTree, NgramCache
+from serve.ngram.trie import DraftTree, NgramCache
 from tests.sweep import sweep
 from tests.unit.sglang_ngram_oracle import compile_harness, tree_paths as _tree_paths
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from serve.engines.cpu.decode import Request, StopRules
-from serve.engines.cpu.ngram import MatchState, NgramCache
+from serve.ngram.trie import MatchState, NgramCache
 from serve.engines.cpu.speculators import NgramSpeculator
 
 

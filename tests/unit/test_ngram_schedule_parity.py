@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from serve.engines.cpu.corpus import ExternalCorpora, draft_with_corpora
+from serve.ngram.corpus import ExternalCorpora, draft_with_corpora
 from serve.engines.cpu.decode import Request, StopRules
-from serve.engines.cpu.ngram import NgramCache
-from serve.engines.cpu.sam import SEPARATOR_TOKEN
+from serve.ngram.trie import NgramCache
+from serve.ngram.sam import SEPARATOR_TOKEN
 from serve.engines.cpu.speculators import NgramSpeculator
 from tests.sweep import sweep
 from tests.unit.sglang_ngram_oracle import (NGRAM_HARNESS, compile_harness, parse_draft, parse_trie, run,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from serve.engines.cpu.ngram import DraftTree, NgramCache
+from serve.ngram.trie import DraftTree, NgramCache
 
 
 def make(**overrides) -> NgramCache:

@@ -1,4 +1,4 @@
-"""pipeline.decide.decision (DESIGN §8). Scores are hand-computed: score = median - 1.4826 * MAD; the bar is the baseline
+"""pipeline.decide.decision (docs/design.md, "Promotion"). Scores are hand-computed: score = median - 1.4826 * MAD; the bar is the baseline
 MEDIAN + max(margin x median, 1.4826 x MAD)."""
 
 from __future__ import annotations

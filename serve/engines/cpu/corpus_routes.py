@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from serve.engines.cpu.corpus import ExternalCorpora
+from serve.ngram.corpus import ExternalCorpora
 from serve.engines.cpu.engine import Engine, encoder_of
 from serve.engines.cpu.speculators import NgramSpeculator
 from serve.http_limits import BadJson, parse_json

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from serve.engines.cpu.ngram import DraftTree
+from serve.ngram.trie import DraftTree
 from serve.engines.cpu.runner import ModelRunner, tree_visibility
 from serve.engines.cpu.verify import Sampling, TokenChooser, walk_tree
 

@@ -12,10 +12,10 @@ import torch
 
 from serve.engines.cpu.command_line import EngineConfig
 from serve.engines.cpu.convert import load_tokenizer
-from serve.engines.cpu.corpus import Encode, ExternalCorpora
+from serve.ngram.corpus import Encode, ExternalCorpora
 from serve.engines.cpu.decode import Decoder, Speculator
 from serve.engines.cpu.models import resolve_model
-from serve.engines.cpu.ngram import NgramCache
+from serve.ngram.trie import NgramCache
 from serve.engines.cpu.params import RequestFactory
 from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, cached_verify_cost
 from serve.engines.cpu.runner import ModelRunner

@@ -41,7 +41,6 @@ __all__ = ["GgufWeight", "KernelUnavailable", "WeightsError", "WeightsChoice", "
            "kernel_isa", "load_kernel", "read_gguf_weights", "model_weights",
            "unpermute_rows", "main"]
 
-WeightsMode = Literal["auto", "fp32", "gguf"]
 WEIGHTS_MODES: tuple[str, ...] = ("auto", "fp32", "gguf")
 KERNEL_ENV = "SPECDEC_GGUF_KERNEL"
 SOURCE = Path(__file__).with_name("csrc") / "gguf_mm.cpp"

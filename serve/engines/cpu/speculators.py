@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.engines.cpu.corpus import ExternalCorpora
+from serve.ngram.corpus import ExternalCorpora
 from serve.engines.cpu.decode import Request
-from serve.engines.cpu.ngram import DraftTree, NgramCache
+from serve.ngram.trie import DraftTree, NgramCache
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
 from serve.ngram.schedule import DraftState, NgramDrafter
 

@@ -1,6 +1,6 @@
 """SGLang's native `/generate` <-> llama-server's `/completion`, both ways. Pure: no I/O.
 
-The tuner speaks SGLang's protocol (DESIGN §3); llama-server speaks its own. This module is the whole mapping.
+The tuner speaks SGLang's protocol (docs/design.md, "Engines"); llama-server speaks its own. This module is the whole mapping.
 
 Speculative counters. llama-server reports per request `timings.draft_n` (draft tokens proposed) and
 `timings.draft_n_accepted` (of those, accepted); it reports no verify-step count. SGLang's names are derived:

@@ -24,6 +24,7 @@ __all__ = ["SITE_DIR", "SUPPORTED_VERSION", "launch_env", "venv_dir", "venv_pyth
 SUPPORTED_VERSION = "0.5.23"  # runtime.SUPPORTED_VERSION; repeated so that this module stays import-light
 SITE_DIR = Path(__file__).resolve().parent / "site"
 VENV_ENV = "SPECDEC_SGLANG_CPU_VENV"
+ENV_FLAG = "SPECDEC_SGLANG_CPU"  # set to "1": every interpreter of this SGLang installs the CPU runtime pieces
 
 
 def venv_dir() -> Path:
@@ -47,7 +48,7 @@ def launch_env(threads: int | None = None) -> dict[str, str]:
     no CPU platform), our runtime pieces in every process (sitecustomize on PYTHONPATH + `SPECDEC_SGLANG_CPU=1`),
     and, when `threads` is given, the OpenMP/torch thread count. PYTHONPATH gets the site folder first; the caller's
     `child_env` adds the project root after it."""
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "SPECDEC_SGLANG_CPU": "1",
+    env = {"SGLANG_USE_CPU_ENGINE": "1", ENV_FLAG: "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(SITE_DIR), os.environ.get("PYTHONPATH", "")) if p)}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

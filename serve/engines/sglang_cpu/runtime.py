@@ -27,10 +27,9 @@ import types
 from importlib import metadata
 from typing import Any, Callable, Sequence
 
-__all__ = ["ENV_FLAG", "SUPPORTED_VERSION", "install", "installed", "version_problem"]
+__all__ = ["SUPPORTED_VERSION", "install", "installed", "version_problem"]
 
 SUPPORTED_VERSION = "0.5.23"
-ENV_FLAG = "SPECDEC_SGLANG_CPU"
 _VERIFY_MODULE = "sglang.srt.layers.attention.torch_native_backend"
 
 

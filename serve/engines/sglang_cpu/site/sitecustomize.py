@@ -6,7 +6,9 @@ which exits with it before SGLang starts."""
 import os
 import sys
 
-if os.environ.get("SPECDEC_SGLANG_CPU") == "1":
+from serve.engines.sglang_cpu import ENV_FLAG
+
+if os.environ.get(ENV_FLAG) == "1":
     try:
         from serve.engines.sglang_cpu.runtime import install
 
