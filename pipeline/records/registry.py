@@ -72,11 +72,14 @@ def version_description(serving: ServingConfig, model_id: str) -> str:
 
 
 def version_tags(serving: ServingConfig) -> dict[str, str]:
-    """The tags the versions table lists side by side: the model, the spec fields that differ from their defaults
-    (the description has every field) and the measured figures."""
-    spec = serving.replica.spec.model_dump(mode="json", exclude_defaults=True)
+    """The tags the versions table lists side by side: the model, every field of the spec (a field left at its
+    default is still what the engine runs: draft tokens, breadth, depth, ...; unset ones are left out), the engine's
+    running-request cap when set, and the measured figures."""
+    spec = serving.replica.spec.model_dump(mode="json", exclude_none=True)
     tags = {"model": serving.replica.model, "spec.algorithm": serving.replica.spec.algorithm}
     tags.update({f"spec.{key}": str(value)[:5000] for key, value in spec.items()})
+    if serving.replica.max_running_requests is not None:
+        tags["max_running_requests"] = str(serving.replica.max_running_requests)
     tags.update({f"measured.{key}": f"{value:.6g}" for key, value in serving.provenance.medians.items()})
     return tags
 

@@ -77,6 +77,18 @@ def test_the_registered_model_shows_the_spec_and_the_workload_it_was_measured_on
     assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("templated", "0123456789abcdef")]
 
 
+def test_the_version_is_tagged_with_the_whole_spec_defaults_included(tracker, run_id):
+    from serve.spec import NgramSpec
+
+    version = register_config(tracker, run_id, NAME, serving("a"), move_production=True)
+    tags = tracker.client().get_model_version(NAME, version).tags
+    defaults = NgramSpec()  # serving("a") asks for NGRAM with every setting at its default
+    assert tags["spec.num_draft_tokens"] == str(defaults.num_draft_tokens)
+    assert tags["spec.max_bfs_breadth"] == str(defaults.max_bfs_breadth)
+    assert tags["spec.max_trie_depth"] == str(defaults.max_trie_depth) and tags["spec.match_type"] == "BFS"
+    assert tags["measured.tput_tok_s"] == "12.5" and tags["model"] == "smollm2-135m"
+
+
 def test_pointing_production_at_its_own_version_keeps_previous(tracker, run_id):
     register_config(tracker, run_id, NAME, serving("a"), move_production=True)
     register_config(tracker, run_id, NAME, serving("b"), move_production=True)
@@ -144,7 +156,7 @@ def test_the_version_page_shows_the_spec_and_the_figures_and_links_its_logged_mo
     mv = client.get_model_version(NAME, version)
     assert "| `spec.algorithm` | ngram |" in mv.description and "| `tput_tok_s` | 12.5 |" in mv.description
     assert mv.tags["spec.algorithm"] == "ngram" and mv.tags["model"] == "smollm2-135m"
-    assert not [k for k in mv.tags if k.startswith("spec.") and k != "spec.algorithm"]  # every field at its default
+    assert mv.tags["spec.num_draft_tokens"] == "12"  # at its default, and still what the engine runs
     assert mv.tags["measured.tput_tok_s"] == "12.5"
     model = client.get_logged_model(mv.tags["model_id"])
     assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": NAME, "version": version}]
