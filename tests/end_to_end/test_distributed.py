@@ -8,14 +8,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import optuna
@@ -65,53 +61,14 @@ def postgres(tmp_path_factory):
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A head node owned by this fixture. `ray start --block` stays in the foreground and stops its own processes on
-    SIGTERM; `ray stop` would stop every Ray on the machine, killing other test sessions' drivers mid-run."""
-    port = free_port()
-    # No drain on SIGTERM (Ray 2.60 waits up to 30 s by default for the node to go idle, which Serve's detached
-    # controller and proxy never let it do): nothing here serves traffic by then, and the wait was the teardown.
-    # Token auth needs a token: our own, in the environment the drivers inherit (~/.ray/auth_token exists only once
-    # something generated it, so relying on it made this test pass or fail with the machine's history).
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    ray = str(Path(sys.executable).parent / "ray")
-    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen([ray, "start", "--head", f"--port={port}", "--num-cpus=2",
-                                 "--include-dashboard=false", "--disable-usage-stats", "--block"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not _accepts(port):
-            assert head.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "ray head not reachable after 180 s:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
-        yield f"127.0.0.1:{port}", env
-    finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)  # the group this fixture started, and nothing else
-            head.wait(timeout=30)
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 def run_driver(study_file: Path, output: Path, env: dict, resume: bool) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "pipeline.tune", "--study", str(study_file), "--output", str(output)]
     return subprocess.run(argv + (["--resume"] if resume else []), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1500)
 
 
-def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path, postgres, ray_cluster):
-    address, env = ray_cluster
+def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path, postgres, ray_head):
+    address, env = ray_head.address, ray_head.env
     space = tmp_path / "space.yaml"
     # The second driver must promote (possible only with the baseline's outputs, which that driver, a new, empty
     # folder, can read from MLflow alone). Which way a measurement falls depends on the machine (on a 2-core EPYC the

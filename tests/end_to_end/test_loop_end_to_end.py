@@ -4,17 +4,17 @@ bounded local load loop switches the traffic to workload Y (contexts twice as lo
 shift a classification or routing client brings; each request's end-to-end throughput falls to a fraction of X's,
 since its prefill dominates), and `python -m pipeline.loop` flags the drift (per-request throughput below the
 study's), re-tunes on the capture, canaries the re-tune's config on live traffic and promotes it, with no failed
-request. A second run (`--once`) whose candidate is worse on live traffic rolls back. Both outcomes are checked in
-MLflow and on `/v1/config`.
+request. The cycle is checked in MLflow and on `/v1/config`. A rollback, the other outcome of a canary, is checked
+on its own (tests/end_to_end/test_loop_retune.py, tests/unit/test_loop_cycle.py,
+tests/integration/test_production_loop.py): a second cycle here only repeated it at the price of another re-tune.
 
-Which way each comparison falls is forced, not hoped for (CPU-engine test switches, serve/engines/cpu/faults.py):
-- the first study slows its baseline 4x and NGRAM 2x, so NGRAM is promoted (about 2x the baseline: unslowed, NGRAM
-  on X at 16 tokens is within a few % of the baseline here), and production's NGRAM engine runs 2x slowed on Y too,
-  so the first re-tune's unslowed candidate beats it in the canary by about as much (with NGRAM slowed 1.5x, a run
-  measured the candidate's median 1.38x production's with a MAD that put its score under the bar);
-- the re-tunes re-measure nothing (`promotion.finalists: 0`), so each keeps its baseline, registered as the candidate
-  with its study's engine flags: the first unslowed (faster than production's slowed NGRAM), the second slowed 3x
-  (slower than the unslowed baseline then in production).
+Which way each comparison falls is forced by CPU-engine test switches (serve/engines/cpu/faults.py), with margins a
+busy machine does not cross:
+- the first study slows its baseline 6x and NGRAM 3x, so NGRAM is promoted (about 2x the baseline: unslowed, NGRAM
+  on X at 16 tokens is within a few % of the baseline here), and production's NGRAM engine runs 3x slowed on Y too;
+- the re-tune re-measures nothing (`promotion.finalists: 0`), so it keeps its baseline, registered as the candidate
+  with its study's engine flags: unslowed, about 3x production's slowed NGRAM per request in the canary (a 2x margin
+  once left a candidate's score, median - 1.4826 MAD of 10 requests, under the bar on a loaded machine).
 Small on purpose: 2 trials a study, 4 measured prompts of 16 tokens, canary of one step at share 0.5 deciding on 10
 candidate requests in 3 blocks. The loop's accept-length detector runs too (the engine's per-request counters reach
 the live records); Y's change shows in throughput.
@@ -37,7 +37,7 @@ import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.loop.state import load_state
-from pipeline.records.registry import CANDIDATE, PRODUCTION, alias_version
+from pipeline.records.registry import PRODUCTION, alias_version
 from pipeline.records.tracking import Tracker
 from pipeline.workloads import read_prompts
 from serve.ports import free_port
@@ -171,7 +171,7 @@ def stop(process: subprocess.Popen, timeout_s: float = 180) -> None:
             process.wait(timeout=60)
 
 
-def test_drift_retune_canary_promote_then_a_worse_candidate_rolls_back(tmp_path: Path):
+def test_drift_retune_canary_promote(tmp_path: Path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (tmp_path / "space.yaml").write_text(SPACE)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDEC_ADMIN_KEY": ADMIN}
@@ -181,8 +181,8 @@ def test_drift_retune_canary_promote_then_a_worse_candidate_rolls_back(tmp_path:
 
     # 1. Config A tuned on workload X, registered as production.
     first = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study",
-                            str(study_file(tmp_path, uri, "tuned-on-x", faults("slow-steps=2@speculative",
-                                                                              "slow-steps=4@baseline"), 1))],
+                            str(study_file(tmp_path, uri, "tuned-on-x", faults("slow-steps=3@speculative",
+                                                                              "slow-steps=6@baseline"), 1))],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     assert first.returncode == 0 and "decision: PROMOTE" in first.stdout, first.stdout[-4000:] + first.stderr[-3000:]
     (tmp_path / "tuned-on-x.log").write_text(first.stdout)
@@ -240,23 +240,6 @@ def test_drift_retune_canary_promote_then_a_worse_candidate_rolls_back(tmp_path:
         assert shown["version"] == "2" and shown["replica"]["spec"]["algorithm"] == "none"
         assert traffic.failures == [], traffic.failures[:5]  # nothing failed through drift, canary and roll
 
-        # 5. A second run whose candidate is worse on live traffic rolls back.
-        traffic.wait_for(traffic.answered + 8)  # captured prompts since the promotion, for the re-tune
-        state_b = tmp_path / "loop-b"
-        traffic.watched = state_b
-        second = subprocess.run([sys.executable, "-m", "pipeline.loop", "--endpoint", base_url, "--tracking-uri",
-                                 uri, "--every", "off", "--no-drift", "--poll", "1s", "--state-dir", str(state_b),
-                                 "--settings", str(tmp_path / "loop.yaml"), "--study",
-                                 str(study_file(tmp_path, uri, "retune-b", faults("slow-steps=3@baseline"), 0)),
-                                 "--trials", "2", "--measure-prompts", "4", "--warmup-prompts", "2", "--once"],
-                                cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
-        rolled = load_state(state_b)
-        assert second.returncode == 0 and rolled.outcome == "rolled_back", second.stdout[-6000:] + second.stderr[-3000:]
-        assert alias_version(tracker, NAME, PRODUCTION) == "2" and alias_version(tracker, NAME, CANDIDATE) is None
-        # the loop has asked the canary to stop; the endpoint stops it after its in-flight requests
-        shown = wait_until("the canary to stop", lambda: (c := config())["canary"]["state"] == "off" and c)
-        assert shown["version"] == "2", shown
-        assert shown["canary"]["reason"] == rolled.reason, (shown["canary"], rolled.reason)  # the loop's own words
     finally:
         if loop is not None:
             stop(loop)
@@ -264,8 +247,8 @@ def test_drift_retune_canary_promote_then_a_worse_candidate_rolls_back(tmp_path:
             traffic.close()
         stop(endpoint)
 
-    # 6. Both cycles in MLflow, each linking its re-tune study and its outcome.
+    # 5. The cycle in MLflow, linking its re-tune study and its outcome.
     cycles = Tracker(uri, f"{NAME}-loop")
-    runs = sorted(cycles.client().search_runs([cycles.experiment_id()]), key=lambda r: r.info.start_time)
-    assert [r.data.tags.get("outcome") for r in runs] == ["promoted", "rolled_back"], [r.data.tags for r in runs]
+    runs = cycles.client().search_runs([cycles.experiment_id()])
+    assert [r.data.tags.get("outcome") for r in runs] == ["promoted"], [r.data.tags for r in runs]
     assert all(r.data.tags.get("retune_study") for r in runs)

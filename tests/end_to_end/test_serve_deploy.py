@@ -4,10 +4,6 @@ client with the config it was given (issue #20). The CPU engine with the smalles
 
 from __future__ import annotations
 
-import os
-import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,46 +24,8 @@ BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m"
 
 
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    """A head node with the dashboard (its agent serves `serve deploy`), owned by this fixture: `--block` keeps it in
-    the foreground and SIGTERM stops its own processes (`ray stop` would stop every Ray on the machine)."""
-    port, dashboard = free_port(), free_port()
-    # Ray 2.60's `ray start` enables token auth; the `serve deploy` client needs the same mode to send the token.
-    # Its own token (RAY_AUTH_TOKEN, inherited by the `serve deploy` client): ~/.ray/auth_token exists only once
-    # something generated it.
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
-                                 "--include-dashboard=true", f"--dashboard-port={dashboard}",
-                                 "--disable-usage-stats", "--block"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 240
-        while not _accepts(dashboard):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "dashboard not reachable after 240 s:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{dashboard}", env
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group this fixture started, and nothing else
-            proc.wait(timeout=30)
-
-
-def test_the_exported_serve_config_deploys_and_answers_openai(head, tmp_path):
-    dashboard, env = head
+def test_the_exported_serve_config_deploys_and_answers_openai(ray_head, tmp_path):
+    dashboard, env = ray_head.dashboard, ray_head.env
     serving = serving_config(
         ReplicaConfig(model=MODEL, spec={"algorithm": "ngram", "num_draft_tokens": 4}, max_running_requests=4,
                       start_timeout_s=300.0, log_dir=str(tmp_path / "trial")),
