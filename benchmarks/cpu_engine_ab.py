@@ -142,7 +142,7 @@ def _start_once(root: Path, args: argparse.Namespace, extra: list[str]) -> dict:
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server in {root} exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+                raise RuntimeError(f"server in {root} exited {proc.returncode}: {proc.communicate()[1][-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
                     if resp.status == 200:
@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             keys = sorted({k for r in runs for k in r["startup_time"]})
             split = ", ".join(f"{k} {_median([r['startup_time'].get(k, 0.0) for r in runs]):.2f}" for k in keys)
             ready = [r["ready_s"] for r in runs]
-            cpu = _median([r["cpu_s"] for r in runs])
-            print(f"| {name} | {_median(ready):.2f} | {cpu:.2f} | {', '.join(f'{x:.2f}' for x in ready)} | {split} |")
+            cpu_s = _median([r["cpu_s"] for r in runs])
+            print(f"| {name} | {_median(ready):.2f} | {cpu_s:.2f} | {', '.join(f'{x:.2f}' for x in ready)} | {split} |")
         print()
     print(f"load average at the end (1/5/15 min): {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

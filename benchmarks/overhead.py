@@ -53,8 +53,10 @@ def trial_rows(study_dir: Path) -> list[dict[str, Any]]:
     names = optuna.get_all_study_names(storage)
     if len(names) != 1:
         raise SystemExit(f"{study_dir}/optuna.db holds studies {names}: expected exactly one")
-    trials = sorted((t for t in optuna.load_study(study_name=names[0], storage=storage).trials
-                     if t.datetime_start and t.datetime_complete), key=lambda t: t.datetime_start)
+    # (number, start, complete) of each finished trial
+    trials = sorted(((t.number, t.datetime_start, t.datetime_complete)
+                     for t in optuna.load_study(study_name=names[0], storage=storage).trials
+                     if t.datetime_start and t.datetime_complete), key=lambda t: t[1])
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{study_dir / 'mlflow.db'}")
     runs = sorted((r for e in client.search_experiments() for r in client.search_runs(
         [e.experiment_id], filter_string="tags.`specdec.kind` = 'trial'", max_results=1000)),
@@ -62,12 +64,12 @@ def trial_rows(study_dir: Path) -> list[dict[str, Any]]:
     if len(runs) != len(trials):
         raise SystemExit(f"{len(trials)} finished Optuna trials but {len(runs)} MLflow trial runs: cannot match them")
     rows = []
-    for i, (trial, run) in enumerate(zip(trials, runs)):
-        end = trials[i + 1].datetime_start if i + 1 < len(trials) else trial.datetime_complete
+    for i, ((number, start, complete), run) in enumerate(zip(trials, runs)):
+        end = trials[i + 1][1] if i + 1 < len(trials) else complete
         m = {k[len("time_"):]: v for k, v in run.data.metrics.items() if k.startswith("time_")}
-        row = {"trial": trial.number, "algorithm": run.data.params.get("spec.algorithm", "?"),
+        row: dict[str, Any] = {"trial": number, "algorithm": run.data.params.get("spec.algorithm", "?"),
                "outcome": run.data.tags.get("outcome", "?"), "replica": run.data.tags.get("serve_replica") or "-",
-               "cycle_s": (end - trial.datetime_start).total_seconds(),
+               "cycle_s": (end - start).total_seconds(),
                **{k: m.get(k, float("nan")) for k in ("deploy_s", "total_s", *PHASES)}}
         row["other_s"] = row["cycle_s"] - sum(row[k] for k in PHASES)
         row["serve_deploy_s"] = row["deploy_s"] - row["engine_start_s"]

@@ -30,7 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.measure.window import Window
 
 REPO = Path(__file__).resolve().parents[1]
 NGRAM = {"algorithm": "ngram", "ngram.num_draft_tokens": 12, "ngram.max_bfs_breadth": 1,
@@ -39,7 +42,8 @@ PLACEMENTS = ("all", "one", "pinned", "default")
 
 
 def cpu_line() -> str:
-    model, flags = platform.processor(), []
+    model = platform.processor()
+    flags: list[str] = []
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
@@ -111,7 +115,7 @@ def main() -> None:
     print(f"machine: {cpu_line()}; model {base.model.target}; workload {base.workload.source} "
           f"({base.workload.warmup_prompts} warm-up, {base.workload.measure_prompts} measured x "
           f"{base.workload.max_new_tokens} tokens); {args.runs} runs each; MLflow {folder}", flush=True)
-    results: dict[tuple[str, str, str], list[tuple[float, Any]]] = {}
+    results: dict[tuple[str, str, str], list[tuple[float | None, Window | None]]] = {}
     started = time.monotonic()
     for run in range(args.runs):
         for condition in conditions:

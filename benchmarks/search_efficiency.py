@@ -152,7 +152,8 @@ def requests_path(grid: Path) -> Path:
 
 def _machine() -> str:
     """CPU model and the ISA flags that decide the kernels, from /proc/cpuinfo."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

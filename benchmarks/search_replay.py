@@ -37,7 +37,8 @@ from pipeline.config import PromotionPolicy
 from pipeline.decide.decision import Finalist, decide
 from pipeline.measure.summary import RequestRecord
 from pipeline.search.stopping import BaselineFigures, StoppingPolicy, VerifyCost, check
-from pipeline.search.space import SearchSpace, baseline_point, define_by_run, enqueue_baseline, grid_points, tpe_sampler
+from pipeline.search.space import (FixedParam, SearchSpace, baseline_point, define_by_run, enqueue_baseline,
+                                   grid_points, tpe_sampler)
 
 METHODS = ("optuna", "random", "grid", "tier")
 Point = tuple[tuple[str, Any], ...]  # a canonical, hashable point: sorted resolve-params items
@@ -182,8 +183,10 @@ def _tier(surface: Surface, budget: int, observe: Observe, seen: dict[Point, flo
     points = grid_points(surface.space)
     for algorithm in (a for a in surface.space.algorithms if a != "none"):
         branch = [p for p in points if p["algorithm"] == algorithm]
+        # grid points leave fixed parameters out (and conditional ones their first point lacks)
         knobs = [(name, list(dict.fromkeys(p[name] for p in branch)), param)
-                 for name, _, param in surface.space.params_for(algorithm) if name in branch[0]]
+                 for name, _, param in surface.space.params_for(algorithm)
+                 if name in branch[0] and not isinstance(param, FixedParam)]
         incumbent = {"algorithm": algorithm, **{name: param.default if param.default is not None else values[0]
                                                 for name, values, param in knobs}}
         changed = True
@@ -197,7 +200,8 @@ def _tier(surface: Surface, budget: int, observe: Observe, seen: dict[Point, flo
                         changed = True
                 mine = {p: v for p, v in seen.items() if dict(p)["algorithm"] == algorithm}
                 if mine:
-                    incumbent = dict(max(mine, key=mine.__getitem__))
+                    best: Point = max(mine, key=mine.__getitem__)
+                    incumbent = dict(best)
 
 
 @dataclass(frozen=True)

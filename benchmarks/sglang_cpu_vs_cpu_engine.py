@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,7 @@ PROMPTS = [
     "Write a Python dataclass Point with fields x and y, and a method norm() that returns the length.\n",
 ]
 NGRAM = NgramSpec(num_draft_tokens=4, max_bfs_breadth=2, capacity=200_000)
-ENGINES = {
+ENGINES: dict[str, dict[str, Any]] = {
     "sglang": dict(engine="sglang", device="cpu"),
     "sglang-ngram": dict(engine="sglang", device="cpu", spec=NGRAM),
     "cpu-engine": dict(engine="cpu"),

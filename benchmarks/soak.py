@@ -45,7 +45,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.soak_faults import (FAULTS_FROM, PROMPTS, ROOT, alive, cool_down, descendants,  # noqa: E402
-                                    disconnecting_client, faults, our_processes, oversize_client, rss_now)
+                                    disconnecting_client, faults, our_processes, oversize_client, rss_now,
+                                    sse_outcome)
 
 ALLOWED = {"200", "200-error-event", "429", "503", "413"}
 

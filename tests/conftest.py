@@ -53,8 +53,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     missing = left_out_tiers(config.rootpath, list(config.args)) if default_run else {}
     if missing:
         terminalreporter.write_sep("=", f"{len(missing)} tier(s) not in this run: every tier runs with {EVERY_TIER}")
-        for tier, files in missing.items():
-            terminalreporter.write_line(f"{files:5d} files  tests/{tier}: {LEFT_OUT[tier]}")
+        for tier, count in missing.items():
+            terminalreporter.write_line(f"{count:5d} files  tests/{tier}: {LEFT_OUT[tier]}")
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.skipped]
     if not skipped:
         return

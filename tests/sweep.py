@@ -26,8 +26,8 @@ def sweep(check: Callable[[int], None], seeds: Iterable[int]) -> int:
         except Exception as err:  # every kind of failure belongs to its seed; the test fails below with all of them
             failed.append((seed, err))
     if failed:
-        seed, err = failed[0]
-        shown = "".join(traceback.format_exception(err)).rstrip()
+        seed, first = failed[0]
+        shown = "".join(traceback.format_exception(first)).rstrip()
         pytest.fail(f"{len(failed)} of {ran} seeds failed: {[s for s, _ in failed]}\n"
                     f"first failing seed {seed}:\n{shown}", pytrace=False)
     return ran

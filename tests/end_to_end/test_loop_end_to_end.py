@@ -118,15 +118,17 @@ class Traffic:
             if self._retuning():
                 self.stop.wait(1.0)  # wakes at once on close
                 continue
-            args = dict(model="smollm2-135m", prompt=self.prompts[i % len(self.prompts)],
-                        max_tokens=Y_ANSWER_TOKENS,
-                        temperature=0, extra_body={"ignore_eos": True})
+            prompt = self.prompts[i % len(self.prompts)]
             try:
                 if i % 2:
-                    tokens = "".join(c.choices[0].text for c in self.api.completions.create(**args, stream=True)
-                                     if c.choices)
+                    stream = self.api.completions.create(model="smollm2-135m", prompt=prompt,
+                                                         max_tokens=Y_ANSWER_TOKENS, temperature=0,
+                                                         extra_body={"ignore_eos": True}, stream=True)
+                    tokens = "".join(c.choices[0].text for c in stream if c.choices)
                 else:
-                    tokens = self.api.completions.create(**args).choices[0].text
+                    tokens = self.api.completions.create(model="smollm2-135m", prompt=prompt,
+                                                         max_tokens=Y_ANSWER_TOKENS, temperature=0,
+                                                         extra_body={"ignore_eos": True}).choices[0].text
                 if not tokens:
                     self.failures.append(f"request {i}: empty answer")
                 self.answered += 1

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.integration.ui_helpers import CHROMIUM, CHROMIUM_ARGS, artifact_dir
 
-LAPTOP = {"width": 1280, "height": 800}
+if TYPE_CHECKING:
+    from playwright.sync_api import ViewportSize
+
+LAPTOP: ViewportSize = {"width": 1280, "height": 800}
 ARTIFACT_SUBDIR = "test_report_browser"
 TIMEOUT_MS = 60_000
 

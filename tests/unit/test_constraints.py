@@ -40,6 +40,7 @@ def test_constraints_func_reads_user_attrs() -> None:
               SlaConstraint(metric="e2e_p99_ms", max_ms=900, concurrency=4)]
     assert constraints_func(limits, 4) is not None and constraints_func(limits[:1], 4) is None
     func = constraints_func(limits, 1)
+    assert func is not None, "a limit at concurrency 1 needs a constraints function"
     attrs = constraint_user_attrs(limits, 1, {"ttft_p99_ms": 250.0, "e2e_p99_ms": 10.0})
     assert attrs == {"sla.ttft_p99_ms@1": 250.0}
     trial = optuna.trial.create_trial(value=1.0, user_attrs=attrs)

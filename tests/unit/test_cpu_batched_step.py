@@ -5,6 +5,7 @@ in one round), one failing request failing alone, and HF-module models (Gemma 3)
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ def _tiny(kind: str):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()
     layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -199,7 +200,7 @@ def test_the_scheduler_steps_a_round_in_one_call():
             pass
 
     decoder = Recorder()
-    sched = Scheduler(decoder, 8)  # type: ignore[arg-type]
+    sched = Scheduler(decoder, 8)
     done = threading.Event()
     left = {"a", "b", "c"}
 

@@ -4,6 +4,8 @@ loaded straight from a safetensors dir equal to the HF module's, and the models 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -14,14 +16,15 @@ from serve.engines.cpu.verify import Sampling
 
 VOCAB = 97
 PROMPT = [5, 17, 42, 8, 77, 3, 19, 60, 11, 2]
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024)
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def _tiny(kind: str, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    model: PreTrainedModel
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**COMMON, head_dim=8, rope_parameters={"rope_type": "default",
                                                                                      "rope_theta": 5000.0}))

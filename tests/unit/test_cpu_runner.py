@@ -6,6 +6,8 @@ The reference is HF's own full forward over the whole sequence (no cache, HF's o
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,11 +22,13 @@ VOCAB = 97
 
 
 def _tiny(kind: str):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    model: PreTrainedModel
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  max_position_embeddings=256)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:

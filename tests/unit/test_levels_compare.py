@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.compare import format_rows, main, mark_constraints
@@ -14,8 +15,8 @@ from pipeline.records.plots import plot_pareto
 
 
 def rows() -> list[dict]:
-    base = {"outcome": "COMPLETE", "reason": "", "params": {}, "accept_len": None, "tput_ci_low": None,
-            "tput_ci_high": None}
+    base: dict[str, object] = {"outcome": "COMPLETE", "reason": "", "params": {}, "accept_len": None,
+                               "tput_ci_low": None, "tput_ci_high": None}
     return [
         {**base, "name": "trial-0", "algorithm": "none", "tput_tok_s": 10.0, "ttft_p50_ms": 50.0,
          "ttft_p99_ms": 90.0, "baseline": True, "vs_baseline": 1.0},
@@ -91,4 +92,4 @@ def test_pareto_plot_marks_promoted_and_infeasible() -> None:
     plt.close(fig)
     assert "promoted: trial-2" in labels and "breaks an SLA limit" in labels
     front = [line for line in ax.get_lines() if line.get_label() == "Pareto front"][0]
-    assert list(front.get_xdata()) == [10.0, 15.0]  # the infeasible 20 tok/s trial is kept off the front
+    assert np.asarray(front.get_xdata()).tolist() == [10.0, 15.0]  # the infeasible 20 tok/s trial is kept off the front

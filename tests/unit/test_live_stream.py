@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncGenerator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -36,6 +37,7 @@ def _run(chunks: list[bytes], strip: bool, close_after: int | None = None,
     async def drain() -> bytes:
         out = b""
         stream = metered(source(), measure, Added(usage=strip, spec=spec), lambda m, at: ended.append(at))
+        assert isinstance(stream, AsyncGenerator), f"metered returned {type(stream).__name__}, which cannot be closed"
         async for piece in stream:
             out += piece
             if close_after is not None and len(out) >= close_after:

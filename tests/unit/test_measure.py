@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,8 +13,8 @@ import pytest
 from pipeline.measure.summary import REQUEST_SCHEMA, RequestRecord, Summary, output_sha1, summarize, to_records, to_table
 
 
-def rec(i: int = 0, **kw) -> RequestRecord:
-    base = dict(
+def rec(i: int = 0, **kw: Any) -> RequestRecord:
+    base: dict[str, Any] = dict(
         request_id=f"r{i}", phase="measure", prompt_index=i, concurrency=1, start_s=0.0, ttft_s=0.1, e2e_s=1.0,
         itl_s=(), prompt_tokens=10, completion_tokens=10, finish_reason="length", output_ids=(1, 2, 3))
     base.update(kw)

@@ -10,6 +10,7 @@ import pytest
 
 from serve.ngram.corpus import ExternalCorpora, corpus_file_chunks, document_chunks, draft_with_corpora
 from serve.engines.cpu.decode import Request, StopRules
+from serve.engines.cpu.verify import Sampling
 from serve.ngram.trie import NgramCache
 from serve.ngram.sam import SEPARATOR_TOKEN as SEP
 from serve.ngram.sam import SuffixAutomaton
@@ -157,7 +158,7 @@ def test_the_speculator_drafts_from_corpora_and_a_flush_keeps_them() -> None:
     corpora = ExternalCorpora(max_tokens=100)
     corpora.add("docs", [[6, 7, 8, 9]])
     spec = NgramSpeculator(cache(num_draft_tokens=4), 4, 4, corpora=corpora, external_sam_budget=3)
-    req = Request(rid="r", prompt_ids=[6], sampling=None, rules=StopRules(max_new_tokens=10), seed=0)
+    req = Request(rid="r", prompt_ids=[6], sampling=Sampling(), rules=StopRules(max_new_tokens=10), seed=0)
     req.tokens = [1, 6]
     assert spec.propose(req).tokens == (7, 8, 9)  # cold trie: the corpus drafts
     spec.reset()  # /flush_cache

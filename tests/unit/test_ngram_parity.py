@@ -110,8 +110,9 @@ def harness(tmp_path_factory) -> Path:
 
 
 def _ours_trie_paths(cache: NgramCache) -> set[tuple[int, ...]]:
-    out = set()
-    stack = [((), cache._root)]
+    out: set[tuple[int, ...]] = set()
+    root: tuple[int, ...] = ()
+    stack = [(root, cache._root)]
     while stack:
         prefix, node = stack.pop()
         for tok, child in node.children.items():

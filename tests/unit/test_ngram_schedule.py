@@ -4,17 +4,20 @@ trees are derived by hand from those rules (the parity tests compare with SGLang
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from serve.engines.cpu.decode import Request, StopRules
+from serve.engines.cpu.verify import Sampling
 from serve.ngram.trie import MatchState, NgramCache
 from serve.engines.cpu.speculators import NgramSpeculator
 
 
-def make_cache(**overrides) -> NgramCache:
+def make_cache(**overrides: Any) -> NgramCache:
     # Breadth 1 everywhere and one draft node: the draft is the most recent child of the longest matched suffix.
-    cfg = dict(max_trie_depth=4, capacity=100_000, min_bfs_breadth=1, max_bfs_breadth=1, match_type="BFS",
-               num_draft_tokens=2)
+    cfg: dict[str, Any] = dict(max_trie_depth=4, capacity=100_000, min_bfs_breadth=1, max_bfs_breadth=1,
+                               match_type="BFS", num_draft_tokens=2)
     cfg.update(overrides)
     return NgramCache(**cfg)
 
@@ -25,7 +28,7 @@ def make_spec(**overrides) -> NgramSpeculator:
 
 
 def request(rid: str, tokens: list[int]) -> Request:
-    req = Request(rid=rid, prompt_ids=tokens[:1], sampling=None, rules=StopRules(max_new_tokens=100), seed=0)
+    req = Request(rid=rid, prompt_ids=tokens[:1], sampling=Sampling(), rules=StopRules(max_new_tokens=100), seed=0)
     req.tokens = list(tokens)
     return req
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from serve.ngram.corpus import ExternalCorpora, draft_with_corpora
 from serve.engines.cpu.decode import Request, StopRules
+from serve.engines.cpu.verify import Sampling
 from serve.ngram.trie import NgramCache
 from serve.ngram.sam import SEPARATOR_TOKEN
 from serve.engines.cpu.speculators import NgramSpeculator
@@ -47,7 +49,7 @@ def _config(rng: random.Random) -> dict:
 
 
 def _request(rid: str, prompt: list[int]) -> Request:
-    return Request(rid=rid, prompt_ids=prompt, sampling=None, rules=StopRules(max_new_tokens=1 << 30), seed=0)
+    return Request(rid=rid, prompt_ids=prompt, sampling=Sampling(), rules=StopRules(max_new_tokens=1 << 30), seed=0)
 
 
 def _accept(rng: random.Random, tokens, parents, num_real: int, vocab: int) -> list[int]:
@@ -90,6 +92,7 @@ def _simulate(rng: random.Random, cfg: dict, corpora: bool = False) -> tuple[lis
     loaded: list[str] = []
 
     def load(cid: str) -> None:
+        assert store is not None, "corpora are loaded only in a run with corpora"
         tokens = _corpus(rng, vocab, stems)
         store.add(cid, [tokens])
         script.append(f"L {cid} {len(tokens)} " + " ".join(map(str, tokens)))
@@ -137,7 +140,7 @@ def _simulate(rng: random.Random, cfg: dict, corpora: bool = False) -> tuple[lis
             script.extend(windows)
         if left:
             script.append(f"E {len(left)} " + " ".join(left))
-        if corpora and rng.random() < 0.08:  # a runtime add or remove, between two rounds
+        if store is not None and rng.random() < 0.08:  # a runtime add or remove, between two rounds
             if loaded and rng.random() < 0.5:
                 cid = loaded.pop(rng.randrange(len(loaded)))
                 store.remove(cid)
@@ -188,8 +191,9 @@ def _check(oracle: Path, rng: random.Random, corpora: bool) -> None:
 
 
 def _trie_paths(cache: NgramCache) -> set[tuple[int, ...]]:
-    out = set()
-    stack = [((), cache._root)]
+    out: set[tuple[int, ...]] = set()
+    root: tuple[int, ...] = ()
+    stack = [(root, cache._root)]
     while stack:
         prefix, node = stack.pop()
         for tok, child in node.children.items():
@@ -208,8 +212,9 @@ def _check_corpus_drafts(oracle: Path, seed: int) -> None:
     rng = random.Random(seed)
     depth = rng.choice([2, 4, 8, 18])
     min_b = rng.randint(1, 4)
-    cfg = dict(max_trie_depth=depth, capacity=1000, min_bfs_breadth=min_b, max_bfs_breadth=rng.randint(min_b, 8),
-               match_type=rng.choice(["BFS", "PROB"]), num_draft_tokens=rng.choice([2, 8, 16, 40]))
+    cfg: dict[str, Any] = dict(max_trie_depth=depth, capacity=1000, min_bfs_breadth=min_b,
+                               max_bfs_breadth=rng.randint(min_b, 8), match_type=rng.choice(["BFS", "PROB"]),
+                               num_draft_tokens=rng.choice([2, 8, 16, 40]))
     n_corpora = rng.randint(1, 3)
     budget = cfg["num_draft_tokens"] - 1
     store = ExternalCorpora(10_000_000)

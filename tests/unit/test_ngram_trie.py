@@ -4,15 +4,16 @@ the module docstring (and SGLang's trie.cpp), never by re-running the algorithm.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 from serve.ngram.trie import DraftTree, NgramCache
 
 
-def make(**overrides) -> NgramCache:
-    cfg = dict(max_trie_depth=18, capacity=100_000, min_bfs_breadth=1, max_bfs_breadth=10, match_type="BFS",
-               num_draft_tokens=12)
+def make(**overrides: Any) -> NgramCache:
+    cfg: dict[str, Any] = dict(max_trie_depth=18, capacity=100_000, min_bfs_breadth=1, max_bfs_breadth=10,
+                               match_type="BFS", num_draft_tokens=12)
     cfg.update(overrides)
     return NgramCache(**cfg)
 
@@ -58,7 +59,7 @@ def test_bad_tokens_and_empty_context_are_rejected() -> None:
     with pytest.raises(ValueError, match="-1"):
         cache.insert([1, -1])
     with pytest.raises(ValueError, match="int"):
-        cache.insert([1.5, 2])
+        cache.insert([1.5, 2])  # type: ignore[list-item]  # a float token is the bad input under test
     with pytest.raises(ValueError, match=str(2**31)):
         cache.draft([2**31])
     cache.insert([])  # nothing to insert is not an error (SGLang's insert loop simply does nothing)

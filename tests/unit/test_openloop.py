@@ -25,9 +25,9 @@ def test_schedule_is_seeded_poisson_and_bounded() -> None:
     bounded = poisson_schedule(2000, 4.0, seed=7, max_duration_s=10.0)
     assert bounded == [x for x in a if x <= 10.0] and 20 < len(bounded) < 80
     assert poisson_schedule(0, 1.0, seed=0) == []
-    for bad in (dict(count=-1, rate_per_s=1.0), dict(count=1, rate_per_s=0.0), dict(count=1, rate_per_s=float("inf"))):
+    for count, rate in ((-1, 1.0), (1, 0.0), (1, float("inf"))):
         with pytest.raises(ValueError, match="must be"):
-            poisson_schedule(**bad, seed=0)
+            poisson_schedule(count=count, rate_per_s=rate, seed=0)
 
 
 class _Sse(BaseHTTPRequestHandler):
@@ -40,7 +40,7 @@ class _Sse(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         for i in range(1, n + 1):
-            meta = {"completion_tokens": i, "prompt_tokens": 2}
+            meta: dict[str, object] = {"completion_tokens": i, "prompt_tokens": 2}
             if i == n:
                 meta["finish_reason"] = {"type": "length"}
             self.wfile.write(f"data: {json.dumps({'output_ids': list(range(i)), 'meta_info': meta})}\n\n".encode())

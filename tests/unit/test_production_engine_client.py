@@ -18,7 +18,7 @@ CUT_STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-e
 
 async def _serve(script: list[bytes | None]):
     """A server answering connection i with script[i] (None: read the request, close without a word)."""
-    connections = []
+    connections: list[int] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = len(connections)

@@ -3,6 +3,8 @@ two-launch cases (recovering known parameters), the prefill line, and a closed l
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 
 from pipeline.config import TrialConfig
@@ -74,8 +76,8 @@ def test_a_closed_loop_timed_by_hand():
     assert "accept_len" not in figures
 
 
-def record(i: int, phase: str, prompt: tuple[int, ...], output: tuple[int, ...], start: float, ttft: float,
-           e2e: float) -> RequestRecord:
+def record(i: int, phase: Literal["warmup", "measure", "reference"], prompt: tuple[int, ...], output: tuple[int, ...],
+           start: float, ttft: float, e2e: float) -> RequestRecord:
     return RequestRecord(request_id=f"{phase}-{i}", phase=phase, prompt_index=i, concurrency=1, start_s=start,
                          ttft_s=ttft, e2e_s=e2e, prompt_tokens=len(prompt), completion_tokens=len(output),
                          finish_reason="length", output_ids=output, prompt_ids=prompt)

@@ -15,6 +15,11 @@ from pipeline.simulate.cost import CostModel
 from serve.spec import NgramSpec
 
 
+def draft_tokens(config: TrialConfig) -> int:
+    assert isinstance(config.spec, NgramSpec), f"this plan only has NGRAM configs, got {config.spec!r}"
+    return config.spec.num_draft_tokens
+
+
 class FixedSimulator:
     def __init__(self, figures: dict[int, float]) -> None:
         self.figures = figures
@@ -23,10 +28,11 @@ class FixedSimulator:
         return base.model_copy(update={"launches": len(launched)})
 
     def predict(self, config: TrialConfig, cost: CostModel) -> dict[str, float]:
-        return {"tput_tok_s": self.figures[config.spec.num_draft_tokens]}
+        return {"tput_tok_s": self.figures[draft_tokens(config)]}
 
     def signature(self, config: TrialConfig) -> str:
-        return f"class-{self.classes.get(config.spec.num_draft_tokens, config.spec.num_draft_tokens)}"
+        tokens = draft_tokens(config)
+        return f"class-{self.classes.get(tokens, tokens)}"
 
     classes: dict[int, int] = {}  # draft tokens -> a shared class (configs with one replay)
 
@@ -60,7 +66,7 @@ def launch_next(plan: SimulateFirstPlan, trial_id: str) -> int:
     launch = plan.next_launch()
     assert launch is not None
     plan.on_suggested(trial_id, launch)
-    return launch.config.spec.num_draft_tokens
+    return draft_tokens(launch.config)
 
 
 def test_the_baseline_then_the_best_prediction_and_then_nothing_when_it_hit():

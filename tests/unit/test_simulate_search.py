@@ -4,6 +4,8 @@ records become the simulator's answers."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 
 from pipeline.config import TrialConfig, load_study
@@ -13,6 +15,7 @@ from pipeline.search.simulated import Predicted, distance, explore, misses, pick
 from pipeline.search.space import load_space
 from pipeline.search.strategy import resolve_strategy
 from pipeline.simulate.workload import Unsimulable, answers_of, phases_for
+from serve.spec import NgramSpec
 
 SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 0}\nbranches:\n  ngram:\n"
          "    num_draft_tokens: {type: int, low: 2, high: 6, step: 2}\n"
@@ -49,6 +52,7 @@ def test_auto_is_simulate_first_for_a_greedy_ngram_space_and_says_why_not_otherw
 
 def fake_predict(config: TrialConfig) -> dict[str, float]:
     spec = config.spec
+    assert isinstance(spec, NgramSpec), f"this space only has NGRAM configs, got {spec!r}"
     # a surface with its best at 4 draft tokens, breadth 1, warm-up 4
     value = 10.0 - abs(spec.num_draft_tokens - 4) - (spec.max_bfs_breadth - 1) + config.warmup_requests / 4
     return {"tput_tok_s": value, "ttft_p99_ms": 100.0 * spec.max_bfs_breadth}
@@ -89,7 +93,8 @@ def test_misses_is_the_median_error_against_the_threshold():
     assert misses([None], 0.10) == (None, False)
 
 
-def rec(i: int, phase: str, prompt, output, prompt_tokens=None, error=None) -> RequestRecord:
+def rec(i: int, phase: Literal["warmup", "measure", "reference"], prompt, output, prompt_tokens=None,
+        error=None) -> RequestRecord:
     return RequestRecord(request_id=f"{phase}-{i}", phase=phase, prompt_index=i, concurrency=1, start_s=0.0,
                          ttft_s=0.01, e2e_s=0.1, prompt_tokens=len(prompt) if prompt_tokens is None else prompt_tokens,
                          completion_tokens=len(output), finish_reason="length", output_ids=output, prompt_ids=prompt,

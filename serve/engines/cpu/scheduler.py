@@ -40,12 +40,13 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from serve.engines.cpu.decode import Decoder, Request, StepStats
+from serve.engines.cpu.decode import Request, StepStats
 
-__all__ = ["Scheduler", "Counters", "Ticket", "QueueFull", "TooLarge", "DECODE_LOG_INTERVAL",
+__all__ = ["Scheduler", "Stepper", "Counters", "Ticket", "QueueFull", "TooLarge", "DECODE_LOG_INTERVAL",
            "DEFAULT_MAX_QUEUED_REQUESTS"]
 
 log = logging.getLogger("serve.engines.cpu")
@@ -55,6 +56,22 @@ DEFAULT_MAX_QUEUED_REQUESTS = 128
 
 # called on the worker thread after every step of the request (and once with an error string if a step raised)
 Sink = Callable[[Request, str | None], None]
+
+
+class Resettable(Protocol):
+    def reset(self) -> None: ...
+
+
+class Stepper(Protocol):
+    """What the scheduler drives: `Decoder` in the engine, a stand-in that records the order of steps in tests.
+    `step_many` gets each round's running requests in admission order and returns one result per request (its
+    `StepStats` or the exception its step raised); `release` when a request leaves; `speculator` is None without
+    speculative decoding, else reset on flush. A `begin_round()`, where defined, runs before each round."""
+
+    @property
+    def speculator(self) -> Resettable | None: ...
+    def step_many(self, reqs: list[Request]) -> Sequence[StepStats | Exception]: ...
+    def release(self, req: Request) -> None: ...
 
 
 class QueueFull(RuntimeError):
@@ -130,7 +147,7 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, decoder: Decoder, max_running_requests: int,
+    def __init__(self, decoder: Stepper, max_running_requests: int,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, max_total_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.max_running = max_running_requests
