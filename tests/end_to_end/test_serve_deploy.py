@@ -41,6 +41,10 @@ def test_the_exported_serve_config_deploys_and_answers_openai(ray_head, tmp_path
         (folder / name).write_text(text)
     (folder / SERVE_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
 
+    # The head is shared with other tests of this worker (ray_head): a Serve they started keeps its own HTTP port, and
+    # a config's http_options apply only to a new Serve instance.
+    subprocess.run([str(BIN / "serve"), "shutdown", "--address", dashboard, "--yes"], env=env, cwd=REPO,
+                   capture_output=True, timeout=120)
     done = subprocess.run([str(BIN / "serve"), "deploy", str(folder / SERVE_CONFIG_FILE), "--address", dashboard],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
