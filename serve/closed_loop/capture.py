@@ -17,20 +17,31 @@ moment it exists); `python -m serve.closed_loop.capture merge DIR OUT.parquet` j
 `python -m pipeline.tune --workload OUT.parquet` replays.
 
 Writes happen on a worker thread, never on the event loop; a failed write is logged and drops that part, never a
-request.
+request, and its rows do not count toward `max_rows`. Buffered rows are written when `flush_rows` are buffered,
+when the oldest is `flush_s` old (a timer, whether or not more requests come), and when the replica stops (`close`:
+Serve's graceful stop of the replica on a roll or a shutdown, or the worker process exiting).
+
+Shared folders: an existing capture directory must be the endpoint user's own and closed to others (mode 0700 or
+stricter; anything else is refused at start, naming the fix), and every file is created under an unpredictable name
+with `O_EXCL | O_NOFOLLOW`, so a link planted in the folder is never written through. Parts are read (the bound's
+count, `merge`) only when they are regular files, without blocking (a FIFO named like a part is skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
 import random
+import secrets
+import stat
 import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,11 +49,12 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from serve.closed_loop.files import NotRegular, is_regular, open_regular
 from serve.http_limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve.spec import FrozenModel
 
 __all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "DIR_MODE", "FILE_MODE", "row_of", "merge_parts",
-           "make_private_dir", "write_private", "main"]
+           "make_private_dir", "private_dir_problem", "write_private", "part_files", "main"]
 
 log = logging.getLogger("serve.closed_loop.capture")
 CAPTURED_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -56,7 +68,8 @@ class CaptureSettings(FrozenModel):
     sample_rate: float = Field(0.1, gt=0, le=1, description="fraction of successful requests kept")
     max_rows: int = Field(10_000, ge=1, description="capture stops after this many rows in dir")
     flush_rows: int = Field(64, ge=1, description="rows buffered before a part file is written")
-    flush_s: float = Field(30.0, gt=0, description="a buffered row older than this is written with the next one")
+    flush_s: float = Field(30.0, gt=0, description="a buffered row is written at the latest this long after it was "
+                                                   "answered (a timer)")
     seed: int | None = Field(None, description="sampling seed (tests); None = random")
 
     @model_validator(mode="before")
@@ -132,23 +145,44 @@ def _stream_event(line: bytes) -> tuple[str, bool]:
     return str(delta.get("content") or choice.get("text") or ""), False
 
 
+def private_dir_problem(path: Path) -> str | None:
+    """Why an existing directory must not hold captured data (None: it may, or it does not exist yet). Pure
+    reading: others may read or write it, or another user owns it."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{str(path)!r} exists and is not a directory"
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        return (f"{str(path)!r} belongs to another user (uid {info.st_uid}); give a directory of this user's own "
+                "(or a new path: it is created 0700)")
+    if info.st_mode & 0o077:
+        return (f"{str(path)!r} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): they could read the "
+                f"captured prompts or plant files in it. Fix: `chmod 700 {path}`, or give a new path (created 0700)")
+    return None
+
+
 def make_private_dir(path: Path) -> None:
-    """Create `path` (and missing parents) with the capture's mode; an existing directory keeps its own, with a
-    warning when others may read it (its files are FILE_MODE regardless)."""
+    """Create `path` (and missing parents) with the capture's mode; an existing directory must already be private
+    (`private_dir_problem`: ValueError naming the fix otherwise)."""
+    problem = private_dir_problem(path)
+    if problem:
+        raise ValueError(f"capture directory {problem}")
     if path.is_dir():
-        if path.stat().st_mode & 0o077:
-            log.warning("traffic capture: %s is readable by other users (mode %o); its files are written %o, "
-                        "but consider a directory only the operators can list", path, path.stat().st_mode & 0o777,
-                        FILE_MODE)
         return
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, DIR_MODE)  # mkdir's mode is cut by the umask; chmod is not
 
 
 def write_private(write: Any, path: Path) -> None:
-    """`write(tmp)` then rename to `path`, the file FILE_MODE from the first byte (created so, not chmod-ed after)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    """`write(handle)` into a new temporary file, then rename it to `path`; the file is FILE_MODE from the first byte
+    (created so, not chmod-ed after). The temporary name is unpredictable and created with O_EXCL | O_NOFOLLOW: a
+    file or link planted in the folder under any name is never opened, let alone written through; the rename
+    replaces whatever `path` was (a link itself, not its target)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)  # the umask may have removed bits of FILE_MODE at creation
         with os.fdopen(fd, "wb") as handle:
@@ -157,6 +191,26 @@ def write_private(write: Any, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def part_files(directory: Path) -> list[Path]:
+    """The capture's part files in `directory`: `part-*.parquet` names that are regular files themselves (no link,
+    FIFO or folder), sorted."""
+    return [p for p in sorted(Path(directory).glob("part-*.parquet")) if is_regular(p)]
+
+
+def _read_table(path: Path) -> Any:
+    """One part as a pyarrow table, opened as a regular file without following a link or blocking."""
+    import pyarrow.parquet as pq
+
+    with os.fdopen(open_regular(path, follow_links=False), "rb") as handle:
+        return pq.read_table(handle)
+
+
+def _close_at_exit(ref: weakref.ReferenceType[Capture]) -> None:
+    capture = ref()
+    if capture is not None:
+        capture.close()
 
 
 class Capture:
@@ -175,9 +229,15 @@ class Capture:
         self._oldest = 0.0
         self._seq = 0
         self._tag = f"{uuid.uuid4().hex[:8]}"
-        self._kept = _rows_in(self.dir)
+        self._kept = _rows_in(self.dir)  # rows on disk, buffered or being written; a failed write gives its back
         self._full_logged = False
+        self._closed = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture")
+        # The timer writes a buffered row once it is flush_s old, whether or not another request comes.
+        self._wake = threading.Event()
+        threading.Thread(target=self._timer, name="capture-timer", daemon=True).start()
+        # A worker that exits without Serve's graceful stop (SIGTERM to the whole process group) still writes.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     async def observe(self, route: str, body: dict[str, Any] | None, response: Any) -> Any:
         """The ingress hook: maybe record (request, response); `body` is the request as the engine was asked (the
@@ -234,6 +294,8 @@ class Capture:
         if row is None or self.settings is None:
             return
         with self._lock:
+            if self._closed:
+                return
             if self._kept >= self.settings.max_rows:
                 if not self._full_logged:
                     log.warning("traffic capture: max_rows=%d reached in %s; capture stopped",
@@ -244,31 +306,78 @@ class Capture:
             now = time.monotonic()
             if not self._rows:
                 self._oldest = now
+                self._wake.set()  # the timer now has a row to wait for
             self._rows.append(row)
             if len(self._rows) < self.settings.flush_rows and now - self._oldest < self.settings.flush_s:
                 return
-            rows, self._rows = self._rows, []
-            self._seq += 1
-            path = self.dir / f"part-{self._tag}-{self._seq:06d}.parquet"
-        self._writer.submit(_write_part, rows, path)
+            self._submit()
+
+    def _submit(self) -> None:
+        """Hand the buffered rows to the writer as the next part (called holding the lock, so no write is handed
+        over after `close` stopped the writer)."""
+        rows, self._rows = self._rows, []
+        self._seq += 1
+        self._writer.submit(self._write, rows, self.dir / f"part-{self._tag}-{self._seq:06d}.parquet")
+
+    def _write(self, rows: list[dict[str, Any]], path: Path) -> None:
+        if _write_part(rows, path):
+            return
+        with self._lock:  # rows that never reached the disk do not count toward max_rows
+            self._kept -= len(rows)
+            self._full_logged = False
+
+    def flush_due(self, now: float | None = None) -> bool:
+        """Write the buffer if its oldest row is `flush_s` old at `now` (monotonic; default: now); whether it did."""
+        if self.settings is None:
+            return False
+        with self._lock:
+            now = time.monotonic() if now is None else now
+            if self._closed or not self._rows or now - self._oldest < self.settings.flush_s:
+                return False
+            self._submit()
+        return True
+
+    def _timer(self) -> None:
+        flush_s = self.settings.flush_s if self.settings is not None else 0.0
+        while not self._closed:
+            with self._lock:
+                wait = max(0.0, self._oldest + flush_s - time.monotonic()) if self._rows else None
+            self._wake.wait(wait)
+            self._wake.clear()
+            if not self._closed:
+                self.flush_due()
 
     def flush(self) -> None:
         """Write what is buffered and wait for every pending write (tests, shutdown)."""
         if self.settings is None:
             return
         with self._lock:
-            rows, self._rows = self._rows, []
-            self._seq += 1
-            path = self.dir / f"part-{self._tag}-{self._seq:06d}.parquet"
-        if rows:
-            self._writer.submit(_write_part, rows, path)
-        self._writer.submit(lambda: None).result()
+            if self._closed:
+                return
+            if self._rows:
+                self._submit()
+            pending = self._writer.submit(lambda: None)
+        pending.result()
+
+    def close(self) -> None:
+        """Write what is buffered, wait for it, and take no more rows (the replica stops). Idempotent."""
+        if self.settings is None:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._rows:
+                self._submit()
+        self._wake.set()
+        self._writer.shutdown(wait=True)
 
 
 _COLUMNS = ("id", "prompt", "messages", "max_new_tokens", "output")
 
 
-def _write_part(rows: list[dict[str, Any]], path: Path) -> None:
+def _write_part(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Write one part; False (logged) when it could not be written (a full disk)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -277,8 +386,10 @@ def _write_part(rows: list[dict[str, Any]], path: Path) -> None:
                          schema=pa.schema([("id", pa.string()), ("prompt", pa.string()), ("messages", pa.string()),
                                            ("max_new_tokens", pa.int64()), ("output", pa.string())]))
         write_private(lambda handle: pq.write_table(table, handle), path)
+        return True
     except Exception:  # noqa: BLE001 - a capture failure must never reach a request
         log.exception("traffic capture: writing %s failed; %d rows dropped", path, len(rows))
+        return False
 
 
 def _rows_in(directory: Path) -> int:
@@ -287,7 +398,10 @@ def _rows_in(directory: Path) -> int:
     total = 0
     for part in sorted(directory.glob("part-*.parquet")):
         try:
-            total += pq.ParquetFile(part).metadata.num_rows
+            with os.fdopen(open_regular(part, follow_links=False), "rb") as handle:
+                total += pq.ParquetFile(handle).metadata.num_rows
+        except NotRegular as exc:  # a FIFO, a link or a folder named like a part: never opened for reading
+            log.warning("traffic capture: %s is %s; not counted", part, exc.strerror)
         except Exception:  # noqa: BLE001 - a foreign file does not stop the endpoint
             log.warning("traffic capture: %s is not a readable part; not counted", part)
     return total
@@ -298,11 +412,11 @@ def merge_parts(directory: str | Path, out: str | Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parts = sorted(Path(directory).glob("part-*.parquet"))
+    parts = part_files(Path(directory))
     if not parts:
         raise ValueError(f"capture: no part-*.parquet files in {str(directory)!r} (is capture on, and has the "
                          "endpoint answered sampled requests?)")
-    table = pa.concat_tables([pq.read_table(p) for p in parts])
+    table = pa.concat_tables([_read_table(p) for p in parts])
     write_private(lambda handle: pq.write_table(table, handle), Path(out))
     return table.num_rows
 
