@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from pipeline.errors import PipelineError, UserError
 from pipeline.loop.canary import CanaryDecision, canary_decision
 from pipeline.loop.client import EndpointClient, EndpointError, RouteMissing
 from pipeline.loop.drift import METRICS, DetectorState, level_for_bucket, record_value, update, verdict
 from pipeline.loop.reference import ReferenceProfile, load_reference
 from pipeline.loop.shift import ShiftReport, shift_report
 from pipeline.loop.settings import LoopSettings
-from pipeline.loop.state import LoopState, pending_commands, save_state
+from pipeline.loop.state import STATE_FILE, LoopState, save_state, scan_commands, set_aside
 from pipeline.records.cycles import CycleRecorder
 from serve.closed_loop.control import CandidateRef, CanaryStart, DriftLine, DriftReport
 from serve.closed_loop.live import CANDIDATE_ARM, PRODUCTION_ARM, LiveRecord, bucket_of
@@ -56,8 +56,18 @@ class Loop:
         self._references: dict[str, ReferenceProfile] = {}
         self._no_reference: set[str] = set()
         self._drift_route: bool | None = None  # whether the endpoint takes POST /v1/drift (None: not asked yet)
+        self._unmovable: set[Path] = set()  # unreadable command files that could not be moved aside (said once)
         self.recorder = CycleRecorder(tracker, settings.experiment or f"{settings.registered_model}-loop")
         self.log: Callable[[str], None] = lambda text: print(text, flush=True)
+
+    def check_resumable(self, state: LoopState) -> None:
+        """A saved state against these settings (a canary step the settings do not have): PipelineError naming the
+        fix, before the loop acts on it."""
+        shares = self.settings.canary.shares
+        if state.phase == "canary" and state.step >= len(shares):
+            raise PipelineError(f"{self.folder / STATE_FILE}: canary step {state.step + 1} of a canary whose settings "
+                                f"have {len(shares)} steps (shares {list(shares)}); give the settings it ran with, "
+                                "or move the file away to start afresh")
 
     # --- small parts ---------------------------------------------------------------------------------------------
 
@@ -101,7 +111,17 @@ class Loop:
     def _commands(self, state: LoopState) -> tuple[LoopState, str | None]:
         """Apply pause/resume; return the first abort/promote still to act on (consumed)."""
         action = None
-        for path, command in pending_commands(self.folder):
+        commands, unreadable = scan_commands(self.folder)
+        for path, why in unreadable:
+            try:
+                moved = set_aside(path)
+            except OSError as exc:  # said once per loop run, not every poll
+                if path not in self._unmovable:
+                    self._unmovable.add(path)
+                    self.log(f"operator: {path} is not a command ({why}) and cannot be moved aside: {exc}")
+                continue
+            self.log(f"operator: {path.name} is not a command ({why}); moved to {moved.parent}, not applied")
+        for path, command in commands:
             if command.command in ("pause", "resume"):
                 state = self._save(state, paused=command.command == "pause")
                 self.log(f"operator: {command.command}")
