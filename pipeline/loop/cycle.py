@@ -7,8 +7,8 @@ retune   `pipeline.retune.retune` on the capture since the promotion (resumes it
          the drift reference); a new config is the candidate
 canary   start it on the endpoint at the first share, then per poll: operator commands, the step's records (kept in
          `cycles/<n>/canary-step-<k>.jsonl`), `pipeline.loop.canary.canary_decision`: step up, promote or roll back
-promote  alias `production` -> the candidate (`previous` keeps the old one); wait until the endpoint serves it (it
-         follows the alias and rolls new replicas in before old ones stop); only then stop the canary
+promote  stop the canary and wait until it is off (production serves every request), then alias `production` -> the
+         candidate (`previous` keeps the old one); wait until the endpoint serves it (it follows the alias and rolls)
 rollback stop the canary (production's engines were never touched); the candidate alias is removed
 Each cycle is one MLflow run (experiment `<registered model>-loop`) linking the drift verdicts, the capture split,
 the re-tune study, every canary decision and the outcome. The state is saved after every change (`state.json`), so
@@ -305,7 +305,7 @@ class Loop:
         status = self.client.canary()
         ours = status.candidate is not None and status.candidate.version == candidate
         if status.state == "failed" and ours:
-            return self._save(state, phase="rollback", reason=f"the candidate failed to start: {status.reason}")
+            return self._save(state, phase="rollback", reason=f"the candidate failed: {status.reason}")
         if status.state == "stopping":
             return state  # a stop in progress (ours, or an operator's): start again once it is off
         if status.state in ("running", "starting") and not ours:
@@ -367,11 +367,19 @@ class Loop:
         candidate = state.candidate_version or ""
         name = self.settings.registered_model
         if alias_version(self.tracker, name, PRODUCTION) != candidate:
+            # The canary ends before the alias moves: its candidate engine belongs to the ingress replica that the
+            # roll replaces, and a stop sent after the roll reached a new replica that knows no canary (the engine
+            # kept running, unreachable). Production serves every request meanwhile.
+            status = self.client.canary()
+            if status.state in ("starting", "running"):
+                self.client.canary_stop("promoted: the canary ends before production rolls to the candidate")
+                return state
+            if status.state == "stopping":
+                return state  # the next poll moves the alias once the candidate's engine is gone
             set_production(self.tracker, name, candidate)
             self.log(f"cycle {state.cycle}: alias {PRODUCTION} -> version {candidate}; waiting for the endpoint")
         if self.client.served_version() != candidate:
-            return state  # the endpoint rolls to the alias; the canary keeps serving the candidate meanwhile
-        self.client.canary_stop("promoted: production now serves the candidate")
+            return state  # the endpoint rolls to the alias
         self._drop_candidate_alias()
         state = self._save(state, production_version=candidate, reference_version=candidate, detectors={})
         return self._end(state, "promoted", state.reason or "promoted")
