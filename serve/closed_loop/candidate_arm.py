@@ -63,6 +63,7 @@ class CanaryArm:
         self.tearing_down: asyncio.Task[None] | None = None
         self.watching: asyncio.Task[None] | None = None
         self.final_state = "off"  # what a stop ends in: `failed` when the candidate's engine failed
+        self.abandoned = False
 
     @property
     def version(self) -> str:
@@ -197,10 +198,12 @@ class CanaryArm:
         return thread
 
     def abandon(self) -> None:
-        """The ingress replica stops: delete the candidate's application with it (without waiting)."""
-        if self.state == "off" and self.tearing_down is None and self.deploying is None:
-            return
-        self.state, self.handle = "off", None
+        """The ingress replica stops: delete the candidate's application with it (without waiting). Once."""
+        torn = self.tearing_down is not None and self.tearing_down.done()
+        if self.abandoned or (self.state == "off" and (self.tearing_down is None or torn)) or \
+                (self.state == "failed" and torn):
+            return  # never started, or stopped and deleted already
+        self.abandoned, self.state, self.handle = True, "off", None
         try:
             self.delete_blocking(wait=False)
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, do not raise

@@ -60,9 +60,11 @@ def replica_config(serving: dict[str, Any], threads: int | None = None, route: s
     return replica.model_copy(update={"threads": threads}) if threads is not None else replica
 
 
-def build_app(settings: ProductionSettings, serving: dict[str, Any] | None = None, roll: Roll = SURGE) -> Any:
+def build_app(settings: ProductionSettings, serving: dict[str, Any] | None = None, roll: Roll = SURGE,
+              gap: bool = False) -> Any:
     """The Serve application: ingress + one engine deployment per engine of the serving policy (one, or two when
-    the policy switches config above a concurrency), rolling as `roll` says (`serve.production.roll`)."""
+    the policy switches config above a concurrency), rolling as `roll` says (`serve.production.roll`). `gap`: no
+    engine that could answer runs now, so the new ingress answers 503 + Retry-After until its engines are up."""
     from serve.production.ingress import OpenAIIngress
 
     serving = serving if serving is not None else resolve_serving(settings)
@@ -74,7 +76,7 @@ def build_app(settings: ProductionSettings, serving: dict[str, Any] | None = Non
     return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,  # type: ignore[attr-defined]
                                  max_ongoing_requests=settings.max_ongoing_requests, **backpressure(settings)
                                  ).bind(engines[LOW], settings.model_dump(mode="json"), serving, engines.get(HIGH),
-                                        roll)
+                                        gap)
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -119,8 +121,11 @@ def deploy(settings: ProductionSettings, timeout_s: float | None = None,
         say(f"roll: two copies of the engine do not fit the cluster's free resources; stopping the old engine "
             f"before the new one starts, answering 503 + Retry-After meanwhile (up to {wait_s:.0f} s)")
         serve.get_app_handle(settings.app_name).announce_gap.remote(why).result(timeout_s=60)
+    # No engine answers until the new ones run: a stop-then-start roll, a first deploy, or an app that is not
+    # running (a rollback after a failed roll).
+    gap = roll == STOP_THEN_START or now is None
     try:
-        serve.run_many([serve.RunTarget(build_app(settings, serving, roll), name=settings.app_name,
+        serve.run_many([serve.RunTarget(build_app(settings, serving, roll, gap), name=settings.app_name,
                                         route_prefix="/")], wait_for_applications_running=False)
     except BaseException:
         if roll == STOP_THEN_START:  # nothing was rolled: the running ingress serves again

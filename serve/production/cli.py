@@ -95,10 +95,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print("stopping: draining the endpoint's requests and shutting it and its engines down", flush=True)
+        print("stopping: draining the endpoint's requests, then shutting it and its engines down", flush=True)
+        drain(settings.app_name)
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def drain(app_name: str) -> None:
+    """Stop the app gracefully before Serve itself: new requests get 503 + Retry-After, the requests in flight
+    finish (Serve drains each replica; its proxy, which `serve.shutdown` stops at once, still carries them), and each
+    ingress replica writes its buffered capture rows as it stops."""
+    from ray import serve
+
+    try:
+        serve.get_app_handle(app_name).announce_gap.remote("the endpoint is stopping").result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - not deployed (a failed start): nothing to drain
+        return
+    try:
+        serve.delete(app_name)  # blocking: until every replica has drained and stopped
+    except Exception as exc:  # noqa: BLE001 - serve.shutdown below stops whatever is left
+        print(f"draining {app_name}: {type(exc).__name__}: {exc}", flush=True)
 
 
 def local_ray_environment(env: MutableMapping[str, str]) -> None:

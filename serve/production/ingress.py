@@ -64,7 +64,6 @@ from serve.closed_loop.live_book import LiveBook, feed_query, version_label
 from serve.closed_loop.live_stream import Added, Measure, ask_spec_details, ask_usage
 from serve.closed_loop.control_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
 from serve.production.ingress_lifecycle import IngressLifecycle
-from serve.production.roll import SURGE
 from serve.production.settings import (ProductionSettings, admin_access, auth_problem, auth_required,
                                        load_admin_keys, load_api_keys)
 from serve.serving import HIGH, LOW, RoutingPolicy, ServingConfig
@@ -81,7 +80,7 @@ app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_ur
 @serve.ingress(app)
 class OpenAIIngress(IngressAuth, IngressLifecycle):
     def __init__(self, engine: Any, settings: dict[str, Any], serving: dict[str, Any],
-                 high_engine: Any = None, roll: str = SURGE) -> None:
+                 high_engine: Any = None, gap: bool = False) -> None:
         self.engine = engine
         # The policy decides which engine a generation request goes to (one config: always `engine`).
         served = ServingConfig.model_validate(serving["config"])
@@ -112,7 +111,7 @@ class OpenAIIngress(IngressAuth, IngressLifecycle):
         self.live = LiveBook(self.settings.live_records, version_label(serving), self.metrics.registry)
         self.drift = DriftBoard(self.metrics.registry)
         self.canary = CanaryArm(self.settings)
-        self.begin(roll, served, list(self.engines))
+        self.begin(gap, served, list(self.engines))
 
     # --- checks --------------------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Any
 from serve.closed_loop.candidate_arm import CanaryArm
 from serve.closed_loop.capture import Capture
 from serve.http_errors import RequestRejected
-from serve.production.roll import STOP_THEN_START, await_engines, deploy_timeout_s
+from serve.production.roll import await_engines, deploy_timeout_s
 from serve.production.settings import ProductionSettings
 from serve.serving import ENGINE_DEPLOYMENTS, ServingConfig
 
@@ -26,12 +26,12 @@ class IngressLifecycle:
     canary: CanaryArm
     gap: str | None = None
 
-    def begin(self, roll: str, served: ServingConfig, routes: list[str]) -> None:
-        """A new replica: any canary a replaced one left is removed; in a stop-then-start roll no engine of this
-        config runs yet, so until the controller reports them healthy, generation requests and /health answer 503
-        + Retry-After instead of queueing."""
+    def begin(self, gap: bool, served: ServingConfig, routes: list[str]) -> None:
+        """A new replica: any canary a replaced one left is removed. `gap`: no engine that could answer runs yet (a
+        stop-then-start roll, a first deploy, a rollback after a failed roll), so until the controller reports this
+        config's engines healthy, generation requests and /health answer 503 + Retry-After instead of queueing."""
         self.canary.remove_leftover()
-        if roll == STOP_THEN_START:
+        if gap:
             self.gap = (f"the endpoint is switching to version {self.serving['origin'].get('version') or 'new'}: "
                         "its engine is starting")
             names = [ENGINE_DEPLOYMENTS[route] for route in routes]
