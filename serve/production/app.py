@@ -136,6 +136,8 @@ def deploy(settings: ProductionSettings, timeout_s: float | None = None,
         status = serve.status().applications.get(settings.app_name)
         state = str(status.status) if status else "MISSING"
         if state.endswith("RUNNING"):
+            if gap:  # every engine runs now: the ingress answers at once, not at its own next look
+                serve.get_app_handle(settings.app_name).announce_gap.remote(None).result(timeout_s=60)
             return serving
         if state.endswith("DEPLOY_FAILED"):
             raise RuntimeError(f"production app failed to deploy: {_reason(status)}")
