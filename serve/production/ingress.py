@@ -50,7 +50,7 @@ from serve.closed_loop.candidate_arm import CanaryArm
 from serve.closed_loop.control import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH, CAPTURE_PATH,
                                    DRIFT_PATH, CanaryShare, CanaryStart, CanaryStop, DriftReport)
 from serve.closed_loop.capture import Capture
-from serve.closed_loop.failover import resumable
+from serve.closed_loop.failover import CandidateUnfit, resumable
 from serve.http_errors import (RequestRejected, busy_response, error_response, failure_answer, log_failure,
                                unavailable_response)
 from serve.engines import engine_for
@@ -333,9 +333,10 @@ class OpenAIIngress(IngressAuth, IngressLifecycle):
             except (asyncio.CancelledError, RequestRejected):
                 raise
             except Exception as exc:  # noqa: BLE001 - it failed before its first byte: production answers
-                status, message = failure_answer(exc)
-                if status != 429:  # a full queue is load, not a failure of the candidate
-                    self.canary.candidate_failed(message)
+                busy = isinstance(exc, CandidateUnfit) and exc.status in (429, 503)
+                if not busy:  # a full queue is load, not a failure of the candidate
+                    self.canary.candidate_failed(str(exc) if isinstance(exc, CandidateUnfit)
+                                                 else failure_answer(exc)[1])
         return await self._answer(request, self.engines[route], PRODUCTION_ARM, route, body, streaming, added,
                                   filled)
 
