@@ -111,6 +111,7 @@ class OpenAIIngress(IngressAuth, IngressLifecycle):
         self.live = LiveBook(self.settings.live_records, version_label(serving), self.metrics.registry)
         self.drift = DriftBoard(self.metrics.registry)
         self.canary = CanaryArm(self.settings)
+        self.capture = Capture(self.settings.capture, self.settings.max_tokens_limit)  # off unless configured
         self.begin(gap, served, list(self.engines))
 
     # --- checks --------------------------------------------------------------------------------------------------
