@@ -121,9 +121,9 @@ def deploy(settings: ProductionSettings, timeout_s: float | None = None,
         say(f"roll: two copies of the engine do not fit the cluster's free resources; stopping the old engine "
             f"before the new one starts, answering 503 + Retry-After meanwhile (up to {wait_s:.0f} s)")
         serve.get_app_handle(settings.app_name).announce_gap.remote(why).result(timeout_s=60)
-    # No engine answers until the new ones run: a stop-then-start roll, a first deploy, or an app that is not
-    # running (a rollback after a failed roll).
-    gap = roll == STOP_THEN_START or now is None
+    # No engine answers until the new ones run: a stop-then-start roll, or an app that exists but does not run (a
+    # rollback after a failed roll). A first deploy keeps Serve's own behaviour: requests wait for the engine.
+    gap = roll == STOP_THEN_START or (now is None and settings.app_name in serve.status().applications)
     try:
         serve.run_many([serve.RunTarget(build_app(settings, serving, roll, gap), name=settings.app_name,
                                         route_prefix="/")], wait_for_applications_running=False)

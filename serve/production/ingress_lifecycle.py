@@ -28,8 +28,8 @@ class IngressLifecycle:
 
     def begin(self, gap: bool, served: ServingConfig, routes: list[str]) -> None:
         """A new replica: any canary a replaced one left is removed. `gap`: no engine that could answer runs yet (a
-        stop-then-start roll, a first deploy, a rollback after a failed roll), so until the controller reports this
-        config's engines healthy, generation requests and /health answer 503 + Retry-After instead of queueing."""
+        stop-then-start roll, a rollback after a failed roll), so until the controller reports this config's engines
+        healthy, generation requests and /health answer 503 + Retry-After instead of queueing."""
         self.canary.remove_leftover()
         if gap:
             self.gap = (f"the endpoint is switching to version {self.serving['origin'].get('version') or 'new'}: "
