@@ -19,7 +19,8 @@ moment it exists); `python -m serve.closed_loop.capture merge DIR OUT.parquet` j
 Writes happen on a worker thread, never on the event loop; a failed write is logged and drops that part, never a
 request, and its rows do not count toward `max_rows`. Buffered rows are written when `flush_rows` are buffered,
 when the oldest is `flush_s` old (a timer, whether or not more requests come), and when the replica stops (`close`:
-Serve's graceful stop of the replica on a roll or a shutdown, or the worker process exiting).
+Serve's graceful stop of the replica on a roll or a shutdown). A process killed outright (SIGKILL, or Ray's workers
+signalled with the whole process group) loses what it buffered: at most `flush_rows` rows or `flush_s` of them.
 
 Shared folders: an existing capture directory must be the endpoint user's own and closed to others (mode 0700 or
 stricter; anything else is refused at start, naming the fix), and every file is created under an unpredictable name
@@ -30,7 +31,6 @@ count, `merge`) only when they are regular files, without blocking (a FIFO named
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import logging
 import os
@@ -41,7 +41,6 @@ import sys
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -207,12 +206,6 @@ def _read_table(path: Path) -> Any:
         return pq.read_table(handle)
 
 
-def _close_at_exit(ref: weakref.ReferenceType[Capture]) -> None:
-    capture = ref()
-    if capture is not None:
-        capture.close()
-
-
 class Capture:
     """One ingress replica's capture. `Capture(None)` is off and costs one attribute check per request."""
 
@@ -236,8 +229,6 @@ class Capture:
         # The timer writes a buffered row once it is flush_s old, whether or not another request comes.
         self._wake = threading.Event()
         threading.Thread(target=self._timer, name="capture-timer", daemon=True).start()
-        # A worker that exits without Serve's graceful stop (SIGTERM to the whole process group) still writes.
-        atexit.register(_close_at_exit, weakref.ref(self))
 
     async def observe(self, route: str, body: dict[str, Any] | None, response: Any) -> Any:
         """The ingress hook: maybe record (request, response); `body` is the request as the engine was asked (the
