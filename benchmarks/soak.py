@@ -27,7 +27,7 @@ Checks (exit 1 if one fails):
   one row per answered streaming request.
 
     python benchmarks/soak.py                                      # 64 clients, 90 s
-    python benchmarks/soak.py --clients 16 --duration 150 --faults  # the fault soak of docs/benchmarks.md
+    python benchmarks/soak.py --clients 16 --duration 150 --faults --max-requests 10000  # docs/benchmarks.md
 """
 
 from __future__ import annotations
