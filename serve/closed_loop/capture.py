@@ -35,8 +35,6 @@ import json
 import logging
 import os
 import random
-import secrets
-import stat
 import sys
 import threading
 import time
@@ -48,7 +46,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from serve.closed_loop.files import NotRegular, is_regular, open_regular
+from serve.closed_loop.files import (DIR_MODE, FILE_MODE, NotRegular, make_private_dir, open_regular, part_files,
+                                     private_dir_problem, write_private)
 from serve.http_limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve.spec import FrozenModel
 
@@ -57,7 +56,6 @@ __all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "DIR_MODE", "FILE_MO
 
 log = logging.getLogger("serve.closed_loop.capture")
 CAPTURED_ROUTES = ("/v1/chat/completions", "/v1/completions")
-DIR_MODE, FILE_MODE = 0o700, 0o600  # captured prompts are user data: operators only (as identity.json, promoted.yaml)
 
 
 class CaptureSettings(FrozenModel):
@@ -142,60 +140,6 @@ def _stream_event(line: bytes) -> tuple[str, bool]:
     choice = (chunk.get("choices") or [{}])[0]
     delta = choice.get("delta") or {}
     return str(delta.get("content") or choice.get("text") or ""), False
-
-
-def private_dir_problem(path: Path) -> str | None:
-    """Why an existing directory must not hold captured data (None: it may, or it does not exist yet). Pure
-    reading: others may read or write it, or another user owns it."""
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{str(path)!r} exists and is not a directory"
-    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
-        return (f"{str(path)!r} belongs to another user (uid {info.st_uid}); give a directory of this user's own "
-                "(or a new path: it is created 0700)")
-    if info.st_mode & 0o077:
-        return (f"{str(path)!r} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): they could read the "
-                f"captured prompts or plant files in it. Fix: `chmod 700 {path}`, or give a new path (created 0700)")
-    return None
-
-
-def make_private_dir(path: Path) -> None:
-    """Create `path` (and missing parents) with the capture's mode; an existing directory must already be private
-    (`private_dir_problem`: ValueError naming the fix otherwise)."""
-    problem = private_dir_problem(path)
-    if problem:
-        raise ValueError(f"capture directory {problem}")
-    if path.is_dir():
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, DIR_MODE)  # mkdir's mode is cut by the umask; chmod is not
-
-
-def write_private(write: Any, path: Path) -> None:
-    """`write(handle)` into a new temporary file, then rename it to `path`; the file is FILE_MODE from the first byte
-    (created so, not chmod-ed after). The temporary name is unpredictable and created with O_EXCL | O_NOFOLLOW: a
-    file or link planted in the folder under any name is never opened, let alone written through; the rename
-    replaces whatever `path` was (a link itself, not its target)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, FILE_MODE)
-    try:
-        os.fchmod(fd, FILE_MODE)  # the umask may have removed bits of FILE_MODE at creation
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-        os.replace(tmp, path)  # readers (merge, the bound's count) never see half a file
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def part_files(directory: Path) -> list[Path]:
-    """The capture's part files in `directory`: `part-*.parquet` names that are regular files themselves (no link,
-    FIFO or folder), sorted."""
-    return [p for p in sorted(Path(directory).glob("part-*.parquet")) if is_regular(p)]
 
 
 def _read_table(path: Path) -> Any:
