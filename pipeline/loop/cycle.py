@@ -112,15 +112,7 @@ class Loop:
         """Apply pause/resume; return the first abort/promote still to act on (consumed)."""
         action = None
         commands, unreadable = scan_commands(self.folder)
-        for path, why in unreadable:
-            try:
-                moved = set_aside(path)
-            except OSError as exc:  # said once per loop run, not every poll
-                if path not in self._unmovable:
-                    self._unmovable.add(path)
-                    self.log(f"operator: {path} is not a command ({why}) and cannot be moved aside: {exc}")
-                continue
-            self.log(f"operator: {path.name} is not a command ({why}); moved to {moved.parent}, not applied")
+        set_aside(unreadable, self.log, self._unmovable)
         for path, command in commands:
             if command.command in ("pause", "resume"):
                 state = self._save(state, paused=command.command == "pause")

@@ -20,6 +20,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Literal
 
@@ -177,9 +178,17 @@ def pending_commands(folder: Path) -> list[tuple[Path, ControlCommand]]:
     return scan_commands(folder)[0]
 
 
-def set_aside(path: Path) -> Path:
-    """Move an unreadable command file to `control/unreadable/` (kept for a person to see, never read again)."""
-    target = path.parent / UNREADABLE_DIR / path.name
-    target.parent.mkdir(exist_ok=True)
-    os.replace(path, target)  # a rename: a FIFO is moved without being opened
-    return target
+def set_aside(unreadable: list[tuple[Path, str]], say: Callable[[str], None], unmovable: set[Path]) -> None:
+    """Move each file of `unreadable` (path, why) to `control/unreadable/`, kept for a person to see and never read
+    again, saying so once; one that cannot be moved is said once per loop run (`unmovable` remembers it)."""
+    for path, why in unreadable:
+        target = path.parent / UNREADABLE_DIR / path.name
+        try:
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)  # a rename: a FIFO is moved without being opened
+        except OSError as exc:
+            if path not in unmovable:
+                unmovable.add(path)
+                say(f"operator: {path} is not a command ({why}) and cannot be moved aside: {exc}")
+            continue
+        say(f"operator: {path.name} is not a command ({why}); moved to {target.parent}, not applied")
