@@ -26,13 +26,14 @@ import httpx
 import psutil
 import pytest
 
+from benchmarks.soak_faults import sse_outcome
 from pipeline.records.registry import CANDIDATE, register_config, set_production
 from pipeline.records.tracking import Tracker
 from serve.engines.base import ReplicaConfig, child_env
 from serve.ports import free_port
 from serve.serving import Provenance, ServingConfig
 from tests.integration.production_endpoint import capture_rows
-from tests.integration.production_helpers import alive, sse_outcome, wait_for
+from tests.integration.production_helpers import alive, wait_for
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
