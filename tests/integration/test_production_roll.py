@@ -79,6 +79,10 @@ def test_a_roll_that_cannot_place_two_copies_stops_then_starts_and_a_failed_roll
     def said() -> str:
         return log_path.read_text(errors="replace")
 
+    def says(text: str) -> bool:  # the driver printed `text` (and is still serving)
+        assert driver.poll() is None, said()[-4000:]
+        return text in said()
+
     def served() -> str | None:
         assert driver.poll() is None, said()[-4000:]
         try:
@@ -138,7 +142,7 @@ def test_a_roll_that_cannot_place_two_copies_stops_then_starts_and_a_failed_roll
 
         # 2 -> 3: the roll fails; production comes back on version 2 and the driver serves on
         set_production(tracker, NAME, "3")
-        wait_for(lambda: "serving version 2 again" in said(), "the rollback to version 2", 900, period_s=1.0)
+        wait_for(lambda: says("serving version 2 again"), "the rollback to version 2", 900, period_s=1.0)
         assert "roll to version 3 failed" in said()
         wait_for(lambda: ready("2"), "version 2 serving after the failed roll", 300, period_s=0.5)
         ask("Five,")
