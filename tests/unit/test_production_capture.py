@@ -191,3 +191,16 @@ def test_fifos_and_links_named_like_parts_are_skipped_never_opened(tmp_path):
     from pipeline.loop.split import read_capture
 
     assert [row["prompt"] for row in read_capture(folder)] == ["real"]
+
+
+def test_the_endpoint_refuses_a_shared_capture_folder_before_ray_starts(tmp_path, capsys):
+    # exit 2 with the fix in the terminal at once, instead of an ingress that fails to construct three times
+    from serve.production.cli import main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert main(["--config-file", str(tmp_path / "serving.json"), "--capture", str(shared)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: --capture: the capture directory") and "is open to other users (mode 777)" in out
+    assert f"chmod 700 {shared}" in out
