@@ -1,10 +1,13 @@
 """Soak: the production endpoint (Ray Serve ingress + CPU engine replica) under concurrent streaming clients, and with
 `--faults` under the faults it must survive: the engine SIGSTOPped for `--pause-s` then resumed, the engine
-SIGKILLed (Serve replaces its replica), clients that leave mid-request, and oversize bodies (chunked without a
-Content-Length, and with one).
+SIGKILLed (Serve replaces its replica), clients that leave mid-request, oversize bodies (chunked without a
+Content-Length, and with one), and the closed loop's (`loop`): a canary at share 0.5 whose engine is SIGKILLed, then
+a promotion as the loop makes it (a canary of the next version stopped, the alias moved, the endpoint rolling).
 
-Starts the endpoint as an operator does, `python -m serve.production` on a serving-config file (its own local Ray;
-auth on, a fresh random key), and stops it at the end with Ctrl-C (SIGINT to its process group). Meanwhile it runs
+Starts the endpoint as an operator does, `python -m serve.production` (its own local Ray; auth on, fresh random user
+and admin keys) on a registry (MLflow on SQLite: version 1 the baseline in production, 2 and 3 NGRAM configs for the
+loop's faults) following its alias, with the capture on (every answer), and stops it at the end with Ctrl-C
+(SIGINT to its process group). Meanwhile it runs
 `--clients` streaming chat clients (joining over `--ramp` seconds) back to back for `--duration` seconds (or
 `--max-requests` in all), while a prober sends `GET /health` every second (through the endpoint, and the engine's
 own for comparison) and a sampler reads the memory (RSS and private) of the engine and of the Serve actors every 2 s.
@@ -18,18 +21,22 @@ Checks (exit 1 if one fails):
   cool-down within `--rss-slack` of their level in the first 15% of the run, before any fault; RSS is reported too,
   and also counts the pages of Ray's shared object store that request bodies pass through, which stay mapped), the engine idle at the end (the clients that left cost it
   nothing), and no leaked process (every process of the endpoint seen, Ray's, Serve's, engines and watchdogs, is
-  gone after the driver stopped).
+  gone after the driver stopped);
+- with the loop's faults: no request fails while the canary's engine dies or while the endpoint rolls to the
+  promoted version (no 503, no error event: production takes over the candidate's requests), and the capture holds
+  one row per answered streaming request.
 
     python benchmarks/soak.py                                      # 64 clients, 90 s
-    python benchmarks/soak.py --clients 16 --duration 150 --faults  # the fault soak of docs/benchmarks.md
+    python benchmarks/soak.py --clients 16 --duration 150 --faults --max-requests 10000  # docs/benchmarks.md
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
+import json
 import os
+import platform
 import secrets
 import signal
 import statistics
@@ -39,14 +46,15 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.soak_faults import (FAULTS_FROM, PROMPTS, ROOT, alive, cool_down, descendants,  # noqa: E402
-                                    disconnecting_client, faults, our_processes, oversize_client, rss_now,
-                                    sse_outcome)
+from benchmarks.soak_faults import (FAULTS_FROM, PROMPTS, REGISTERED, ROOT, alive, captured,  # noqa: E402
+                                    cool_down, descendants, disconnecting_client, faults, loop_faults,
+                                    our_processes, oversize_client, registry, rss_now, sse_outcome)
 
 ALLOWED = {"200", "200-error-event", "429", "503", "413"}
 
@@ -69,6 +77,15 @@ class Run:
         self.events: list[str] = []
         self.counts: Counter = Counter()  # disconnects, oversize answers
         self.seen: dict[int, psutil.Process] = {}  # every engine/watchdog/replica process of the run
+        self.strict_windows: list[list[float]] = []  # the loop's faults: nothing may fail in them
+        self.loop_figures: dict[str, float] = {}
+        self.loop_done = not (args.faults and "loop" in args.fault_kinds.split(","))
+        self.registered_model, self.canary_version, self.promote_version = REGISTERED, "2", "3"
+
+    def running(self) -> bool:
+        """Clients go on until the duration has passed and the loop's faults are over (bounded)."""
+        now = time.monotonic()
+        return now < self.stop_at + 1800 and (now < self.stop_at or not self.loop_done)
 
     def now(self) -> float:
         return time.monotonic() - self.started
@@ -76,13 +93,16 @@ class Run:
     def in_fault(self, t: float, margin: float = 3.0) -> bool:
         return any(start - margin <= t <= (end if end else float("inf")) + margin for start, end in self.windows)
 
+    def in_strict(self, t: float) -> bool:
+        return any(start <= t <= (end if end else float("inf")) for start, end in self.strict_windows)
+
 
 async def client_loop(base: str, key: str, idx: int, run: Run) -> None:
     await asyncio.sleep(run.args.ramp * idx / run.args.clients)  # ramp-up: clients join one after another
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600) as http:
         n = 0
-        while time.monotonic() < run.stop_at and run.budget > 0:
+        while run.running() and run.budget > 0:
             run.budget -= 1
             n += 1
             body = {"model": "m", "stream": True, "max_tokens": run.args.max_tokens, "temperature": 0,
@@ -94,6 +114,8 @@ async def client_loop(base: str, key: str, idx: int, run: Run) -> None:
                         run.statuses[status] += 1
                         if "retry-after" not in response.headers:
                             run.failures.append(f"{status} without Retry-After")
+                        if run.in_strict(run.now()):
+                            run.failures.append(f"{status} during the canary's death or the promotion")
                         await asyncio.sleep(float(response.headers.get("retry-after", "1")))
                         continue
                     if status != "200":
@@ -107,8 +129,8 @@ async def client_loop(base: str, key: str, idx: int, run: Run) -> None:
                         run.failures.append("stream ended without [DONE]")
                     elif error is not None:
                         run.statuses["200-error-event"] += 1
-                        if not run.in_fault(run.now()):
-                            run.failures.append(f"error event outside a fault: {error}")
+                        if not run.in_fault(run.now()) or run.in_strict(run.now()):
+                            run.failures.append(f"error event outside an engine fault: {error}")
                     else:
                         run.statuses["200"] += 1
             except httpx.HTTPError as exc:
@@ -118,7 +140,7 @@ async def client_loop(base: str, key: str, idx: int, run: Run) -> None:
 
 async def health_prober(base: str, run: Run, into: list | None = None) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        while time.monotonic() < run.stop_at:
+        while run.running():
             t0 = time.monotonic()
             try:
                 status = str((await http.get("/health")).status_code)
@@ -133,7 +155,7 @@ async def health_prober(base: str, run: Run, into: list | None = None) -> None:
 
 
 async def rss_sampler(run: Run) -> None:
-    while time.monotonic() < run.stop_at:
+    while run.running():
         groups = our_processes()
         for procs in groups.values():
             for proc in procs:
@@ -142,7 +164,7 @@ async def rss_sampler(run: Run) -> None:
         await asyncio.sleep(2.0)
 
 
-async def soak(base: str, key: str, run: Run) -> None:
+async def soak(base: str, key: str, admin: str, run: Run, promote: Any) -> None:
     engine_url = _engine_url()
     tasks = [client_loop(base, key, i, run) for i in range(run.args.clients)]
     tasks += [health_prober(base, run), rss_sampler(run)]
@@ -150,7 +172,18 @@ async def soak(base: str, key: str, run: Run) -> None:
         tasks.append(health_prober(engine_url, run, run.direct))
     if run.args.faults:
         kinds = set(run.args.fault_kinds.split(","))
-        tasks.append(faults(base, run, pause="pause" in kinds, kill="kill" in kinds))
+
+        async def engine_then_loop() -> None:
+            await faults(base, run, pause="pause" in kinds, kill="kill" in kinds)
+            if "loop" in kinds:
+                try:
+                    await loop_faults(base, admin, run, promote)
+                except Exception as exc:  # noqa: BLE001 - reported as a failed check, the soak still ends
+                    run.failures.append(f"the loop's faults: {type(exc).__name__}: {exc}")
+                finally:
+                    run.loop_done = True
+
+        tasks.append(engine_then_loop())
         if "oversize" in kinds:
             tasks.append(oversize_client(base, key, run))
         if "disconnect" in kinds:
@@ -180,7 +213,8 @@ def machine() -> str:
     return f"{model} ({isa}), {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 
-def report(run: Run, end: dict[str, int] | None, running_at_end: float | None, leaked: list[str]) -> bool:
+def report(run: Run, end: dict[str, int] | None, running_at_end: float | None, leaked: list[str],
+           captured_rows: int | None = None) -> bool:
     args, statuses = run.args, run.statuses
     print(f"\nsoak: {' '.join(sys.argv)}\nmachine: {machine()}; load average at the end "
           f"{psutil.getloadavg()[0]:.1f}")
@@ -223,7 +257,9 @@ def report(run: Run, end: dict[str, int] | None, running_at_end: float | None, l
                 start = max(before[-3:]) if before else series[0]
                 print(f"| {what} MiB: before the faults / peak / after a cool-down | {start / 2**20:.0f} / "
                       f"{max(series) / 2**20:.0f} / {end[key] / 2**20:.0f} |")
-                if key != name and name != "replicas":
+                # after a promotion the engine is another config (an NGRAM trie): its memory is reported, not compared
+                promoted = name == "engine" and "roll to the promoted version, s" in run.loop_figures
+                if key != name and name != "replicas" and not promoted:
                     checks[f"{what} back to its start level (+{args.rss_slack:.0%})"] = \
                         end[key] <= start * (1 + args.rss_slack)
             elif key == name:
@@ -238,6 +274,17 @@ def report(run: Run, end: dict[str, int] | None, running_at_end: float | None, l
         print(f"| processes of the endpoint seen (Ray, Serve, engines, watchdogs) / left after Ctrl-C | {len(run.seen)} / "
               f"{len(leaked)} |")
         checks["no leaked process"] = not leaked
+    for what, value in run.loop_figures.items():
+        print(f"| {what} | {value:g} |")
+    if run.strict_windows:
+        spans = ", ".join(f"{a:.0f}-{b:.0f} s" for a, b in run.strict_windows)
+        print(f"| the canary's death and the promotion (strict windows) | {spans} |")
+        checks["the canary's death and the promotion: no request failed (production took over)"] = \
+            run.loop_done and not run.failures
+    if captured_rows is not None:
+        print(f"| capture rows of the streaming clients / their requests answered 200 | {captured_rows} / "
+              f"{statuses.get('200', 0)} |")
+        checks["capture rows = answered requests"] = captured_rows == statuses.get("200", 0)
     if args.faults:
         step = max(1, len(run.samples) // 10)
         for key in ("ingress private", "proxy private"):
@@ -266,36 +313,36 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rss-slack", type=float, default=0.10, help="allowed growth of RSS (see the checks)")
     parser.add_argument("--faults", action="store_true", help="pause and kill the engine, leaving clients, oversize "
-                        "bodies")
-    parser.add_argument("--fault-kinds", default="pause,kill,disconnect,oversize",
-                        help="with --faults: which (comma-separated subset of pause,kill,disconnect,oversize)")
+                        "bodies, a canary whose engine dies and a promotion")
+    parser.add_argument("--fault-kinds", default="pause,kill,disconnect,oversize,loop",
+                        help="with --faults: which (comma-separated subset of pause,kill,disconnect,oversize,loop)")
     parser.add_argument("--pause-s", type=float, default=7.0, help="SIGSTOP length (past the engine's 5 s keep-alive)")
     parser.add_argument("--disconnect-clients", type=int, default=2)
     parser.add_argument("--oversize-mib", type=int, default=64, help="size of each chunked oversize upload")
     args = parser.parse_args()
 
-    from serve.engines.base import ReplicaConfig, child_env
+    from serve.engines.base import child_env
     from serve.ports import free_port
-    from serve.serving import Provenance, ServingConfig
 
     folder = Path(tempfile.mkdtemp(prefix="specdec-soak-"))
-    config_file = folder / "serving.json"
-    config = ServingConfig(replica=ReplicaConfig(model=args.model, threads=args.threads),
-                           provenance=Provenance(study="soak", decision="keep_baseline", source="baseline",
-                                                 workload="soak", workload_digest="0" * 16))
-    config_file.write_text(config.model_dump_json())
-    key = secrets.token_urlsafe(24)
-    key_file = folder / "keys.txt"
-    key_file.write_text(key + "\n")
+    uri, promote = registry(folder, args)
+    key, admin = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    (folder / "keys.txt").write_text(key + "\n")
+    (folder / "admin.txt").write_text(admin + "\n")
+    capture = folder / "capture"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    # The endpoint as an operator runs it: its own driver, its own local Ray, stopped by Ctrl-C (SIGINT) at the end.
+    # The endpoint as an operator runs it: its own driver, its own local Ray, following the registry's alias, the
+    # capture on (every answer), stopped by Ctrl-C (SIGINT) at the end.
     t0 = time.monotonic()
     with open(folder / "driver.log", "wb") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "serve.production", "--config-file", str(config_file),
-                                   "--port", str(port), "--api-key-file", str(key_file), "--threads",
-                                   str(args.threads), "--follow-alias-s", "0"], env=child_env(), stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        driver = subprocess.Popen([sys.executable, "-m", "serve.production", "--registered-model", REGISTERED,
+                                   "--tracking-uri", uri, "--port", str(port), "--api-key-file",
+                                   str(folder / "keys.txt"), "--admin-key-file", str(folder / "admin.txt"),
+                                   "--threads", str(args.threads), "--follow-alias-s", "1", "--capture",
+                                   json.dumps({"dir": str(capture), "sample_rate": 1, "flush_rows": 16,
+                                               "flush_s": 5})],
+                                  env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     ROOT.append(driver.pid)
     run: Run | None = None
     end, running = None, None
@@ -310,7 +357,7 @@ def main() -> int:
         print(f"endpoint up in {time.monotonic() - t0:.0f} s (driver log: {folder / 'driver.log'}); soaking for "
               f"{args.duration:.0f} s", flush=True)
         run = Run(args)
-        asyncio.run(soak(base, key, run))
+        asyncio.run(soak(base, key, admin, run, promote))
         if args.faults:
             end, running = cool_down(base, key)
     finally:
@@ -334,7 +381,7 @@ def main() -> int:
     for proc in everything:
         if alive(proc):
             proc.kill()  # never leave a leaked process behind on the machine, reported or not
-    return 0 if run is not None and report(run, end, running, leaked) else 1
+    return 0 if run is not None and report(run, end, running, leaked, captured(capture)) else 1
 
 
 def _healthy(base: str) -> bool:

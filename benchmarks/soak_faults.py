@@ -1,5 +1,6 @@
 """The fault side of benchmarks/soak.py: this run's processes, and the faults injected through the endpoint (the
-engine paused then killed, clients that leave mid-request, oversize bodies), and the cool-down reading after them."""
+engine paused then killed, clients that leave mid-request, oversize bodies, a canary whose engine dies and a
+promotion), the registry they use, and the cool-down and capture readings after them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import signal
 import socket
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
+LEAVING = "I will not wait for this: "  # the prompts of clients that leave (told apart in the capture)
 PROMPTS = ["Write a haiku about the sea.", "List three colors.", "Say hello in French.",
            "What is 2 + 2? Answer briefly.", "Name a fruit that is yellow.", "Describe a cat in one sentence."]
 
@@ -145,10 +148,10 @@ async def disconnecting_client(base: str, key: str, idx: int, run: Any) -> None:
     await asyncio.sleep(FAULTS_FROM * run.args.duration)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http:
         n = 0
-        while time.monotonic() < run.stop_at:
+        while run.running():
             n += 1
-            body = {"model": "m", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": PROMPTS[(idx + n) % len(PROMPTS)]}]}
+            body = {"model": "m", "max_tokens": 64, "temperature": 0, "ignore_eos": True,  # LEAVING: not a client's
+                    "messages": [{"role": "user", "content": LEAVING + PROMPTS[(idx + n) % len(PROMPTS)]}]}
             try:
                 if n % 2:
                     async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
@@ -194,7 +197,7 @@ async def oversize_client(base: str, key: str, run: Any) -> None:
     await asyncio.sleep(FAULTS_FROM * run.args.duration)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http:
         n = 0
-        while time.monotonic() < run.stop_at:
+        while run.running():
             n += 1
             if n % 2:
                 status = await asyncio.to_thread(_chunked_upload, base, key, run.args.oversize_mib)
@@ -229,3 +232,134 @@ def cool_down(base: str, key: str) -> tuple[dict[str, int], float | None]:
         samples.append(rss_now())
         time.sleep(2.0)
     return {k: int(statistics.median(s[k] for s in samples)) for k in samples[0]}, running
+
+
+# --- the closed loop's faults: a canary whose engine dies, a promotion mid-soak ------------------------------------
+
+REGISTERED = "specdec-soak"
+NGRAM = {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 2, "min_bfs_breadth": 1,
+         "match_type": "BFS", "max_trie_depth": 8, "capacity": 100000}
+
+
+def registry(folder: Path, args: Any) -> tuple[str, Any]:
+    """MLflow on SQLite with version 1 (the baseline, in production), 2 and 3 (NGRAM configs: the canary that dies,
+    the promoted one); returns its URI and the promotion (alias production -> 3)."""
+    from pipeline.records.registry import CANDIDATE, register_config, set_production
+    from pipeline.records.tracking import Tracker
+    from serve.engines.base import ReplicaConfig
+    from serve.serving import Provenance, ServingConfig
+
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    tracker = Tracker(uri, "soak", artifact_dir=folder / "artifacts")
+    run_id = tracker.client().create_run(tracker.experiment_id(), run_name="soak").info.run_id
+    for spec, production in (({"algorithm": "none"}, True), (NGRAM, False), ({**NGRAM, "num_draft_tokens": 3}, False)):
+        config = ServingConfig(replica=ReplicaConfig(model=args.model, threads=args.threads, spec=spec),
+                               provenance=Provenance(study="soak", decision="promote", source="soak",
+                                                     workload="soak", workload_digest="0" * 16))
+        register_config(tracker, run_id, REGISTERED, config, move_production=production,
+                        alias="production" if production else CANDIDATE)
+    return uri, lambda: set_production(tracker, REGISTERED, "3")
+
+
+def captured(folder: Path) -> int | None:
+    """Capture rows of the streaming clients' requests (not those of clients that left), None without a capture."""
+    import pyarrow.parquet as pq
+
+    if not folder.is_dir():
+        return None
+    rows = [r for part in sorted(folder.glob("part-*.parquet")) for r in pq.read_table(part).to_pylist()]
+    return sum(1 for r in rows if not json.loads(r["messages"] or "[{}]")[-1].get("content", "").startswith(LEAVING))
+
+
+
+def canary_engine() -> psutil.Process | None:
+    """The candidate's engine process (under the `<app>-canary` replica), None when there is none."""
+    for proc in descendants():
+        try:
+            if "ServeReplica:production-canary:" not in " ".join(proc.cmdline()):
+                continue
+            found = [p for p in proc.children(recursive=True)
+                     if "serve.engines.cpu" in " ".join(p.cmdline()) and "--model-path" in p.cmdline()]
+        except psutil.Error:
+            continue
+        if found:
+            return found[0]
+    return None
+
+
+async def _poll(what: str, check: Any, deadline_s: float, period_s: float = 0.5) -> Any:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        found = await check()
+        if found:
+            return found
+        await asyncio.sleep(period_s)  # polling a condition under a deadline
+    raise TimeoutError(f"soak: {what} not within {deadline_s:.0f} s")
+
+
+async def loop_faults(base: str, admin: str, run: Any, promote: Any) -> None:
+    """After the engine's faults: a canary (share 0.5) whose engine is SIGKILLed once it has answered requests, then
+    a promotion as the loop makes it (a canary of the next version, stopped, the alias moved by `promote()`, the
+    endpoint rolling to it). Each phase is a strict window: a request that fails in it is a failure of the soak."""
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as http:
+        async def canary() -> dict:
+            return (await http.get("/v1/canary")).json()
+
+        async def start(version: str) -> None:
+            body = {"candidate": {"registered_model": run.registered_model, "version": version}, "share": 0.5}
+            answer = await http.post("/v1/canary/start", json=body)
+            assert answer.status_code == 200, answer.text
+            state = await _poll("the candidate running", lambda: _state(canary, ("running", "failed")), 900)
+            assert state["state"] == "running", state
+            await _poll("the candidate answering", lambda: _answered(canary, 8), 600)
+
+        window = [run.now(), 0.0]
+        run.strict_windows.append(window)
+        await start(run.canary_version)
+        engine = canary_engine()
+        assert engine is not None, "no candidate engine found"
+        engine.kill()
+        run.events.append(f"{run.now():.0f} s: the candidate's engine {engine.pid} SIGKILL (canary of version "
+                          f"{run.canary_version} at share 0.5)")
+        ended = await _poll("the canary failing", lambda: _state(canary, ("failed",)), 300)
+        run.loop_figures["candidate requests before its engine died"] = ended["requests"]["candidate"]
+        metrics = (await http.get("/metrics")).text
+        run.loop_figures["requests production took over from the dead candidate"] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("specdec_generation_requests_total{") and 'arm="candidate"' in line
+            and 'status="503"' in line)
+        run.events.append(f"{run.now():.0f} s: canary {ended['state']}: {ended['reason'][:120]}")
+        await asyncio.sleep(5.0)  # traffic on production alone before the promotion starts
+        window[1] = run.now()
+
+        window = [run.now(), 0.0]
+        run.strict_windows.append(window)
+        await start(run.promote_version)
+        stopped = await http.post("/v1/canary/stop", json={"reason": "promoted: the canary ends first"})
+        assert stopped.status_code == 200, stopped.text
+        await _poll("the canary off", lambda: _state(canary, ("off",)), 300)
+        rolled_at = run.now()
+        await asyncio.to_thread(promote)
+        run.events.append(f"{rolled_at:.0f} s: canary of version {run.promote_version} stopped; alias production -> "
+                          f"version {run.promote_version}")
+
+        async def serving() -> bool:
+            return (await http.get("/v1/config")).json().get("version") == run.promote_version
+
+        await _poll("the endpoint serving the promoted version", serving, 900)
+        run.loop_figures["roll to the promoted version, s"] = round(run.now() - rolled_at, 1)
+        run.events.append(f"{run.now():.0f} s: the endpoint serves version {run.promote_version}")
+        await asyncio.sleep(5.0)
+        window[1] = run.now()
+    run.loop_done = True
+
+
+async def _state(canary: Any, states: tuple[str, ...]) -> dict | None:
+    found = await canary()
+    return found if found.get("state") in states else None
+
+
+async def _answered(canary: Any, n: int) -> dict | None:
+    found = await canary()
+    return found if (found.get("requests") or {}).get("candidate", 0) >= n else None

@@ -124,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with LoopLock(Path(args.state_dir)):
             loop = Loop(settings, client, tracker, run_retune)
             state = load_state(Path(args.state_dir))
+            loop.check_resumable(state)
             stop = []
             signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
             if args.once and state.phase == "idle":

@@ -35,6 +35,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pipeline.config import PromotionPolicy, SlaConstraint
 from pipeline.decide.decision import MAD_TO_SIGMA, Decision, Finalist, decide, promotion_bar, run_stats
 from pipeline.decide.sla import Verdict
+from serve.closed_loop.control import MAX_LEASE_S
 from serve.closed_loop.live import LiveRecord, bucket_of, percentile_ms
 from serve.spec import FrozenModel, SpecConfig
 
@@ -60,7 +61,8 @@ class CanarySettings(_Model):
     max_error_increase: float = Field(0.01, ge=0, le=1, description="candidate error rate above production's by "
                                                                    "more than this rolls back")
     min_sla_requests: int = Field(20, ge=1, description="candidate requests in a limit's bucket before it is checked")
-    lease_s: float = Field(900.0, ge=10, description="the endpoint stops a canary nobody polled for this long")
+    lease_s: float = Field(900.0, ge=10, le=MAX_LEASE_S, description="the endpoint stops a canary nobody polled for "
+                                                                     "this long (at most a day)")
 
     @model_validator(mode="after")
     def _increasing(self) -> CanarySettings:

@@ -37,7 +37,7 @@ def add_canary_arguments(parser: argparse.ArgumentParser, group: Any) -> None:
 
 
 def status_text(folder: Path) -> str:
-    from pipeline.loop.state import load_state, pending_commands
+    from pipeline.loop.state import load_state, scan_commands
 
     state = load_state(folder)
     lines = [f"loop state in {folder}: phase {state.phase}, cycle {state.cycle}" + (" (PAUSED)" if state.paused
@@ -54,9 +54,12 @@ def status_text(folder: Path) -> str:
                      f"{detector.statistic:.2f}{alarm}")
     if state.outcome:
         lines.append(f"  last cycle: {state.outcome}: {state.reason}")
-    queued = [command.command for _, command in pending_commands(folder)]
+    commands, unreadable = scan_commands(folder)
+    queued = [command.command for _, command in commands]
     if queued:
         lines.append(f"  queued commands: {queued}")
+    for path, why in unreadable:
+        lines.append(f"  not a command (the loop moves it aside, unapplied): {path.name}: {why}")
     return "\n".join(lines)
 
 

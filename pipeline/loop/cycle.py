@@ -7,8 +7,8 @@ retune   `pipeline.retune.retune` on the capture since the promotion (resumes it
          the drift reference); a new config is the candidate
 canary   start it on the endpoint at the first share, then per poll: operator commands, the step's records (kept in
          `cycles/<n>/canary-step-<k>.jsonl`), `pipeline.loop.canary.canary_decision`: step up, promote or roll back
-promote  alias `production` -> the candidate (`previous` keeps the old one); wait until the endpoint serves it (it
-         follows the alias and rolls new replicas in before old ones stop); only then stop the canary
+promote  stop the canary and wait until it is off (production serves every request), then alias `production` -> the
+         candidate (`previous` keeps the old one); wait until the endpoint serves it (it follows the alias and rolls)
 rollback stop the canary (production's engines were never touched); the candidate alias is removed
 Each cycle is one MLflow run (experiment `<registered model>-loop`) linking the drift verdicts, the capture split,
 the re-tune study, every canary decision and the outcome. The state is saved after every change (`state.json`), so
@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from pipeline.errors import PipelineError, UserError
 from pipeline.loop.canary import CanaryDecision, canary_decision
 from pipeline.loop.client import EndpointClient, EndpointError, RouteMissing
 from pipeline.loop.drift import METRICS, DetectorState, level_for_bucket, record_value, update, verdict
 from pipeline.loop.reference import ReferenceProfile, load_reference
 from pipeline.loop.shift import ShiftReport, shift_report
 from pipeline.loop.settings import LoopSettings
-from pipeline.loop.state import LoopState, pending_commands, save_state
+from pipeline.loop.state import STATE_FILE, LoopState, save_state, scan_commands, set_aside
 from pipeline.records.cycles import CycleRecorder
 from serve.closed_loop.control import CandidateRef, CanaryStart, DriftLine, DriftReport
 from serve.closed_loop.live import CANDIDATE_ARM, PRODUCTION_ARM, LiveRecord, bucket_of
@@ -56,8 +56,18 @@ class Loop:
         self._references: dict[str, ReferenceProfile] = {}
         self._no_reference: set[str] = set()
         self._drift_route: bool | None = None  # whether the endpoint takes POST /v1/drift (None: not asked yet)
+        self._unmovable: set[Path] = set()  # unreadable command files that could not be moved aside (said once)
         self.recorder = CycleRecorder(tracker, settings.experiment or f"{settings.registered_model}-loop")
         self.log: Callable[[str], None] = lambda text: print(text, flush=True)
+
+    def check_resumable(self, state: LoopState) -> None:
+        """A saved state against these settings (a canary step the settings do not have): PipelineError naming the
+        fix, before the loop acts on it."""
+        shares = self.settings.canary.shares
+        if state.phase == "canary" and state.step >= len(shares):
+            raise PipelineError(f"{self.folder / STATE_FILE}: canary step {state.step + 1} of a canary whose settings "
+                                f"have {len(shares)} steps (shares {list(shares)}); give the settings it ran with, "
+                                "or move the file away to start afresh")
 
     # --- small parts ---------------------------------------------------------------------------------------------
 
@@ -101,7 +111,9 @@ class Loop:
     def _commands(self, state: LoopState) -> tuple[LoopState, str | None]:
         """Apply pause/resume; return the first abort/promote still to act on (consumed)."""
         action = None
-        for path, command in pending_commands(self.folder):
+        commands, unreadable = scan_commands(self.folder)
+        set_aside(unreadable, self.log, self._unmovable)
+        for path, command in commands:
             if command.command in ("pause", "resume"):
                 state = self._save(state, paused=command.command == "pause")
                 self.log(f"operator: {command.command}")
@@ -285,7 +297,7 @@ class Loop:
         status = self.client.canary()
         ours = status.candidate is not None and status.candidate.version == candidate
         if status.state == "failed" and ours:
-            return self._save(state, phase="rollback", reason=f"the candidate failed to start: {status.reason}")
+            return self._save(state, phase="rollback", reason=f"the candidate failed: {status.reason}")
         if status.state == "stopping":
             return state  # a stop in progress (ours, or an operator's): start again once it is off
         if status.state in ("running", "starting") and not ours:
@@ -347,11 +359,19 @@ class Loop:
         candidate = state.candidate_version or ""
         name = self.settings.registered_model
         if alias_version(self.tracker, name, PRODUCTION) != candidate:
+            # The canary ends before the alias moves: its candidate engine belongs to the ingress replica that the
+            # roll replaces, and a stop sent after the roll reached a new replica that knows no canary (the engine
+            # kept running, unreachable). Production serves every request meanwhile.
+            status = self.client.canary()
+            if status.state in ("starting", "running"):
+                self.client.canary_stop("promoted: the canary ends before production rolls to the candidate")
+                return state
+            if status.state == "stopping":
+                return state  # the next poll moves the alias once the candidate's engine is gone
             set_production(self.tracker, name, candidate)
             self.log(f"cycle {state.cycle}: alias {PRODUCTION} -> version {candidate}; waiting for the endpoint")
         if self.client.served_version() != candidate:
-            return state  # the endpoint rolls to the alias; the canary keeps serving the candidate meanwhile
-        self.client.canary_stop("promoted: production now serves the candidate")
+            return state  # the endpoint rolls to the alias
         self._drop_candidate_alias()
         state = self._save(state, production_version=candidate, reference_version=candidate, detectors={})
         return self._end(state, "promoted", state.reason or "promoted")

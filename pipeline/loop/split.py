@@ -21,6 +21,7 @@ answers is compared with the baseline's answers of the same run, never with the 
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -194,15 +195,20 @@ def write_workload(rows: Sequence[Mapping[str, Any]], path: str | Path, with_out
 
 
 def read_capture(directory_or_file: str | Path) -> list[dict[str, Any]]:
-    """Every row of a capture directory's parts (`part-*.parquet`) or of one merged capture file."""
+    """Every row of a capture directory's parts (`part-*.parquet`, regular files only: a FIFO or a link named like a
+    part is skipped, never opened) or of one merged capture file."""
     import pyarrow.parquet as pq
 
+    from serve.closed_loop.capture import part_files
+    from serve.closed_loop.files import open_regular
+
     path = Path(directory_or_file)
-    parts = sorted(path.glob("part-*.parquet")) if path.is_dir() else [path]
-    if not parts or not all(p.is_file() for p in parts):
+    parts = part_files(path) if path.is_dir() else [path] if path.is_file() else []
+    if not parts:
         raise ValueError(f"capture: no part-*.parquet files in {str(path)!r} (is capture on, and has the endpoint "
                          "answered sampled requests?)")
     rows: list[dict[str, Any]] = []
     for part in parts:
-        rows.extend(pq.read_table(part).to_pylist())
+        with os.fdopen(open_regular(part), "rb") as handle:
+            rows.extend(pq.read_table(handle).to_pylist())
     return rows

@@ -17,7 +17,15 @@ moment it exists); `python -m serve.closed_loop.capture merge DIR OUT.parquet` j
 `python -m pipeline.tune --workload OUT.parquet` replays.
 
 Writes happen on a worker thread, never on the event loop; a failed write is logged and drops that part, never a
-request.
+request, and its rows do not count toward `max_rows`. Buffered rows are written when `flush_rows` are buffered,
+when the oldest is `flush_s` old (a timer, whether or not more requests come), and when the replica stops (`close`:
+Serve's graceful stop of the replica on a roll or a shutdown). A process killed outright (SIGKILL, or Ray's workers
+signalled with the whole process group) loses what it buffered: at most `flush_rows` rows or `flush_s` of them.
+
+Shared folders: an existing capture directory must be the endpoint user's own and closed to others (mode 0700 or
+stricter; anything else is refused at start, naming the fix), and every file is created under an unpredictable name
+with `O_EXCL | O_NOFOLLOW`, so a link planted in the folder is never written through. Parts are read (the bound's
+count, `merge`) only when they are regular files, without blocking (a FIFO named like a part is skipped).
 """
 
 from __future__ import annotations
@@ -38,15 +46,16 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from serve.closed_loop.files import (DIR_MODE, FILE_MODE, NotRegular, make_private_dir, open_regular, part_files,
+                                     private_dir_problem, write_private)
 from serve.http_limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve.spec import FrozenModel
 
 __all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "DIR_MODE", "FILE_MODE", "row_of", "merge_parts",
-           "make_private_dir", "write_private", "main"]
+           "make_private_dir", "private_dir_problem", "write_private", "part_files", "main"]
 
 log = logging.getLogger("serve.closed_loop.capture")
 CAPTURED_ROUTES = ("/v1/chat/completions", "/v1/completions")
-DIR_MODE, FILE_MODE = 0o700, 0o600  # captured prompts are user data: operators only (as identity.json, promoted.yaml)
 
 
 class CaptureSettings(FrozenModel):
@@ -56,7 +65,8 @@ class CaptureSettings(FrozenModel):
     sample_rate: float = Field(0.1, gt=0, le=1, description="fraction of successful requests kept")
     max_rows: int = Field(10_000, ge=1, description="capture stops after this many rows in dir")
     flush_rows: int = Field(64, ge=1, description="rows buffered before a part file is written")
-    flush_s: float = Field(30.0, gt=0, description="a buffered row older than this is written with the next one")
+    flush_s: float = Field(30.0, gt=0, description="a buffered row is written at the latest this long after it was "
+                                                   "answered (a timer)")
     seed: int | None = Field(None, description="sampling seed (tests); None = random")
 
     @model_validator(mode="before")
@@ -132,31 +142,12 @@ def _stream_event(line: bytes) -> tuple[str, bool]:
     return str(delta.get("content") or choice.get("text") or ""), False
 
 
-def make_private_dir(path: Path) -> None:
-    """Create `path` (and missing parents) with the capture's mode; an existing directory keeps its own, with a
-    warning when others may read it (its files are FILE_MODE regardless)."""
-    if path.is_dir():
-        if path.stat().st_mode & 0o077:
-            log.warning("traffic capture: %s is readable by other users (mode %o); its files are written %o, "
-                        "but consider a directory only the operators can list", path, path.stat().st_mode & 0o777,
-                        FILE_MODE)
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, DIR_MODE)  # mkdir's mode is cut by the umask; chmod is not
+def _read_table(path: Path) -> Any:
+    """One part as a pyarrow table, opened as a regular file without following a link or blocking."""
+    import pyarrow.parquet as pq
 
-
-def write_private(write: Any, path: Path) -> None:
-    """`write(tmp)` then rename to `path`, the file FILE_MODE from the first byte (created so, not chmod-ed after)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        os.fchmod(fd, FILE_MODE)  # the umask may have removed bits of FILE_MODE at creation
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-        os.replace(tmp, path)  # readers (merge, the bound's count) never see half a file
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with os.fdopen(open_regular(path, follow_links=False), "rb") as handle:
+        return pq.read_table(handle)
 
 
 class Capture:
@@ -175,9 +166,13 @@ class Capture:
         self._oldest = 0.0
         self._seq = 0
         self._tag = f"{uuid.uuid4().hex[:8]}"
-        self._kept = _rows_in(self.dir)
+        self._kept = _rows_in(self.dir)  # rows on disk, buffered or being written; a failed write gives its back
         self._full_logged = False
+        self._closed = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture")
+        # The timer writes a buffered row once it is flush_s old, whether or not another request comes.
+        self._wake = threading.Event()
+        threading.Thread(target=self._timer, name="capture-timer", daemon=True).start()
 
     async def observe(self, route: str, body: dict[str, Any] | None, response: Any) -> Any:
         """The ingress hook: maybe record (request, response); `body` is the request as the engine was asked (the
@@ -234,6 +229,8 @@ class Capture:
         if row is None or self.settings is None:
             return
         with self._lock:
+            if self._closed:
+                return
             if self._kept >= self.settings.max_rows:
                 if not self._full_logged:
                     log.warning("traffic capture: max_rows=%d reached in %s; capture stopped",
@@ -244,31 +241,78 @@ class Capture:
             now = time.monotonic()
             if not self._rows:
                 self._oldest = now
+                self._wake.set()  # the timer now has a row to wait for
             self._rows.append(row)
             if len(self._rows) < self.settings.flush_rows and now - self._oldest < self.settings.flush_s:
                 return
-            rows, self._rows = self._rows, []
-            self._seq += 1
-            path = self.dir / f"part-{self._tag}-{self._seq:06d}.parquet"
-        self._writer.submit(_write_part, rows, path)
+            self._submit()
+
+    def _submit(self) -> None:
+        """Hand the buffered rows to the writer as the next part (called holding the lock, so no write is handed
+        over after `close` stopped the writer)."""
+        rows, self._rows = self._rows, []
+        self._seq += 1
+        self._writer.submit(self._write, rows, self.dir / f"part-{self._tag}-{self._seq:06d}.parquet")
+
+    def _write(self, rows: list[dict[str, Any]], path: Path) -> None:
+        if _write_part(rows, path):
+            return
+        with self._lock:  # rows that never reached the disk do not count toward max_rows
+            self._kept -= len(rows)
+            self._full_logged = False
+
+    def flush_due(self, now: float | None = None) -> bool:
+        """Write the buffer if its oldest row is `flush_s` old at `now` (monotonic; default: now); whether it did."""
+        if self.settings is None:
+            return False
+        with self._lock:
+            now = time.monotonic() if now is None else now
+            if self._closed or not self._rows or now - self._oldest < self.settings.flush_s:
+                return False
+            self._submit()
+        return True
+
+    def _timer(self) -> None:
+        flush_s = self.settings.flush_s if self.settings is not None else 0.0
+        while not self._closed:
+            with self._lock:
+                wait = max(0.0, self._oldest + flush_s - time.monotonic()) if self._rows else None
+            self._wake.wait(wait)
+            self._wake.clear()
+            if not self._closed:
+                self.flush_due()
 
     def flush(self) -> None:
         """Write what is buffered and wait for every pending write (tests, shutdown)."""
         if self.settings is None:
             return
         with self._lock:
-            rows, self._rows = self._rows, []
-            self._seq += 1
-            path = self.dir / f"part-{self._tag}-{self._seq:06d}.parquet"
-        if rows:
-            self._writer.submit(_write_part, rows, path)
-        self._writer.submit(lambda: None).result()
+            if self._closed:
+                return
+            if self._rows:
+                self._submit()
+            pending = self._writer.submit(lambda: None)
+        pending.result()
+
+    def close(self) -> None:
+        """Write what is buffered, wait for it, and take no more rows (the replica stops). Idempotent."""
+        if self.settings is None:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._rows:
+                self._submit()
+        self._wake.set()
+        self._writer.shutdown(wait=True)
 
 
 _COLUMNS = ("id", "prompt", "messages", "max_new_tokens", "output")
 
 
-def _write_part(rows: list[dict[str, Any]], path: Path) -> None:
+def _write_part(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Write one part; False (logged) when it could not be written (a full disk)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -277,8 +321,10 @@ def _write_part(rows: list[dict[str, Any]], path: Path) -> None:
                          schema=pa.schema([("id", pa.string()), ("prompt", pa.string()), ("messages", pa.string()),
                                            ("max_new_tokens", pa.int64()), ("output", pa.string())]))
         write_private(lambda handle: pq.write_table(table, handle), path)
+        return True
     except Exception:  # noqa: BLE001 - a capture failure must never reach a request
         log.exception("traffic capture: writing %s failed; %d rows dropped", path, len(rows))
+        return False
 
 
 def _rows_in(directory: Path) -> int:
@@ -287,7 +333,10 @@ def _rows_in(directory: Path) -> int:
     total = 0
     for part in sorted(directory.glob("part-*.parquet")):
         try:
-            total += pq.ParquetFile(part).metadata.num_rows
+            with os.fdopen(open_regular(part, follow_links=False), "rb") as handle:
+                total += pq.ParquetFile(handle).metadata.num_rows
+        except NotRegular as exc:  # a FIFO, a link or a folder named like a part: never opened for reading
+            log.warning("traffic capture: %s is %s; not counted", part, exc.strerror)
         except Exception:  # noqa: BLE001 - a foreign file does not stop the endpoint
             log.warning("traffic capture: %s is not a readable part; not counted", part)
     return total
@@ -298,11 +347,11 @@ def merge_parts(directory: str | Path, out: str | Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parts = sorted(Path(directory).glob("part-*.parquet"))
+    parts = part_files(Path(directory))
     if not parts:
         raise ValueError(f"capture: no part-*.parquet files in {str(directory)!r} (is capture on, and has the "
                          "endpoint answered sampled requests?)")
-    table = pa.concat_tables([pq.read_table(p) for p in parts])
+    table = pa.concat_tables([_read_table(p) for p in parts])
     write_private(lambda handle: pq.write_table(table, handle), Path(out))
     return table.num_rows
 

@@ -31,13 +31,13 @@ except on an endpoint bound to localhost without keys at all (docs/security.md).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from serve.spec import FrozenModel
 
-__all__ = ["CANARY_PATH", "CANARY_START_PATH", "CANARY_SHARE_PATH", "CANARY_STOP_PATH", "CAPTURE_PATH",
+__all__ = ["Contract", "MAX_LEASE_S", "CANARY_PATH", "CANARY_START_PATH", "CANARY_SHARE_PATH", "CANARY_STOP_PATH", "CAPTURE_PATH",
            "ADMIN_KEYS_ENV", "CandidateRef", "CanaryStart", "CanaryShare", "CanaryStop", "CanaryState",
            "CanaryStatus", "CapturePart", "CaptureListing", "PART_NAME", "DRIFT_PATH", "DriftLine", "DriftReport"]
 
@@ -51,9 +51,22 @@ ADMIN_KEYS_ENV = "SPECDEC_ADMIN_KEYS"
 PART_NAME = re.compile(r"^part-[A-Za-z0-9]+-[0-9]+\.parquet$")  # serve/closed_loop/capture.py's part names; nothing else served
 
 CanaryState = Literal["off", "starting", "running", "stopping", "failed"]
+MAX_LEASE_S = 86_400.0  # a day: a lease is how long an unwatched candidate may keep its share
+# Strict numbers: a JSON number only, never a string ("0.5", "NaN", "inf") or a boolean; finite (allow_inf_nan off
+# on every model below). A NaN that got into a drift report could not be written back out: `/v1/drift` and every
+# later `/v1/config` answered 500.
+Number = Annotated[float, Field(strict=True)]
+Count = Annotated[int, Field(strict=True)]
+Flag = Annotated[bool, Field(strict=True)]
 
 
-class CandidateRef(FrozenModel):
+class Contract(FrozenModel):
+    """Base of the contract's shapes: unknown keys refused, immutable, numbers finite."""
+
+    model_config = ConfigDict(**FrozenModel.model_config, allow_inf_nan=False)
+
+
+class CandidateRef(Contract):
     """A registered serving config: the endpoint loads it from its own registry (its `tracking_uri`)."""
 
     registered_model: str = Field(min_length=1)
@@ -61,35 +74,36 @@ class CandidateRef(FrozenModel):
                                                           "not move while it runs")
 
 
-class CanaryStart(FrozenModel):
+class CanaryStart(Contract):
     candidate: CandidateRef
-    share: float = Field(gt=0, le=1)
-    lease_s: float = Field(900.0, ge=10, description="stop the canary when no canary route was called for this long")
+    share: Number = Field(gt=0, le=1)
+    lease_s: Number = Field(900.0, ge=10, le=MAX_LEASE_S, description="stop the canary when no canary route was "
+                                                                        "called for this long")
 
 
-class CanaryShare(FrozenModel):
-    share: float = Field(gt=0, le=1)
+class CanaryShare(Contract):
+    share: Number = Field(gt=0, le=1)
 
 
-class CanaryStop(FrozenModel):
+class CanaryStop(Contract):
     reason: str = Field(min_length=1, max_length=2000)
 
 
-class CanaryStatus(FrozenModel):
+class CanaryStatus(Contract):
     state: CanaryState
     candidate: CandidateRef | None = None
-    share: float = Field(0.0, ge=0, le=1)
-    started_ms: int | None = Field(None, description="unix ms the candidate began taking requests")
+    share: Number = Field(0.0, ge=0, le=1)
+    started_ms: Count | None = Field(None, description="unix ms the candidate began taking requests")
     requests: dict[Literal["production", "candidate"], int] = Field(
         default_factory=dict, description="generation requests each arm got since the canary started")
     reason: str | None = Field(None, description="why the canary is failed / stopping / off (the last stop)")
 
 
-class CapturePart(FrozenModel):
+class CapturePart(Contract):
     name: str
-    rows: int = Field(ge=0)
-    bytes: int = Field(ge=0)
-    mtime_ms: int = Field(ge=0)
+    rows: Count = Field(ge=0)
+    bytes: Count = Field(ge=0)
+    mtime_ms: Count = Field(ge=0)
 
     @field_validator("name")
     @classmethod
@@ -99,27 +113,27 @@ class CapturePart(FrozenModel):
         return value
 
 
-class CaptureListing(FrozenModel):
+class CaptureListing(Contract):
     parts: tuple[CapturePart, ...]
-    max_rows: int = Field(ge=1, description="the capture's bound; capture stops at it (serve/closed_loop/capture.py)")
+    max_rows: Count = Field(ge=1, description="the capture's bound; capture stops at it (serve/closed_loop/capture.py)")
 
 
-class DriftLine(FrozenModel):
+class DriftLine(Contract):
     """One figure's drift test at one concurrency bucket (`pipeline.loop.drift.DriftVerdict`, flattened)."""
 
     metric: str
-    bucket: int = Field(ge=1)
-    alarm: bool
-    statistic: float
-    threshold: float
-    requests: int = Field(ge=0)
-    live_mean: float | None
-    reference_mean: float
+    bucket: Count = Field(ge=1)
+    alarm: Flag
+    statistic: Number
+    threshold: Number
+    requests: Count = Field(ge=0)
+    live_mean: Number | None
+    reference_mean: Number
     text: str
 
 
-class DriftReport(FrozenModel):
-    at_ms: int = Field(ge=0)
+class DriftReport(Contract):
+    at_ms: Count = Field(ge=0)
     reference_version: str
     lines: tuple[DriftLine, ...]
     shift: str | None = Field(None, description="the workload-shift summary, when the loop computed one")

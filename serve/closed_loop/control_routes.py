@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from serve.closed_loop.control import PART_NAME, CaptureListing, CapturePart, DriftReport
 from serve.closed_loop.capture import CaptureSettings
+from serve.closed_loop.files import open_regular, read_regular
 from serve.http_errors import RequestRejected, short
 
 __all__ = ["DriftBoard", "contract_body", "capture_listing", "capture_part", "PARQUET_MEDIA_TYPE"]
@@ -88,8 +89,9 @@ def _listing(directory: Path, max_rows: int) -> CaptureListing:
         info = _regular(path)
         if not PART_NAME.match(path.name) or info is None:
             continue
-        try:
-            rows = pq.ParquetFile(path).metadata.num_rows
+        try:  # opened as a regular file without following a link or blocking: a FIFO swapped in is refused
+            with os.fdopen(open_regular(path, follow_links=False), "rb") as handle:
+                rows = pq.ParquetFile(handle).metadata.num_rows
         except Exception:  # noqa: BLE001 - a damaged part is left out, as the capture's own count does
             continue
         parts.append(CapturePart(name=path.name, rows=rows, bytes=info.st_size, mtime_ms=int(info.st_mtime * 1000)))
@@ -102,10 +104,8 @@ async def capture_listing(settings: CaptureSettings | None) -> CaptureListing:
 
 
 def _read(path: Path) -> bytes:
-    # O_NOFOLLOW: a link swapped in after the check is refused by the kernel, not followed
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+    # a link or a FIFO swapped in after the check is refused (O_NOFOLLOW, O_NONBLOCK), not followed or waited on
+    return read_regular(path, follow_links=False)
 
 
 async def capture_part(settings: CaptureSettings | None, name: str) -> bytes:

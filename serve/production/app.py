@@ -5,9 +5,10 @@ The config comes from the MLflow registry (`models:/<name>@production` by defaul
 serving-config file also works). The app is an ingress (`OpenAIIngress`: auth, limits, metrics, `/v1/config`) in
 front of `serve/replica/deployment.py::EngineBackend` (the engine owner the trials' replica is built on); a serving policy
 that switches config above N requests in flight (`serve.serving.RoutingPolicy`) gets a second engine deployment
-(`EngineBackendHigh`) and the ingress routes by its own in-flight count. All deployments roll with
-`max_surge_percent=100`: on a new config the new replica starts and gets ready before the old one stops, so a
-promotion or a rollback drops no request (at the price of 2x the engine's resources during the swap).
+(`EngineBackendHigh`) and the ingress routes by its own in-flight count. A roll (`serve.production.roll`) surges
+where a second copy of the engines fits (the new replica starts and gets ready before the old one stops, so a
+promotion or a rollback drops no request), and stops then starts where it does not, with the gap answered 503 +
+Retry-After; the deploy waits as long as the serving config's start timeout allows.
 
 Run it: `python -m serve.production --registered-model specdec-default --tracking-uri sqlite:///runs/default/mlflow.db`
 or `serve run serve.production.app:app_builder registered_model=... tracking_uri=...`, or a Serve config file
@@ -21,15 +22,18 @@ Auth, limits and backpressure (`serve.production.settings`, docs/security.md): b
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from serve.production.engine_app import backpressure, engine_deployment, load_serving_config
 from serve.engines.base import ReplicaConfig
-from serve.serving import ENGINE_DEPLOYMENTS, HIGH, LOW, SERVING_FILE, ServingConfig
+from serve.production.engine_app import backpressure, engine_deployment, load_serving_config
+from serve.production.roll import STOP_THEN_START, SURGE, Roll, deploy_timeout_s, free_per_node, plan_roll
 from serve.production.settings import ProductionSettings
+from serve.serving import ENGINE_DEPLOYMENTS, HIGH, LOW, SERVING_FILE, ServingConfig
 
 CONFIG_FILE = SERVING_FILE
-__all__ = ["build_app", "app_builder", "deploy", "resolve_serving", "load_serving_config", "replica_config"]
+__all__ = ["build_app", "app_builder", "deploy", "resolve_serving", "load_serving_config", "replica_config",
+           "running_serving"]
 
 
 def resolve_serving(settings: ProductionSettings) -> dict[str, Any]:
@@ -56,19 +60,23 @@ def replica_config(serving: dict[str, Any], threads: int | None = None, route: s
     return replica.model_copy(update={"threads": threads}) if threads is not None else replica
 
 
-def build_app(settings: ProductionSettings) -> Any:
+def build_app(settings: ProductionSettings, serving: dict[str, Any] | None = None, roll: Roll = SURGE,
+              gap: bool = False) -> Any:
     """The Serve application: ingress + one engine deployment per engine of the serving policy (one, or two when
-    the policy switches config above a concurrency), all rolling with a 100% surge."""
+    the policy switches config above a concurrency), rolling as `roll` says (`serve.production.roll`). `gap`: no
+    engine that could answer runs now, so the new ingress answers 503 + Retry-After until its engines are up."""
     from serve.production.ingress import OpenAIIngress
 
-    serving = resolve_serving(settings)
+    serving = serving if serving is not None else resolve_serving(settings)
     engines = {route: engine_deployment(settings, replica_config(serving, settings.threads, route),
-                                        ENGINE_DEPLOYMENTS[route])
+                                        ENGINE_DEPLOYMENTS[route], surge=roll == SURGE)
                for route in ServingConfig.model_validate(serving["config"]).replicas()}
-    # max_constructor_retry_count=1: a refused start (no keys off-localhost, placeholder keys) fails in seconds
+    # max_constructor_retry_count=1: a refused start (no keys off-localhost, placeholder keys) fails in seconds.
+    # The ingress itself always surges (a tenth of a CPU): the new one is up before the old one stops.
     return OpenAIIngress.options(max_surge_percent=100, max_constructor_retry_count=1,  # type: ignore[attr-defined]
                                  max_ongoing_requests=settings.max_ongoing_requests, **backpressure(settings)
-                                 ).bind(engines[LOW], settings.model_dump(mode="json"), serving, engines.get(HIGH))
+                                 ).bind(engines[LOW], settings.model_dump(mode="json"), serving, engines.get(HIGH),
+                                        gap)
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -76,26 +84,66 @@ def app_builder(args: dict[str, str]) -> Any:
     return build_app(ProductionSettings.model_validate(args))
 
 
-def deploy(settings: ProductionSettings, timeout_s: float = 900.0) -> dict[str, Any]:
+def running_serving(app_name: str) -> dict[str, Any] | None:
+    """What the running app's ingress serves (`resolve_serving`'s dict), None when the app is not running."""
+    from ray import serve
+
+    status = serve.status().applications.get(app_name)
+    if status is None or not str(status.status).endswith("RUNNING"):
+        return None
+    try:
+        return dict(serve.get_app_handle(app_name).serving_now.remote().result(timeout_s=60))
+    except Exception:  # noqa: BLE001 - an ingress that cannot say: treated as nothing known, a surge roll
+        return None
+
+
+def deploy(settings: ProductionSettings, timeout_s: float | None = None,
+           say: Callable[[str], None] = lambda text: print(text, flush=True)) -> dict[str, Any]:
     """Deploy or roll the production app to the config `settings` resolve to; returns what it serves.
 
-    A running app is updated in place by Serve: new replicas start before old ones stop (max_surge_percent=100).
+    Waits at most `timeout_s` (default: `serve.production.roll.deploy_timeout_s` of the new config) for the app to
+    run: RuntimeError when it failed to deploy, TimeoutError when it is not running in time (the caller decides
+    what then: `python -m serve.production` rolls back). A running app is rolled as `plan_roll` decides; a
+    stop-then-start roll tells the running ingress first, which answers 503 + Retry-After from then on.
     """
     from ray import serve
 
-    app = build_app(settings)
-    serve.run_many([serve.RunTarget(app, name=settings.app_name, route_prefix="/")],
-                   wait_for_applications_running=False)
-    deadline = time.monotonic() + timeout_s
+    serving = resolve_serving(settings)
+    config = ServingConfig.model_validate(serving["config"])
+    wait_s = timeout_s if timeout_s is not None else deploy_timeout_s(config)
+    now = running_serving(settings.app_name)
+    running = ServingConfig.model_validate(now["config"]) if now is not None else None
+    roll = plan_roll(config, running, settings.num_replicas, free_per_node() if running is not None else [],
+                     settings.threads)
+    if roll == STOP_THEN_START:
+        why = (f"the endpoint is switching to version {serving['origin'].get('version') or 'new'}: the old engine "
+               "stops before the new one starts (two copies do not fit the cluster)")
+        say(f"roll: two copies of the engine do not fit the cluster's free resources; stopping the old engine "
+            f"before the new one starts, answering 503 + Retry-After meanwhile (up to {wait_s:.0f} s)")
+        serve.get_app_handle(settings.app_name).announce_gap.remote(why).result(timeout_s=60)
+    # No engine answers until the new ones run: a stop-then-start roll, or an app that exists but does not run (a
+    # rollback after a failed roll). A first deploy keeps Serve's own behaviour: requests wait for the engine.
+    gap = roll == STOP_THEN_START or (now is None and settings.app_name in serve.status().applications)
+    try:
+        serve.run_many([serve.RunTarget(build_app(settings, serving, roll, gap), name=settings.app_name,
+                                        route_prefix="/")], wait_for_applications_running=False)
+    except BaseException:
+        if roll == STOP_THEN_START:  # nothing was rolled: the running ingress serves again
+            serve.get_app_handle(settings.app_name).announce_gap.remote(None).result(timeout_s=60)
+        raise
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         status = serve.status().applications.get(settings.app_name)
         state = str(status.status) if status else "MISSING"
         if state.endswith("RUNNING"):
-            return resolve_serving(settings)
+            if gap:  # every engine runs now: the ingress answers at once, not at its own next look
+                serve.get_app_handle(settings.app_name).announce_gap.remote(None).result(timeout_s=60)
+            return serving
         if state.endswith("DEPLOY_FAILED"):
             raise RuntimeError(f"production app failed to deploy: {_reason(status)}")
-        time.sleep(0.5)
-    raise TimeoutError(f"production app not RUNNING after {timeout_s:.0f} s")
+        time.sleep(0.5)  # the controller's status, polled under the deadline above
+    raise TimeoutError(f"production app not RUNNING after {wait_s:.0f} s (the serving config's start_timeout_s "
+                       "plus the old engines' drain and Serve's margin)")
 
 
 def _reason(status: Any) -> str:

@@ -1,7 +1,14 @@
 """`python -m serve.production`: start (or join) Ray, deploy the production app, follow the registry alias.
 
-Auth is checked before Ray starts (exit 2 with the reason) and the banner reports what the running ingress enforces
-(docs/security.md). A promotion or rollback moves the alias; `follow` rolls the app to it.
+Auth and the capture directory are checked before Ray starts (exit 2 with the reason) and the banner reports what
+the running ingress enforces (docs/security.md). A promotion or rollback moves the alias; `follow` rolls the app to
+it (`serve.production.roll`), and a roll that fails or does not finish in time is rolled back to the version that
+served before: a failed roll never leaves the endpoint down, and the failed version is not tried again until the
+alias moves on.
+
+Stopping: SIGTERM (a service manager, `kill PID`) and Ctrl-C both stop the endpoint gracefully: Serve drains each
+replica (in-flight requests finish, buffered capture rows are written) and stops the engines. The handler is
+installed once Ray and Serve have started (`ray.init` installs its own, which exits at once).
 """
 
 from __future__ import annotations
@@ -9,9 +16,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
+from serve.closed_loop.capture import private_dir_problem
 from serve.engines.base import ENDPOINT_MALLOC_MARKER
 from serve.production.app import deploy
 from serve.production.settings import ProductionSettings, auth_problem, load_admin_keys, load_api_keys
@@ -53,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         problem = f"{which}: cannot read {exc.filename!r}: {exc.strerror}"
     else:
         problem = auth_problem(settings, settings.host, keys, admin_keys)
+    if problem is None and settings.capture is not None:
+        found = private_dir_problem(Path(settings.capture.dir))
+        problem = f"--capture: the capture directory {found}" if found else None
     if problem:
         print(f"error: {problem}", flush=True)
         return 2
@@ -61,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    # SIGTERM (a service manager, `kill`) stops the endpoint as Ctrl-C does: Serve shuts its replicas down, which
-    # stop their engines. A SIGKILL runs nothing here: the engine watchdog's owner link stops the engine then.
-    signal.signal(signal.SIGTERM, _interrupt)
+    ray.init(address=address or "local", include_dashboard=False)  # help: "instead of starting a local one"
     try:
-        ray.init(address=address or "local", include_dashboard=False)  # help: "instead of starting a local one"
         serve.start(http_options={"host": settings.host, "port": settings.port})
+        # SIGTERM stops the endpoint as Ctrl-C does: installed only now, since ray.init replaced any earlier handler
+        # with one that exits at once (no drain, buffered capture rows lost). A SIGKILL runs nothing here: the
+        # engine watchdog's owner link stops the engine then.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             served = deploy(settings)
         except (RuntimeError, TimeoutError) as exc:
@@ -80,10 +93,29 @@ def main(argv: list[str] | None = None) -> int:
               f"/v1 -- auth {auth}; Ctrl-C stops", flush=True)
         follow(settings, origin.get("version"))
     except KeyboardInterrupt:
-        print("stopping: shutting the endpoint and its engines down", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("stopping: draining the endpoint's requests, then shutting it and its engines down", flush=True)
+        drain(settings.app_name)
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def drain(app_name: str) -> None:
+    """Stop the app gracefully before Serve itself: new requests get 503 + Retry-After, the requests in flight
+    finish (Serve drains each replica; its proxy, which `serve.shutdown` stops at once, still carries them), and each
+    ingress replica writes its buffered capture rows as it stops."""
+    from ray import serve
+
+    try:
+        serve.get_app_handle(app_name).announce_gap.remote("the endpoint is stopping").result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - not deployed (a failed start): nothing to drain
+        return
+    try:
+        serve.delete(app_name)  # blocking: until every replica has drained and stopped
+    except Exception as exc:  # noqa: BLE001 - serve.shutdown below stops whatever is left
+        print(f"draining {app_name}: {type(exc).__name__}: {exc}", flush=True)
 
 
 def local_ray_environment(env: MutableMapping[str, str]) -> None:
@@ -116,19 +148,63 @@ def current_version(settings: ProductionSettings) -> str | None:
         settings.registered_model, settings.alias).version)
 
 
+class Follower:
+    """Rolls the endpoint to wherever the alias points, one `step` per poll; a roll that fails (the new config does
+    not deploy, or not within the serving config's timeouts) is rolled back to the version served before, and that
+    version stays served until the alias points at another one. `step` never raises for a failed roll: production
+    must outlive it. `deploy` and `current` are the I/O (`serve.production.app.deploy`, `current_version`)."""
+
+    def __init__(self, settings: ProductionSettings, serving_version: str | None,
+                 deploy: Callable[[ProductionSettings], dict[str, Any]] = deploy,
+                 current: Callable[[ProductionSettings], str | None] | None = None,
+                 say: Callable[[str], None] = lambda text: print(text, flush=True)) -> None:
+        self.settings, self.serving, self.deploy, self.say = settings, serving_version, deploy, say
+        self.current = current or current_version
+        self.failed: str | None = None  # the version whose roll failed (not tried again until the alias moves)
+        self.restore = False  # the rollback itself failed: try it again at the next step
+
+    def step(self) -> None:
+        try:
+            wanted = self.current(self.settings)
+        except Exception as exc:  # noqa: BLE001 - a registry hiccup must not take the endpoint down
+            self.say(f"registry check failed, still serving version {self.serving}: {exc}")
+            return
+        if self.restore:
+            self._roll_back()
+        if wanted is None or wanted in (self.serving, self.failed):
+            return
+        self.failed = None
+        self.say(f"alias {self.settings.alias} moved to version {wanted}: rolling")
+        try:
+            served = self.deploy(self.settings)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, production must keep serving
+            self.say(f"roll to version {wanted} failed: {exc}")
+            self.failed = wanted
+            self._roll_back()
+            return
+        self.serving = str(served["origin"].get("version") or wanted)
+        self.say(f"now serving version {self.serving}")
+
+    def _roll_back(self) -> None:
+        if self.serving is None:
+            self.restore = False
+            return
+        self.say(f"rolling back to version {self.serving}; version {self.failed} is not tried again until alias "
+                 f"{self.settings.alias} moves")
+        try:
+            self.deploy(self.settings.model_copy(update={"version": self.serving}))
+        except Exception as exc:  # noqa: BLE001 - tried again at the next poll
+            self.restore = True
+            self.say(f"rollback to version {self.serving} failed ({exc}); trying again at the next poll")
+            return
+        self.restore = False
+        self.say(f"serving version {self.serving} again")
+
+
 def follow(settings: ProductionSettings, serving_version: str | None) -> None:
     """Promotion and rollback move a registry alias; this loop rolls the app to wherever the alias points."""
+    follower = Follower(settings, serving_version)
     while True:
         time.sleep(settings.follow_alias_s or 3600)
-        if not settings.follow_alias_s:
-            continue
-        try:
-            wanted = current_version(settings)
-        except Exception as exc:  # noqa: BLE001 - a registry hiccup must not take the endpoint down
-            print(f"registry check failed, still serving version {serving_version}: {exc}", flush=True)
-            continue
-        if wanted is not None and wanted != serving_version:
-            print(f"alias {settings.alias} moved to version {wanted}: rolling (new replica first)", flush=True)
-            deploy(settings)
-            serving_version = wanted
-            print(f"now serving version {wanted}", flush=True)
+        if settings.follow_alias_s:
+            follower.step()

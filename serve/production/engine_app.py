@@ -62,11 +62,14 @@ def backpressure(settings: ProductionSettings) -> dict[str, Any]:
             "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=settings.retry_after_s)}
 
 
-def engine_deployment(settings: ProductionSettings, replica: ReplicaConfig, name: str) -> Any:
-    """One engine deployment (Serve application node) of `replica`, rolling with a 100% surge."""
+def engine_deployment(settings: ProductionSettings, replica: ReplicaConfig, name: str, surge: bool = True) -> Any:
+    """One engine deployment (Serve application node) of `replica`: on a roll, `surge` starts the new replica
+    before the old one stops (100% surge: twice the resources meanwhile); without it the old one stops first
+    (`serve.production.roll`)."""
     from serve.replica.deployment import EngineBackend, actor_options
 
     # @serve.deployment made EngineBackend a Deployment (mypy sees the class).
     return EngineBackend.options(  # type: ignore[attr-defined]
-        name=name, num_replicas=settings.num_replicas, max_surge_percent=100, max_constructor_retry_count=3,
-        **backpressure(settings), ray_actor_options=actor_options(replica)).bind(replica.to_replica())
+        name=name, num_replicas=settings.num_replicas, max_surge_percent=100 if surge else 0,
+        max_constructor_retry_count=3, **backpressure(settings), ray_actor_options=actor_options(replica)
+    ).bind(replica.to_replica())

@@ -28,18 +28,20 @@ figures as Prometheus histograms and counters (labels `version`, `arm`, `route`,
 `GET /v1/live/summary` serve them (this replica's ring of `live_records`); the closed loop posts its drift verdicts
 to `POST /v1/drift` (shown on `/v1/config` and `/metrics`) and reads the capture's parts from `GET /v1/capture` and
 `GET /v1/capture/<name>`; it runs a canary of a candidate version on a share of the traffic (`serve.closed_loop.candidate_arm`, routes
-`/v1/canary*`). The capture, drift and canary routes take an admin key only (`serve.production.settings`).
+`/v1/canary*`; a candidate that fails is taken over by production, `serve.closed_loop.failover`). The capture,
+drift and canary routes take an admin key only (`serve.production.settings`); `/v1/config` shows a user key no
+captured text and no server path (`serve.production.config_view`). Rolls, their gap and the replica's stop:
+`serve.production.ingress_lifecycle`.
 """
 
 
 import asyncio
 import json
 import time
-import weakref
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -48,21 +50,23 @@ from serve.closed_loop.candidate_arm import CanaryArm
 from serve.closed_loop.control import (CANARY_PATH, CANARY_SHARE_PATH, CANARY_START_PATH, CANARY_STOP_PATH, CAPTURE_PATH,
                                    DRIFT_PATH, CanaryShare, CanaryStart, CanaryStop, DriftReport)
 from serve.closed_loop.capture import Capture
+from serve.closed_loop.failover import CandidateUnfit, resumable
 from serve.http_errors import (RequestRejected, busy_response, error_response, failure_answer, log_failure,
                                unavailable_response)
 from serve.engines import engine_for
 from serve.production.auth import IngressAuth
 from serve.http_limits import BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
-from serve.production.ingress_support import (MAX_ERROR_BODY_BYTES, IngressMetrics, bounded, engine_error, explain_filled,
-                                   serve_bind_host, timed)
+from serve.production.config_view import user_view
+from serve.production.generate import generate, production_stream, takeover_for
+from serve.production.ingress_support import IngressMetrics, bounded, explain_filled, serve_bind_host, timed
 from serve.closed_loop.live import CANDIDATE_ARM, LIVE_PATH, LIVE_SUMMARY_PATH, PRODUCTION_ARM, summarize_live
 from serve.closed_loop.live_book import LiveBook, feed_query, version_label
-from serve.closed_loop.live_stream import Added, Measure, ask_spec_details, ask_usage, metered
+from serve.closed_loop.live_stream import Added, Measure, ask_spec_details, ask_usage
 from serve.closed_loop.control_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
-from serve.production.settings import (ProductionSettings, auth_problem, auth_required, load_admin_keys,
-                                       load_api_keys)
+from serve.production.ingress_lifecycle import IngressLifecycle
+from serve.production.settings import (ProductionSettings, admin_access, auth_problem, auth_required,
+                                       load_admin_keys, load_api_keys)
 from serve.serving import HIGH, LOW, RoutingPolicy, ServingConfig
-from serve.production.stream_relay import relay
 
 app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -74,9 +78,9 @@ app = FastAPI(title="specdec-tuner production endpoint", docs_url=None, redoc_ur
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.1}, graceful_shutdown_timeout_s=120,
                   graceful_shutdown_wait_loop_s=1)
 @serve.ingress(app)
-class OpenAIIngress(IngressAuth):
+class OpenAIIngress(IngressAuth, IngressLifecycle):
     def __init__(self, engine: Any, settings: dict[str, Any], serving: dict[str, Any],
-                 high_engine: Any = None) -> None:
+                 high_engine: Any = None, gap: bool = False) -> None:
         self.engine = engine
         # The policy decides which engine a generation request goes to (one config: always `engine`).
         served = ServingConfig.model_validate(serving["config"])
@@ -108,6 +112,7 @@ class OpenAIIngress(IngressAuth):
         self.drift = DriftBoard(self.metrics.registry)
         self.canary = CanaryArm(self.settings)
         self.capture = Capture(self.settings.capture, self.settings.max_tokens_limit)  # off unless configured
+        self.begin(gap, served, list(self.engines))
 
     # --- checks --------------------------------------------------------------------------------------------------
 
@@ -136,7 +141,9 @@ class OpenAIIngress(IngressAuth):
         started = time.monotonic()
         timeout_s = self.settings.health_timeout_s
         response: Response = Response(b"", status_code=200)
-        for engine in self.engines.values():
+        if self.gap is not None:
+            response = unavailable_response(self.gap, self.settings.retry_after_s)
+        for engine in self.engines.values() if self.gap is None else ():
             try:
                 status, _, body = await bounded(engine.call.remote("GET", "/health"), timeout_s)
             except asyncio.TimeoutError:
@@ -161,11 +168,14 @@ class OpenAIIngress(IngressAuth):
         # The served ServingConfig field for field (`replica`, `provenance`), plus where it came from (`origin`) and,
         # for clients that read only these, the registry version at the top level.
         # `routing`: what the policy does now (this replica's in-flight count and how many requests each engine got).
-        return JSONResponse({**self.serving["config"], "origin": self.serving["origin"],
-                             "version": self.serving["origin"].get("version"),
-                             "routing": {"switch_above": self.policy.switch_above, "in_flight": self.in_flight,
-                                         "routed": dict(self.routed)},
-                             "drift": self.drift.shown(), "canary": self.canary.status().model_dump(mode="json")})
+        # A user key sees no captured text and no server path (serve.production.config_view).
+        shown = {**self.serving["config"], "origin": self.serving["origin"],
+                 "version": self.serving["origin"].get("version"),
+                 "routing": {"switch_above": self.policy.switch_above, "in_flight": self.in_flight,
+                             "routed": dict(self.routed)},
+                 "drift": self.drift.shown(), "canary": self.canary.status().model_dump(mode="json")}
+        admin = admin_access(self.bind_host, len(self.keys), len(self.admin_keys), self._key_kind(request)) is None
+        return JSONResponse(shown if admin else user_view(shown))
 
     @app.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
@@ -229,7 +239,7 @@ class OpenAIIngress(IngressAuth):
 
     async def _canary(self, request: Request) -> Response:
         path, canary = request.url.path, self.canary
-        canary.touch()
+        canary.called()
         if path == CANARY_START_PATH:
             canary.start(contract_body(CanaryStart, await self._posted(request)))
         elif path == CANARY_SHARE_PATH:
@@ -304,6 +314,7 @@ class OpenAIIngress(IngressAuth):
         return error_response(status, message, "timeout_error" if status == 504 else "server_error")
 
     async def _forward(self, request: Request) -> Response:
+        self.in_gap()
         path = request.url.path
         if request.method == "GET":
             status, ctype, body = await self.engine.call.remote("GET", path)
@@ -316,17 +327,46 @@ class OpenAIIngress(IngressAuth):
         if added.usage or added.spec:
             body = json.dumps(data).encode()
         candidate = self.canary.pick()  # None: production's engine
-        arm, engine = (CANDIDATE_ARM, candidate) if candidate is not None else (PRODUCTION_ARM, self.engines[route])
-        if candidate is not None:
-            route = LOW  # the candidate runs its config's one (low-concurrency) engine
+        if candidate is not None:  # the candidate runs its config's one (low-concurrency) engine
+            try:
+                return await self._answer(request, candidate, CANDIDATE_ARM, LOW, body, streaming, added, filled,
+                                          production_route=route, greedy=resumable(data))
+            except (asyncio.CancelledError, RequestRejected):
+                raise
+            except Exception as exc:  # noqa: BLE001 - it failed before its first byte: production answers
+                busy = isinstance(exc, CandidateUnfit) and exc.status in (429, 503)
+                if not busy:  # a full queue is load, not a failure of the candidate
+                    self.canary.candidate_failed(str(exc) if isinstance(exc, CandidateUnfit)
+                                                 else failure_answer(exc)[1])
+        return await self._answer(request, self.engines[route], PRODUCTION_ARM, route, body, streaming, added,
+                                  filled)
+
+    async def _answer(self, request: Request, engine: Any, arm: str, route: str, body: bytes, streaming: bool,
+                      added: Added, filled: int | None, production_route: str = LOW, greedy: bool = False
+                      ) -> Response:
+        """One arm's attempt at a generation request. The candidate's: a failure before its first byte is recorded
+        against it (its live record) and raised for `_forward` to hand the request to production."""
         release = self._enter(route, arm)
+        path = request.url.path
         measure = request.state.live = Measure(getattr(request.state, "arrived", time.monotonic()), path, route,
                                                self.route_in_flight[(arm, route)], streaming, arm,
-                                               self.canary.version if candidate is not None else None)
+                                               self.canary.version if arm == CANDIDATE_ARM else None)
+        takeover = None
+        if arm == CANDIDATE_ARM:
+            def failed(why: str) -> None:  # the candidate failed mid-stream; production finishes the answer
+                measure.error_status = 503
+                self.canary.candidate_failed(why)
+
+            production = self.engines[production_route]
+            takeover = takeover_for(lambda: production_stream(production, path, body), greedy, failed)
         try:
-            response = await self._generate(engine, path, body, streaming, release, measure, added)
-        except BaseException:
+            response = await generate(engine, path, body, streaming, release, measure, added, self.settings,
+                                      self.metrics, self.live, takeover)
+        except BaseException as exc:
             release()
+            if arm == CANDIDATE_ARM and isinstance(exc, Exception):
+                request.state.live = None  # recorded here: _guarded records the attempt that answers
+                self.live.record(measure, getattr(exc, "status", None) or failure_answer(exc)[0], time.monotonic())
             raise
         if response.status_code == 400 and filled is not None:
             response = explain_filled(response, filled)
@@ -354,57 +394,3 @@ class OpenAIIngress(IngressAuth):
                 self.metrics.in_flight.set(self.in_flight)
 
         return release
-
-    async def _generate(self, engine: Any, path: str, body: bytes, streaming: bool, release: Any, measure: Measure,
-                        added: Added) -> Response:
-        """Forward one generation request to `engine`; `release` is called when it is no longer in flight; the
-        answer is measured into `measure` (a 200 stream records its live record itself when it ends)."""
-        headers = {"content-type": "application/json"}
-        if streaming:
-            stream = engine.options(stream=True).call_stream.remote("POST", path, body, headers)
-            try:
-                status, ctype = await stream.__anext__()
-            except BaseException:  # client gone, request_timeout_s, or the engine is down before the first byte
-                stream.cancel()
-                raise
-            if status in (429, 503):  # the engine refused before streaming (its waiting queue is full)
-                stream.cancel()
-                release()
-                return busy_response("the engine's queue is full", self.settings.retry_after_s)
-            if status != 200:  # an error answer (400 ...): relayed whole, as a plain response
-                payload = b""
-                try:
-                    async for chunk in stream:
-                        payload += chunk
-                        if len(payload) > MAX_ERROR_BODY_BYTES:
-                            break
-                finally:
-                    stream.cancel()
-                    release()
-                return engine_error(status, payload[:MAX_ERROR_BODY_BYTES])
-            route = path
-
-            def failed(code: int) -> None:
-                self.metrics.stream_errors.labels(route, str(code)).inc()
-
-            chunks = relay(stream, self.settings.request_timeout_s, release, failed)
-            # A generator never iterated (the client left before the body was sent) runs no `finally`: release the
-            # in-flight count when it is collected, or the router would count that request forever.
-            weakref.finalize(chunks, release)
-            measure.metered = True
-            body_out = metered(chunks, measure, added, lambda m, at: self.live.record(m, 200, at))
-            return StreamingResponse(body_out, status_code=status, media_type=ctype or "text/event-stream")
-        response = engine.call.remote("POST", path, body, headers)
-        try:
-            status, ctype, payload = await response
-        except asyncio.CancelledError:  # client gone or request_timeout_s: stop the generation too
-            response.cancel()
-            raise
-        finally:
-            release()
-        if status in (429, 503):
-            return busy_response("the engine's queue is full", self.settings.retry_after_s)
-        if status != 200:
-            return engine_error(status, payload)
-        payload = measure.answer(payload, time.monotonic(), added)
-        return Response(payload, status_code=status, media_type=ctype or None)

@@ -1,5 +1,9 @@
 """`python -m serve.production` ended by SIGTERM, SIGINT or SIGKILL leaves no engine behind (issue #31 item 5), and
 its local Ray listens on 127.0.0.1 only (item 12: Ray's metrics exporter answered on every interface without auth).
+Ended by Ctrl-C, the capture rows its ingress still buffered are on disk (issue 42 item 5: 7 of 7 were lost on
+SIGINT; SIGTERM to the driver alone, as `kill PID` and a service manager in `KillMode=mixed` send it, is checked with
+a stream in flight in test_production_roll.py). A SIGKILL runs nothing, and a SIGTERM to the whole process group
+reaches Ray's workers too, which exit without a drain: rows buffered then are lost (docs/security.md).
 
 A real driver each time: it starts its own local Ray and Serve, deploys a serving-config file and serves; the test
 finds its engine process among the driver's descendants, signals the driver alone, and waits (bounded) until the
@@ -8,6 +12,7 @@ and no watchdog (Ray kills a dying worker's child processes with SIGKILL, which 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +26,7 @@ import pytest
 from serve.engines.base import ReplicaConfig, child_env
 from serve.ports import free_port
 from serve.serving import Provenance, ServingConfig
+from tests.integration.production_endpoint import capture_rows
 from tests.integration.production_helpers import alive, app_processes, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
@@ -43,11 +49,12 @@ def test_the_engine_dies_with_the_driver_however_it_ends(tmp_path, ending):
     (tmp_path / "serving.json").write_text(config.model_dump_json())
     port = free_port()
     env = {k: v for k, v in child_env().items() if k != "SPECDEC_API_KEYS"}
+    capture = {"dir": str(tmp_path / "capture"), "sample_rate": 1, "flush_rows": 64, "flush_s": 3600}
     with open(tmp_path / "driver.log", "wb") as log:
         driver = subprocess.Popen([sys.executable, "-m", "serve.production", "--config-file",
                                    str(tmp_path / "serving.json"), "--port", str(port), "--threads", "1",
-                                   "--follow-alias-s", "0"], cwd=REPO, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                   "--follow-alias-s", "0", "--capture", json.dumps(capture)], cwd=REPO, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     everything: list[psutil.Process] = []
     try:
         def healthy() -> bool:
@@ -58,6 +65,11 @@ def test_the_engine_dies_with_the_driver_however_it_ends(tmp_path, ending):
                 return False
 
         wait_for(healthy, "the endpoint serving", 600, period_s=0.5)
+        for prompt in ("One,", "Two,"):  # buffered in the ingress: fewer than flush_rows, younger than flush_s
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                                json={"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+        assert capture_rows(tmp_path / "capture", 0) == []
         found = app_processes("production", root=driver.pid)
         assert len(found["engine"]) == 1 and len(found["watchdog"]) == 1, found
         everything = psutil.Process(driver.pid).children(recursive=True)
@@ -77,6 +89,9 @@ def test_the_engine_dies_with_the_driver_however_it_ends(tmp_path, ending):
                 os.killpg(driver.pid, signal.SIGKILL)
         wait_for(lambda: driver.poll() is not None, "the driver exiting", 120)
         wait_for(lambda: not alive(found["engine"] + found["watchdog"]), "the engine and its watchdog gone", 60)
+        if sig == signal.SIGINT:
+            assert sorted(r["prompt"] for r in capture_rows(tmp_path / "capture", 2)) == ["One,", "Two,"], \
+                (tmp_path / "driver.log").read_text()[-3000:]
     finally:
         for proc in alive(everything):
             proc.kill()  # whatever a failing run left: never leak a Ray or an engine into the next test

@@ -172,3 +172,113 @@ def test_a_canary_serves_its_share_on_the_candidates_own_engine_and_stops(endpoi
     assert loop.live(record.seq).records[-1].arm == "production"
     assert f"{settings.app_name}-canary" not in serve.status().applications
     assert loop.canary().reason == "test over"
+
+
+def test_a_nan_drift_post_is_refused_and_config_keeps_answering(endpoint):
+    # issue 42 item 3: "NaN" as a string was stored; /v1/drift and every later /v1/config answered 500
+    base_url, _, _ = endpoint
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    line = _drift(1.0, "tput").model_dump(mode="json")
+    for bad in ("NaN", "Infinity", "1e999"):
+        body = {**line, "lines": [{**line["lines"][0], "statistic": bad}]}
+        refused = httpx.post(f"{base_url}/v1/drift", headers=admin, json=body, timeout=60)
+        assert refused.status_code == 422 and "lines.0.statistic" in openai_error(refused)["message"]
+        for key in (ADMIN, KEY):
+            shown = httpx.get(f"{base_url}/v1/config", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            assert shown.status_code == 200 and shown.json()["version"] == "1"
+
+
+def _candidate_processes() -> list:
+    from tests.integration.production_helpers import alive, app_processes
+
+    found = app_processes("production-canary")
+    return alive(found["engine"] + found["watchdog"] + found["backend"])
+
+
+def test_a_killed_candidate_costs_users_no_errors(endpoint):
+    """Issue 42 item 8: with the candidate's engine killed at share 0.5, 21 of 107 user requests got 503 for ~10 s
+    and the canary still said `running`. Here the candidate holds its requests (`hang-after=0`), so both are in
+    flight on it, one streamed, when its engine is SIGKILLed: production answers both in full, and the canary ends
+    `failed` with the reason."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.records.registry import CANDIDATE, register_config
+    from tests.integration.production_endpoint import NGRAM, serving
+    from tests.integration.production_helpers import alive, app_processes
+
+    base_url, _, tracker = endpoint
+    holding = serving(NGRAM, "promote").model_copy(update={"replica": serving(NGRAM, "promote").replica.model_copy(
+        update={"extra_flags": ["--test-fault", "hang-after=0"]})})
+    run = tracker.client().create_run(tracker.experiment_id(), run_name="holding-candidate")
+    version = register_config(tracker, run.info.run_id, "specdec-prod", holding, move_production=False,
+                              alias=CANDIDATE)
+    loop = EndpointClient(base_url, ADMIN)
+    loop.canary_start(CanaryStart(candidate=CandidateRef(registered_model="specdec-prod", version=version),
+                                  share=1.0))
+    status = wait_for(lambda: (s := loop.canary()).state != "starting" and s, "the candidate's engine started", 420)
+    assert status.state == "running", status.reason
+    after = loop.live(0, limit=10_000).next
+    api = client(base_url)
+    prompt = "x = 1\ny = 2\nx = 1\ny = 2\n"
+
+    def plain() -> str:
+        return api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+
+    def streamed() -> str:
+        return "".join(c.choices[0].text for c in api.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            if c.choices)
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(plain), pool.submit(streamed)]
+        wait_for(lambda: loop.canary().requests.get("candidate") == 2, "both requests sent to the candidate", 60)
+        engines = alive(app_processes("production-canary")["engine"])
+        assert len(engines) == 1
+        engines[0].kill()
+        texts = [answer.result(timeout=300) for answer in answers]  # an error here is what users saw before
+    assert texts[0] == texts[1] == plain() and len(texts[0]) > 0
+    ended = wait_for(lambda: (s := loop.canary()).state == "failed" and s, "the canary failed", 120)
+    assert "the candidate's engine failed" in (ended.reason or "")
+    records = loop.live(after).records
+    assert sorted((r.arm, r.status) for r in records if r.arm == "candidate") == [("candidate", 503)] * 2
+    assert [r.status for r in records if r.arm == "production"] == [200, 200, 200]
+    wait_for(lambda: not _candidate_processes(), "the failed candidate's processes gone", 120)
+
+
+def test_a_loop_promotion_leaves_no_canary_behind(endpoint):
+    """Issue 42 item 1: the loop stopped the canary once the endpoint served the candidate; the roll had replaced
+    the ingress replica that owned the canary, so the stop reached one that knew none and the candidate's engine
+    ran on (2 min 44 s and counting, on a GPU node a GPU held indefinitely). The loop's own promotion runs here on
+    the real endpoint, and the roll is what `python -m serve.production` does when the alias moves. Last in this
+    file: the endpoint serves version 2 afterwards."""
+    from ray import serve
+
+    from pipeline.loop.cycle import Loop, LoopSettings
+    from pipeline.loop.state import LoopState
+    from pipeline.records.registry import PRODUCTION, alias_version
+    from serve.production.app import deploy
+
+    base_url, settings, tracker = endpoint
+    client_ = EndpointClient(base_url, ADMIN)
+    client_.canary_start(CanaryStart(candidate=CandidateRef(registered_model="specdec-prod", version="2"),
+                                     share=0.5))
+    wait_for(lambda: client_.canary().state == "running", "the candidate's engine started", 420)
+    assert _candidate_processes()
+    loop = Loop(LoopSettings(registered_model="specdec-prod", state_dir=str(Path(settings.capture.dir).parent /
+                                                                                "loop")), client_, tracker,
+                lambda out, resume: None)
+    run_id = loop.recorder.start(1, "test", "1", "[]")
+    state = LoopState(phase="promote", cycle=1, cycle_run_id=run_id, candidate_version="2", production_version="1",
+                      reason="promoted by the test")
+    rolled, deadline = False, time.monotonic() + 900
+    while state.phase != "idle" and time.monotonic() < deadline:
+        state = loop.tick(state)
+        if alias_version(tracker, "specdec-prod", PRODUCTION) == "2" and not rolled:
+            assert client_.canary().state in ("off", "failed")  # the canary ended before the alias moved
+            deploy(settings)  # what the endpoint's alias follower does when the alias moves
+            rolled = True
+        time.sleep(0.5)  # the loop's poll, under the deadline above
+    assert (state.phase, state.outcome) == ("idle", "promoted") and client_.served_version() == "2"
+    assert f"{settings.app_name}-canary" not in serve.status().applications
+    wait_for(lambda: not _candidate_processes(), "the candidate's engine gone", 60)

@@ -128,7 +128,8 @@ class ContractEndpoint:
                     endpoint.drift.append(body)
                     return self._send({})
                 elif self.path == "/v1/canary/stop":
-                    endpoint.stops.append(endpoint.served())  # what production served when the canary ended
+                    # what production served, and where its alias pointed, when the canary ended
+                    endpoint.stops.append(f"{endpoint.served()}@{alias_version(endpoint.tracker, NAME, PRODUCTION)}")
                     endpoint.canary = CanaryStatus(state="off", reason=body["reason"])
                 else:
                     return self.send_error(404)
@@ -231,8 +232,9 @@ def test_drift_starts_a_cycle_and_a_faster_candidate_is_promoted(world):
     assert state.outcome == "promoted" and state.production_version == state.reference_version == "2"
     assert {alias: alias_version(tracker, NAME, alias) for alias in (PRODUCTION, PREVIOUS, CANDIDATE)} == \
         {PRODUCTION: "2", PREVIOUS: "1", CANDIDATE: None}
-    # the canary was stopped once, when the endpoint already served the candidate as production
-    assert endpoint.stops == ["2"] and endpoint.calls.count("POST /v1/canary/share") == 1
+    # the canary was stopped once, before the alias moved (issue 42 item 1: stopped after the roll, the stop reached
+    # a new ingress replica that knew no canary, and the candidate's engine ran on)
+    assert endpoint.stops == ["1@1"] and endpoint.calls.count("POST /v1/canary/share") == 1
     assert endpoint.canary.state == "off" and "promoted" in (endpoint.canary.reason or "")
     run = cycle_run(tracker)
     assert run.data.tags["outcome"] == "promoted" and run.data.tags["candidate_version"] == "2"
@@ -252,7 +254,7 @@ def test_a_slower_candidate_is_rolled_back_and_production_stays(world):
     assert state.outcome == "rolled_back" and "clearly slower" in (state.reason or "")
     assert alias_version(tracker, NAME, PRODUCTION) == "1" and alias_version(tracker, NAME, CANDIDATE) is None
     assert all(call != "POST /v1/canary/share" for call in endpoint.calls)  # it never got past the first share
-    assert endpoint.stops == ["1"]
+    assert endpoint.stops == ["1@1"]
     assert cycle_run(tracker).data.tags["outcome"] == "rolled_back"
 
 

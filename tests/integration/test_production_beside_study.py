@@ -1,0 +1,83 @@
+"""A study run beside a running endpoint (issue 42): `python -m serve.production` and `python -m pipeline.tune` each
+start their own local Ray on one machine, as an operator runs them (the endpoint serving, a re-tune or a new study
+beside it), with HOME a fresh folder (no `~/.ray` left by earlier runs: each Ray makes its own token). The study
+runs to its decision, and the endpoint answers before, during and after it; neither joins or stops the other's Ray.
+One baseline trial on two short prompts: what is checked is the two processes side by side, not the study."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from serve.engines.base import ReplicaConfig, child_env
+from serve.ports import free_port
+from serve.serving import Provenance, ServingConfig
+from tests.integration.production_helpers import alive, app_processes, wait_for
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**{k: v for k, v in child_env().items() if k not in ("SPECDEC_API_KEYS", "RAY_AUTH_MODE",
+                                                                "RAY_ADDRESS")}, "HOME": str(home)}
+    config = ServingConfig(replica=ReplicaConfig(model="smollm2-135m", threads=1),
+                           provenance=Provenance(study="beside", decision="keep_baseline", source="baseline",
+                                                 workload="w", workload_digest="0123456789abcdef"))
+    (tmp_path / "serving.json").write_text(config.model_dump_json())
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "endpoint.log"
+    with open(log_path, "wb") as log:
+        endpoint = subprocess.Popen([sys.executable, "-m", "serve.production", "--config-file",
+                                     str(tmp_path / "serving.json"), "--port", str(port), "--threads", "1",
+                                     "--follow-alias-s", "0"], cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    everything: list[psutil.Process] = []
+
+    def answers() -> bool:
+        assert endpoint.poll() is None, log_path.read_text(errors="replace")[-3000:]
+        try:
+            reply = httpx.post(f"{base_url}/v1/completions", timeout=120,
+                               json={"model": "m", "prompt": "One,", "max_tokens": 2, "temperature": 0})
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    try:
+        wait_for(answers, "the endpoint answering", 600, period_s=0.5)
+        everything = psutil.Process(endpoint.pid).children(recursive=True)
+        engines = app_processes("production", root=endpoint.pid)["engine"]
+        assert len(engines) == 1
+        space = tmp_path / "space.yaml"
+        space.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: fixed, value: 4}\n")
+        study = tmp_path / "study.yaml"
+        study.write_text(f"name: beside\nsearch_space: {space}\nbudget: {{max_trials: 1}}\n"
+                         "workload: {warmup_prompts: 1, measure_prompts: 2, max_new_tokens: 4}\n"
+                         "engine: {threads: 1, start_timeout_s: 300}\npromotion: {finalists: 0}\n")
+        done = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study", str(study), "--output",
+                               str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=1200)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "decision:" in done.stdout
+        assert answers()  # the endpoint's Ray and engine were neither joined nor stopped by the study's
+        assert alive(engines) == engines
+    finally:
+        if endpoint.poll() is None:
+            os.killpg(endpoint.pid, signal.SIGINT)
+            try:
+                endpoint.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(endpoint.pid, signal.SIGKILL)
+                endpoint.wait(timeout=60)
+        for proc in alive(everything):
+            proc.kill()
