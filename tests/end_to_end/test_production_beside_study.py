@@ -21,7 +21,7 @@ from serve.ports import free_port
 from serve.serving import Provenance, ServingConfig
 from tests.integration.production_helpers import alive, app_processes, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 
 

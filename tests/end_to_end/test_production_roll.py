@@ -35,7 +35,7 @@ from serve.serving import Provenance, ServingConfig
 from tests.integration.production_endpoint import capture_rows
 from tests.integration.production_helpers import alive, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
 NAME = "specdec-roll"
 KEY = "roll-key-0123456789abcdef"
