@@ -20,6 +20,7 @@ from pipeline.records.console import progress_callback
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
+from pipeline.study.backend import decide_backend, local_node_facts, ray_node_facts
 from pipeline.study.resume import (
     IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
     recorded_reports, saved_tune_trials, tune_unfinished, workload_digest, write_identity,
@@ -198,6 +199,12 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
     serve_url = connect_ray(study.name, study.ray.address)
+    # One attention backend for every engine of the study, chosen for the GPU the engines run on (pipeline/study/backend.py)
+    decided = decide_backend(study, space, (local_node_facts, ray_node_facts), required=True)
+    if decided.line:
+        study = decided.study
+        print(decided.line[2:], flush=True)
+        write_text_atomic(out / "study.yaml", study_to_yaml(study))
     try:
         ctx = build_context(study, out, serve_url, tracker, parent, simulated=strategy.simulated)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:

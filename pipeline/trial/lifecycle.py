@@ -129,9 +129,9 @@ def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,
 def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | None:
     """`/flush_cache` until it succeeds; the last refusal after `deadline_s`, else None.
 
-    SGLang refuses a flush (400) while any request is queued or running, and Serve's health check runs a real
-    generation through `/health` every few seconds, so one refusal is expected: ask it to wait for idle
-    (`?timeout=`), then retry."""
+    SGLang refuses a flush (400) while any request is queued or running (a trial's own last request may still be
+    finishing), so one refusal is expected: ask it to wait for idle (`?timeout=`), then retry. Serve's health checks
+    do not generate (`serve.engines.sglang.HEALTH_ENV`)."""
     deadline, answer = time.monotonic() + deadline_s, ""
     while True:
         response = client.post("/flush_cache", params={"timeout": FLUSH_WAIT_S}, timeout=FLUSH_WAIT_S + 30)
@@ -179,8 +179,8 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     try:
         note_phase(log_dir, "engine", config=config_label(trial))
         try:
-            live, out.replica = start_engine(study.name, label, ctx.serve_url, config,
-                                                    study.engine.start_timeout_s + 60)
+            live, out.replica = start_engine(study.name, label, ctx.serve_url, config,  # a cold node's allowance too
+                                             engine_for(config.engine).start_timeout_s(config, cold=True) + 60)
         except TimeoutError as exc:
             out.failure = (Outcome.TIMEOUT, str(exc))
             return out
