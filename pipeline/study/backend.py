@@ -70,7 +70,7 @@ def space_trees(space: SearchSpace, architecture: str) -> list[Tree]:
         widest = _widest(topk) if topk is not None else None
         if widest is not None:
             trees.append(Tree(name, widest, widest))
-        if topk is None or topk.when:  # some points leave topk to SGLang (or to adaptive)
+        if topk is None or set(topk.when) - {"adaptive"}:  # some points leave topk to SGLang (adaptive: a chain)
             trees.append(Tree(name, None, auto_topk(architecture, algorithm)))
         adaptive = params.get("adaptive")
         if adaptive is not None and True in (adaptive.choices if isinstance(adaptive, CategoricalParam)
@@ -163,10 +163,11 @@ def decide_backend(study: StudyConfig, space: SearchSpace,
     kind, architecture = attention_kind(model), architecture_of(model)
     if engine.attention_backend is not None:
         backend, line = engine.attention_backend, f"attention backend {engine.attention_backend} (engine.attention_backend)"
-    else:
-        assert arch is not None  # narrowed above: an unknown architecture returned or raised
+    elif arch is not None:  # always here: an unknown architecture without a backend returned or raised above
         choice = choose_backend(arch, kind, architecture, space_trees(space, architecture))
         backend, line = choice.backend, choice.describe()
+    else:
+        return Decided(study, None)
     if effective_mode(study) == "deterministic" and study.workload.temperature == 0:
         problem = deterministic_problem(backend, kind, architecture)
         if problem:

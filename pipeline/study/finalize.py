@@ -22,6 +22,7 @@ from pipeline.compare import format_table, mark_constraints, rows_from_runs
 from pipeline.config import TrialConfig
 from pipeline.trial.corpus import corpus_comparison, format_corpus_table
 from pipeline.atomic import write_text_atomic
+from pipeline.decide.adaptive import tuned_adaptive_steps
 from pipeline.decide.decision import Decision
 from pipeline.decide.headline import Deploy, Headline, level_table, levels_headline, search_only_headline
 from pipeline.study.finalists import measure_levels
@@ -162,6 +163,11 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     gap = _baseline_gap(ctx, rows, base_row, levels_decision)
     served = levels_decision.policy
     chosen_name = served.config or BASELINE
+    # An adaptive EAGLE winner is served with candidate steps per level from this table (pipeline/decide/adaptive.py)
+    tuned = tuned_adaptive_steps(levels_decision, chosen_name, {n: c.spec for n, c in configs.items()})
+    if tuned is not None:
+        spec = configs[chosen_name].spec.model_copy(update={"adaptive_steps": tuned})
+        configs[chosen_name] = configs[chosen_name].model_copy(update={"spec": spec})
     # The lowest level decides what is served there, so its single-level decision is the promotion's kind.
     low = levels_decision.levels[0]
     kind = "promote" if served.config else "keep_baseline"
@@ -242,6 +248,7 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
                    {"config_file": str((folder / SERVING_FILE).resolve())})
     for name, text in deploy_files(serving, source_args, version or kind).items():
         write_text_atomic(folder / name, text)
+    _check_adaptive(folder)
     try:
         ctx.tracker.log_study_artifact(ctx.parent_run_id, folder, DEPLOY_DIR)
     except Exception as exc:  # noqa: BLE001 - the files on disk and the registry already hold the winner
@@ -250,6 +257,26 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
     write_text_atomic(promoted, yaml.safe_dump({**serving.model_dump(mode="json"), "registered_model": model_name,
                                                 "version": version}, sort_keys=False))
     return version, serving
+
+
+def _check_adaptive(folder: Path) -> None:
+    """SGLang's own loader on the tuned adaptive config the engine command names, where one was written and SGLang
+    is importable here; its verdict printed (never fails the study: the file is also checked when an engine loads
+    it, and the registry already holds the config)."""
+    from serve.engines.sglang import ADAPTIVE_CONFIG_FILE
+    from serve.engines.sglang_check import check_adaptive_config
+
+    path = folder / ADAPTIVE_CONFIG_FILE
+    if not path.exists():
+        return
+    verdict = check_adaptive_config(str(path))
+    if verdict is None:
+        print(f"tuned adaptive config: {path} (SGLang is not importable here to load it)")
+    elif verdict["ok"]:
+        print(f"tuned adaptive config: {path}, loaded by SGLang's own loader: candidate steps per batch size "
+              f"{verdict['buckets']}")
+    else:
+        print(f"tuned adaptive config: {path} was refused by SGLang's loader: {verdict['error']}")
 
 
 def _print_deploy(ctx: TrialContext, serving: ServingConfig) -> None:

@@ -116,3 +116,16 @@ def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s
 
 def _strip_launcher(argv: list[str]) -> list[str]:
     return argv[argv.index("--model-path"):] if "--model-path" in argv else argv
+
+
+def check_adaptive_config(path: str, python: str | None = None) -> dict[str, Any] | None:
+    """SGLang's own loader on an adaptive config file ({"ok", "error", "buckets", "candidate_steps"}); None when
+    SGLang is not importable by `python`."""
+    if installed_version(python) is None:
+        return None
+    done = _preflight_process({"adaptive_config": path}, PREFLIGHT_TIMEOUT_S, None, python)
+    data = None if isinstance(done, str) else _last_json(done)
+    if not data or "adaptive" not in data:
+        reason = done if isinstance(done, str) else f"exited {done.returncode}: {done.stderr[-2000:]}"
+        return {"ok": False, "error": f"the loader could not run: {reason}", "buckets": {}, "candidate_steps": []}
+    return data["adaptive"]  # type: ignore[no-any-return]

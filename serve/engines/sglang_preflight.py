@@ -3,7 +3,9 @@
 `python -m serve.engines.sglang_preflight` reads {"argvs": [[...], ...], "parse_only": bool, "gpu_arch": "sm90"|null
 or one per argv} on stdin and prints {"results": [{"ok": bool, "stage": "import|parse|resolve|check", "error": str|None,
 "resolved": {...}}, ...]};
-or reads {"fields": true} and prints {"fields": [ServerArgs field names], "version": ...}: the flags this SGLang has.
+or reads {"fields": true} and prints {"fields": [ServerArgs field names], "version": ...}: the flags this SGLang has;
+or reads {"adaptive_config": path} and prints {"adaptive": {"ok", "error", "buckets", "candidate_steps"}}: SGLang's own
+loader (`_load_adaptive_config`) on an adaptive config file.
 parse_only checks flag names, types and choices with SGLang's argparse parser (fast: one parser for all argvs);
 otherwise each argv also goes through `resolve_once()` and `check_server_args()` (seconds each). It needs only
 `sglang` (installed `--no-deps`) and what `sglang.srt.server_args` imports (reference/sglang-0.5.23.md §8); GPU-only
@@ -163,8 +165,26 @@ def server_arg_fields() -> dict[str, Any]:
             "version": getattr(sglang, "__version__", None)}
 
 
+def adaptive_config(path: str) -> dict[str, Any]:
+    """SGLang's own loader on an adaptive config file (`_load_adaptive_config`): its buckets and the union of their
+    candidate steps (what SGLang sizes its buffers for), or its error."""
+    try:
+        from sglang.srt.speculative.adaptive_spec_params import (_load_adaptive_config,
+                                                                 resolve_candidate_steps_from_config)
+
+        _, entries = _load_adaptive_config(path)
+        return {"ok": True, "error": None, "buckets": {str(k): v["candidate_steps"] for k, v in entries.items()},
+                "candidate_steps": resolve_candidate_steps_from_config(path)}
+    except Exception as exc:  # noqa: BLE001 - SGLang's verdict, verbatim
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "buckets": {}, "candidate_steps": []}
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    if request.get("adaptive_config"):
+        _install_stubs()
+        sys.stdout.write("\n" + json.dumps({"adaptive": adaptive_config(request["adaptive_config"])}) + "\n")
+        return
     if request.get("fields"):
         _install_stubs()
         sys.stdout.write("\n" + json.dumps(server_arg_fields()) + "\n")
