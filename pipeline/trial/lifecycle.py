@@ -33,7 +33,7 @@ from pipeline.search.space import Resolution
 from serve.engines import engine_for, pinned_settings
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.spec_flags import effective_diff, effective_settings
-from serve.replica.deployment import log_tail
+from serve.replica.deployment import START_TIMEOUT_MARKER, log_tail
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
 FLUSH_DEADLINE_S = 120.0
@@ -189,8 +189,8 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             if ConfigRejected.MARKER in message:
                 reason = message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]
                 out.failure = (Outcome.INVALID, reason)
-            else:
-                out.failure = (Outcome.LAUNCH_FAILED, message)
+            else:  # an engine that did not get ready in time is a TIMEOUT (a cold node's first launch), not broken
+                out.failure = (Outcome.TIMEOUT if START_TIMEOUT_MARKER in message else Outcome.LAUNCH_FAILED, message)
             return out
         out.timings["deploy_s"] = time.monotonic() - started
         url = live.url

@@ -45,6 +45,8 @@ from serve.engines.phases import StartState
 from serve.ports import free_port
 from serve.replica.engine_start import TrialStarts
 
+START_TIMEOUT_MARKER = "engine not ready after"  # a start past its timeout: the trial's TIMEOUT
+
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
 STOP_GRACE_S = 10.0  # x2 (SIGTERM wait, then SIGKILL wait) stays inside graceful_shutdown_timeout_s below
@@ -151,7 +153,7 @@ class EngineProcess:
                 pass
             time.sleep(0.05)  # a refused connect costs ~1 ms; a coarser poll adds its half-period to every start
         self.stop()
-        raise RuntimeError(f"engine not ready after {timeout_s:.0f} s (start_timeout_s); "
+        raise RuntimeError(f"{START_TIMEOUT_MARKER} {timeout_s:.0f} s (start_timeout_s); "
                            f"--- engine log tail ---\n{log_tail(self.log_path)}")
 
     def alive(self) -> bool:
