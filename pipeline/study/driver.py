@@ -66,7 +66,6 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                               "reason": result.reason[:300]}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
         # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/search/searcher.py)
-        # (and NOT_EQUIVALENT under baseline-noise: a statistical verdict on a sound measurement, reports_measurement)
         value = result.objective(metric) if reports_measurement(result.outcome.value, ctx.study) else None
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
