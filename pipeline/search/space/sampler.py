@@ -57,10 +57,10 @@ def constrained_search_class() -> Any:
                 return True
             return bool(live) and baseline_waiting(self._ot_study)
 
-        def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
+        def suggest(self, trial_id: str) -> dict[Any, Any] | None:
             if trial_id not in self._ot_trials and self._baseline_blocks():
                 return None
-            return super().suggest(trial_id)  # type: ignore[no-any-return]
+            return super().suggest(trial_id)
 
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
                               error: bool = False) -> None:
@@ -73,8 +73,10 @@ def constrained_search_class() -> Any:
                 if isinstance(outcome, str):
                     ot_trial.set_user_attr(OUTCOME_ATTR, outcome)
             super().on_trial_complete(trial_id, result, error)
-            if ot_trial is not None and ot_trial.user_attrs.get(BASELINE_ATTR) and baseline_retried(outcome, error):
-                if enqueue_baseline(self._ot_study, self._space.space):
+            space = getattr(self._space, "space", None)  # the define-by-run SpaceSampler's
+            if ot_trial is not None and ot_trial.user_attrs.get(BASELINE_ATTR) and baseline_retried(outcome, error) \
+                    and space is not None:
+                if enqueue_baseline(self._ot_study, space):
                     print(f"the baseline ended {outcome or 'with an error'}: queued again, to run alone next",
                           flush=True)
 
