@@ -37,6 +37,7 @@ from pipeline.records.prediction_plot import prediction_plots
 from pipeline.records.report import write_report
 from pipeline.study.resume import workload_digest
 from pipeline.trial.lifecycle import TrialContext, shipped_replica_config
+from serve.engines import deploy_folder_report
 from serve.engines.base import ReplicaConfig
 from serve.serving import (COMMAND_FILE, HIGH_COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE,
                            Provenance, RoutingPolicy, ServingConfig, deploy_files, engine_command, serving_config)
@@ -248,7 +249,9 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
                    {"config_file": str((folder / SERVING_FILE).resolve())})
     for name, text in deploy_files(serving, source_args, version or kind).items():
         write_text_atomic(folder / name, text)
-    _check_adaptive(folder)
+    checked = deploy_folder_report(serving.replica.engine, folder)  # SGLang: its loader on the tuned adaptive config
+    if checked:
+        print(checked, flush=True)
     try:
         ctx.tracker.log_study_artifact(ctx.parent_run_id, folder, DEPLOY_DIR)
     except Exception as exc:  # noqa: BLE001 - the files on disk and the registry already hold the winner
@@ -257,26 +260,6 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
     write_text_atomic(promoted, yaml.safe_dump({**serving.model_dump(mode="json"), "registered_model": model_name,
                                                 "version": version}, sort_keys=False))
     return version, serving
-
-
-def _check_adaptive(folder: Path) -> None:
-    """SGLang's own loader on the tuned adaptive config the engine command names, where one was written and SGLang
-    is importable here; its verdict printed (never fails the study: the file is also checked when an engine loads
-    it, and the registry already holds the config)."""
-    from serve.engines.sglang import ADAPTIVE_CONFIG_FILE
-    from serve.engines.sglang_check import check_adaptive_config
-
-    path = folder / ADAPTIVE_CONFIG_FILE
-    if not path.exists():
-        return
-    verdict = check_adaptive_config(str(path))
-    if verdict is None:
-        print(f"tuned adaptive config: {path} (SGLang is not importable here to load it)")
-    elif verdict["ok"]:
-        print(f"tuned adaptive config: {path}, loaded by SGLang's own loader: candidate steps per batch size "
-              f"{verdict['buckets']}")
-    else:
-        print(f"tuned adaptive config: {path} was refused by SGLang's loader: {verdict['error']}")
 
 
 def _print_deploy(ctx: TrialContext, serving: ServingConfig) -> None:
