@@ -103,7 +103,7 @@ def decide_backend(study: StudyConfig, space: SearchSpace,
     """The study with the engine settings its engines share decided (module docstring). `probes`: where to ask for a
     node's facts, in order; `required`: a real run, where an undecidable setting is a PipelineError with the fix."""
     from pipeline.trial.gate import effective_mode
-    from pipeline.trial.lifecycle import replica_config
+    from pipeline.trial.replica_config import replica_config
 
     config = replica_config(study, TrialConfig(), study.output_path())
     deterministic = effective_mode(study) == "deterministic" and study.workload.temperature == 0
@@ -131,7 +131,7 @@ def argv_report(decided: Decided, resolutions: Sequence[Resolution], output: Pat
     """For the dry run: each valid sampled config's engine command line and the engine's own verdict on it (SGLang:
     its parser, `resolve_once()` and `check_server_args()`, resolved as `decided.arch` would), and whether every
     engine resolved the same attention backend. Lines to print (none for an engine kind without a verdict)."""
-    from pipeline.trial.lifecycle import replica_config
+    from pipeline.trial.replica_config import replica_config
 
     study = decided.study
     numbered = [(n, r.config) for n, r in enumerate(resolutions) if r.valid and r.config is not None]

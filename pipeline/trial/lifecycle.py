@@ -28,6 +28,7 @@ from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker
 from pipeline.trial.gate import baseline_passes, judge_trial
+from pipeline.trial.replica_config import replica_config
 from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, release, start_engine
 from pipeline.search.space import Resolution
 from serve.engines import engine_for, pinned_settings
@@ -104,17 +105,6 @@ class TrialResult:
 
     def objective(self, metric: str) -> float | None:
         return getattr(self.summary, metric, None) if self.summary else None
-
-
-def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> ReplicaConfig:
-    engine = study.engine
-    return ReplicaConfig(
-        engine=engine.kind, model=study.model.target, dtype=study.model.dtype, device=engine.device,
-        attention_backend=engine.attention_backend, spec=trial.spec,
-        max_running_requests=trial.max_running_requests, threads=engine.threads, weights=engine.weights,
-        tp_size=engine.tp_size,
-        replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
-        env=engine.env, start_timeout_s=engine.start_timeout_s, log_dir=str(log_dir))
 
 
 def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,

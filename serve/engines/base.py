@@ -75,8 +75,8 @@ class ReplicaConfig(FrozenModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="sglang: where SGLang runs; auto = cuda where the cluster has GPUs, else cpu")
     attention_backend: str | None = Field(
-        None, description="sglang --attention-backend, the same for baseline and trials; None = the adapter's "
-        "(cpu: torch_native; cuda: flashinfer, SGLang's own choice for speculative trees)")
+        None, description="sglang --attention-backend, the same for baseline and trials (a study decides it at its "
+        "start); None = the adapter's (cpu: torch_native; cuda: flashinfer for MHA, triton for MLA models)")
     spec: SpecConfig = Field(default_factory=NoSpec)
     max_running_requests: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")

@@ -15,7 +15,8 @@ differently for the baseline and for speculative trials are rendered explicitly,
 backend and `max_running_requests` (unset, SGLang caps every speculative algorithm at 48 and leaves the baseline's
 memory-derived limit). The backend is the study's (`engine.attention_backend`, filled at study start with what SGLang
 0.5.23 picks on the node's GPU architecture for the widest tree of the search space: `serve.engines.sglang_backend`);
-a config built without one gets that choice for its own tree on this node. A tree on a backend whose verify ignores
+a config built without one gets, for the model's attention type, the backend whose verify applies the tree mask on
+every architecture. A tree on a backend whose verify ignores
 the tree mask is refused (INVALID) in `prepare`, from what SGLang's own resolution says it will run. Effective values
 are read back from `/server_info` (`pinned_settings`, `effective_settings`). `--nccl-port` is drawn from a range no
 SGLang process draws from itself (serve/ports.py): SGLang binds its HTTP port only after the model loads, and a
@@ -39,7 +40,7 @@ from serve.engines.spec_flags import UnsupportedSetting, render_spec
 from serve.engines.phases import report_phase
 from serve.engines.sglang_check import (PREFLIGHT_TIMEOUT_S, Preflight, installed_version, run_preflight,  # noqa: F401
                                         server_arg_fields)
-from serve.engines.sglang_backend import (AttentionKind, GpuArch, architecture_of, attention_kind, choose_backend,
+from serve.engines.sglang_backend import (AttentionKind, architecture_of, attention_kind,
                                           deterministic_problem, tree_mask_problem, tree_of)
 from serve.engines.sglang_cpu import launch as cpu_launch
 from serve.engines.sglang_cpu.runtime import version_problem
@@ -51,9 +52,8 @@ DEFAULT_CPUS_PER_GPU = 2.0  # NGRAM drafts on the host: replicas must not share 
 # SGLang's own cap for every speculative algorithm when unset (arg_groups/speculative_hook.py): rendered for the
 # baseline too, so baseline and trials run the same batch limit unless the study sets one.
 DEFAULT_MAX_RUNNING_REQUESTS = 48
-# On CPU the only backend the CPU runtime pieces support. On a GPU where the architecture cannot be read (a command
-# rendered on a machine without one): for each attention type the backend whose verify applies a tree mask on every
-# architecture (serve/engines/sglang_backend.py).
+# On CPU the only backend the CPU runtime pieces support. On a GPU, for a config built without one (outside a study):
+# for each attention type the backend whose verify applies a tree mask on every architecture (sglang_backend.py).
 CPU_ATTENTION_BACKEND = "torch_native"
 PORTABLE_ATTENTION_BACKEND = {"mha": "flashinfer", "mla": "triton"}
 ADAPTIVE_CONFIG_FILE = "adaptive_config.json"  # a tuned adaptive config, beside the engine command that names it
@@ -122,19 +122,15 @@ def launcher(executable: str = sys.executable, device: Device = "cuda") -> list[
     return [executable, "-m", "sglang.launch_server"]
 
 
-def attention_backend(config: ReplicaConfig, device: Device, arch: GpuArch | None = None) -> str:
-    """The backend the command line pins: the study's; without one, SGLang 0.5.23's choice for this config's own tree
-    on `arch` (default: this node's GPU; the portable backend where none can be read)."""
+def attention_backend(config: ReplicaConfig, device: Device) -> str:
+    """The backend the command line pins: the config's (a study's is decided at its start, `sglang_study`); without
+    one, on a GPU the backend whose verify applies a tree mask on every architecture for the model's attention type
+    (the same for any config of the model, whatever its tree or node); on a CPU torch_native."""
     if config.attention_backend:
         return config.attention_backend
     if device == "cpu":
         return CPU_ATTENTION_BACKEND
-    model = local_model_config(cpu_launch.model_folder(config.model)) or {}
-    arch = arch or node_gpu_arch()
-    if arch is None:
-        return PORTABLE_ATTENTION_BACKEND[attention_kind(model)]
-    return choose_backend(arch, attention_kind(model), architecture_of(model),
-                          [tree_of(config.spec, architecture_of(model))]).backend
+    return PORTABLE_ATTENTION_BACKEND[attention_kind(local_model_config(cpu_launch.model_folder(config.model)) or {})]
 
 
 def pinned_settings(config: ReplicaConfig, device: Device | None = None) -> dict[str, Any]:
@@ -317,13 +313,12 @@ class SglangEngine(Engine):
         there: use `exact` or `baseline-noise`."""
         return None if resolve_device(config) == "cpu" else ["--enable-deterministic-inference"]
 
-    def deterministic_problem(self, config: ReplicaConfig, arch: GpuArch | None = None) -> str | None:
-        """Why SGLang would refuse the deterministic pass of `config` on `arch` (its backend and model)."""
+    def deterministic_problem(self, config: ReplicaConfig) -> str | None:
+        """Why SGLang would refuse the deterministic pass of `config` (its backend and model)."""
         if resolve_device(config) == "cpu":
             return None
         model = local_model_config(cpu_launch.model_folder(config.model)) or {}
-        return deterministic_problem(attention_backend(config, "cuda", arch), attention_kind(model),
-                                     architecture_of(model))
+        return deterministic_problem(attention_backend(config, "cuda"), attention_kind(model), architecture_of(model))
 
     def start_env(self, config: ReplicaConfig) -> dict[str, str]:
         """The engine's environment: health checks without generations, the CPU runtime on a CPU; the study's
