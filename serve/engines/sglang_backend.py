@@ -211,7 +211,8 @@ def choose_backend(arch: GpuArch, kind: AttentionKind, architecture: str, trees:
     widest = max(trees or [BASELINE_TREE],
                  key=lambda t: (t.width, t.algorithm is not None, t.given_topk is not None))
     stock = sglang_default(arch, kind, architecture, widest, asymmetric_kv, attention_sinks)
-    backend = TREE_FALLBACK if tree_mask_problem(stock, kind, widest.width) else stock
+    # DSA models run only their own sparse backend: no fallback there (their trees are refused, fail closed)
+    backend = TREE_FALLBACK if stock != "dsa" and tree_mask_problem(stock, kind, widest.width) else stock
     return BackendChoice(backend=backend, arch=arch, kind=kind, architecture=architecture, widest=widest,
                          stock_baseline=sglang_default(arch, kind, architecture, BASELINE_TREE, asymmetric_kv,
                                                        attention_sinks),

@@ -151,3 +151,28 @@ def test_each_cell_is_what_sglang_resolves_and_its_verify_applies_the_tree_mask(
             assert tree_mask_problem(mirrored, "mla" if kind == "MLA" else "mha", width), where
             assert backend == TREE_FALLBACK, where
         assert EXPECTED[(arch, kind)][COLUMNS.index(column)] == backend, where
+
+
+@needs_sglang
+def test_a_tree_on_a_backend_whose_verify_ignores_its_mask_is_invalid(models, tmp_path, monkeypatch):
+    # flashinfer named by the study on the MLA model: SGLang itself accepts the breadth-4 NGRAM command line (its
+    # FlashInferMLAAttnBackend would then verify the tree with a causal mask); the project refuses it, from SGLang's
+    # own resolved backend, topk and MLA verdict, and before that from the model's config.json.
+    import serve.engines.sglang as sglang
+    from serve.engines.base import ConfigRejected, ReplicaConfig
+    from serve.engines.sglang_study import check_commands
+
+    model = models["MLA"]
+    tree, chain = (ReplicaConfig(engine="sglang", device="cuda", model=model, dtype="auto", attention_backend="flashinfer",
+                                 spec=NgramSpec(num_draft_tokens=8, max_bfs_breadth=b)) for b in (4, 1))
+    argv = sglang_args(tree, "127.0.0.1", 30000)
+    (verdict,) = run_preflight([argv], gpu_arch="sm100") or []
+    assert verdict.ok and verdict.resolved["speculative_eagle_topk"] == 4 and verdict.resolved["use_mla_backend"]
+    assert "FlashInferMLAAttnBackend" in (resolved_problem(verdict.resolved) or "")
+    tree_check, chain_check = check_commands([tree, chain], "sm100")  # what --dry-run prints
+    assert tree_check.ok is False and "ignores the tree mask" in (tree_check.problem or "")
+    assert chain_check.ok is True  # a chain's causal mask is its tree mask
+    monkeypatch.setattr(sglang, "node_gpu_arch", lambda: "sm100")
+    monkeypatch.setattr(sglang, "run_preflight", lambda *a, **k: pytest.fail("refused before SGLang is asked"))
+    with pytest.raises(ConfigRejected, match="ignores the tree mask"):  # in the replica: an INVALID trial
+        sglang.SglangEngine().prepare(tree, argv)
