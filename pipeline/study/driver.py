@@ -175,6 +175,10 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     identity = _identity(study, space)
     recorded = read_identity(out) if resume else None
     check_resume(recorded, identity, out)  # before anything is started or written
+    # One attention backend for every engine of the study, for the GPU they run on (pipeline/study/backend.py): what
+    # this machine can decide (and refuse) now, the rest from a GPU node once Ray is up.
+    decided = decide_backend(study, space)
+    study = decided.study
     out.mkdir(parents=True, exist_ok=True)  # SQLite (the default storage) cannot create its file in a missing folder
     storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
     directions: list[Literal["maximize", "minimize"]] = [
@@ -198,12 +202,12 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
     serve_url = connect_ray(study.name, study.ray.address)
-    # One attention backend for every engine of the study, chosen for the GPU the engines run on (pipeline/study/backend.py)
-    decided = decide_backend(study, space, (local_node_facts, ray_node_facts), required=True)
-    if decided.line:
+    if decided.line and study.engine.attention_backend is None:  # undecided here: a GPU node of the cluster says
+        decided = decide_backend(study, space, (local_node_facts, ray_node_facts), required=True)
         study = decided.study
-        print(decided.line[2:], flush=True)
         write_text_atomic(out / "study.yaml", study_to_yaml(study))
+    if decided.line:
+        print(decided.line[2:], flush=True)
     try:
         ctx = build_context(study, out, serve_url, tracker, parent, simulated=strategy.simulated)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
