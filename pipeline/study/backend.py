@@ -22,7 +22,8 @@ from serve.engines import check_commands, node_facts, shared_settings
 from serve.engines.base import ReplicaConfig
 from serve.spec import SPEC_TYPES, SpecConfig
 
-__all__ = ["Decided", "widest_specs", "decide_backend", "local_node_facts", "ray_node_facts", "argv_report"]
+__all__ = ["Decided", "widest_specs", "decide_backend", "local_node_facts", "ray_node_facts", "cluster_has_gpus",
+           "argv_report"]
 
 
 def _widest(p: Param) -> int | None:
@@ -73,12 +74,20 @@ def local_node_facts(config: ReplicaConfig) -> Any:
     return node_facts(config)
 
 
+def cluster_has_gpus() -> bool:
+    """Whether the Ray cluster this process is connected to has a GPU (False outside Ray)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and float(ray.cluster_resources().get("GPU", 0)) >= 1
+
+
 def ray_node_facts(config: ReplicaConfig) -> Any:
     """The same facts from a GPU node of the Ray cluster this process is connected to (None without one)."""
     import sys
 
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized() or float(ray.cluster_resources().get("GPU", 0)) < 1:
+    if ray is None or not cluster_has_gpus():
         return None
     probe = ray.remote(num_gpus=1, num_cpus=0)(node_facts)
     try:
