@@ -107,10 +107,9 @@ class Decided:
 
 
 def decide_backend(study: StudyConfig, space: SearchSpace,
-                   probes: Sequence[Callable[[ReplicaConfig], Any]] = (local_node_facts,),
-                   required: bool = False) -> Decided:
+                   probes: Sequence[Callable[[ReplicaConfig], Any]] = (local_node_facts,)) -> Decided:
     """The study with the engine settings its engines share decided (module docstring). `probes`: where to ask for a
-    node's facts, in order; `required`: a real run, where an undecidable setting is a PipelineError with the fix."""
+    node's facts, in order. A setting the engine kind refuses is a PipelineError with the fix."""
     from pipeline.trial.gate import effective_mode
     from pipeline.trial.replica_config import replica_config
 
@@ -118,8 +117,7 @@ def decide_backend(study: StudyConfig, space: SearchSpace,
     deterministic = effective_mode(study) == "deterministic" and study.workload.temperature == 0
     answered = [lambda c, probe=probe: probe(c) or _NO_FACTS for probe in probes]
     try:
-        shared = shared_settings(config, study.engine.gpu_arch, widest_specs(space), answered, deterministic,
-                                 required)
+        shared = shared_settings(config, study.engine.gpu_arch, widest_specs(space), answered, deterministic)
     except UserError as exc:
         raise PipelineError(str(exc)) from None
     if shared is None:

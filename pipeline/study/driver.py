@@ -20,7 +20,7 @@ from pipeline.records.console import progress_callback
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
-from pipeline.study.backend import cluster_has_gpus, decide_backend, local_node_facts, ray_node_facts
+from pipeline.study.backend import decide_backend, local_node_facts, ray_node_facts
 from pipeline.study.resume import (
     IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
     recorded_reports, saved_tune_trials, tune_unfinished, workload_digest, write_identity,
@@ -203,8 +203,9 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
     serve_url = connect_ray(study.name, study.ray.address)
     if decided.line and study.engine.attention_backend is None:  # undecided here: a GPU node of the cluster says
-        # (a cluster without GPUs places no engine: its trials say so, LAUNCH_FAILED with the placement's reason)
-        decided = decide_backend(study, space, (local_node_facts, ray_node_facts), required=cluster_has_gpus())
+        # (still unknown: every engine renders the backend that is safe on any GPU, the same for all of them; a node
+        # without a driver, or a cluster without GPUs, is named by its trials' own checks)
+        decided = decide_backend(study, space, (local_node_facts, ray_node_facts))
         study = decided.study
         write_text_atomic(out / "study.yaml", study_to_yaml(study))
     if decided.line:

@@ -55,15 +55,14 @@ def node_facts(config: Any) -> Any:
     return sglang_facts(config)
 
 
-def shared_settings(config: Any, gpu_arch: str, widest: Any, probes: Any, deterministic: bool,
-                    required: bool) -> Any:
+def shared_settings(config: Any, gpu_arch: str, widest: Any, probes: Any, deterministic: bool) -> Any:
     """Engine settings one study's engines share, decided once before its first trial (SGLang on a GPU: the
     attention backend, `serve.engines.sglang_study.shared_settings`); None where the kind decides nothing."""
     if config.engine != "sglang":
         return None
     from serve.engines.sglang_study import shared_settings as sglang_shared
 
-    return sglang_shared(config, gpu_arch, widest, probes, deterministic, required)
+    return sglang_shared(config, gpu_arch, widest, probes, deterministic)
 
 
 def check_commands(configs: list[Any], arch: str | None) -> list[Any] | None:

@@ -70,12 +70,11 @@ class Shared:
 
 
 def shared_settings(config: ReplicaConfig, gpu_arch: str, widest: Sequence[SpecConfig],
-                    probes: Sequence[Callable[[ReplicaConfig], NodeFacts]], deterministic: bool,
-                    required: bool) -> Shared | None:
+                    probes: Sequence[Callable[[ReplicaConfig], NodeFacts]], deterministic: bool) -> Shared | None:
     """The attention backend of a study's engines (module docstring); None off a GPU. `widest`: the widest configs
     the search space can propose; `probes`: where to ask for the node's facts, in order; `deterministic`: the study
-    compares outputs on deterministic-inference engines; `required`: a real run (an unknown architecture is then a
-    UserError naming the fix, since engines would otherwise choose per config on their nodes)."""
+    compares outputs on deterministic-inference engines. Undecided (the architecture or the model's config unknown),
+    every engine renders the adapter's backend, the same for any config of the model (`sglang.attention_backend`)."""
     if resolve_device(config) != "cuda":
         return None
     arch: GpuArch | None = None if gpu_arch == "auto" else gpu_arch  # type: ignore[assignment]
@@ -87,10 +86,10 @@ def shared_settings(config: ReplicaConfig, gpu_arch: str, widest: Sequence[SpecC
         arch, model = arch or facts.gpu_arch, model or facts.model_config
     if config.attention_backend is None and (arch is None or model is None):
         missing = "the GPU architecture" if arch is None else f"the config.json of {config.model!r}"
-        line = (f"attention backend: not decided here ({missing} cannot be read here): set engine.gpu_arch "
-                "(sm80, sm90, sm100, sm120) and give model.target as a local folder, or set engine.attention_backend")
-        if required:
-            raise UserError(line)
+        line = (f"attention backend: not decided here ({missing} cannot be read here), so every engine runs the "
+                "one whose verify applies the tree mask on any GPU (flashinfer for MHA, triton for MLA models); for "
+                "SGLang's own pick set engine.gpu_arch (sm80, sm90, sm100, sm120) and give model.target as a local "
+                "folder, or set engine.attention_backend")
         return Shared(line=line, arch=arch)
     model = model or {}
     kind, architecture = attention_kind(model), architecture_of(model)
