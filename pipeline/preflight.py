@@ -7,7 +7,8 @@ writes, creates or connects to anything:
 - the tracking URI is one the study can use: SQLite whose file (or the folder it would be created in) is writable,
   or a server URL; MLflow 3's file store (`file://`, a bare path) is refused, since MLflow keeps it in maintenance
   mode and fails inside the study; the Optuna storage URL likewise when it is SQLite;
-- the model (and draft models) exist, when given as local paths and the engines run on this machine;
+- the model (and the draft models of the search space's algorithms) exist, when given as local paths and the
+  engines run on this machine;
 - the workload loads (a missing, empty or malformed file is refused here, not after two failed trials) and no
   prompt is longer than `MAX_PROMPT_CHARS`.
 So a study that starts can write its files; one that cannot leaves nothing behind (no identity.json, optuna.db or
@@ -20,8 +21,14 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from pipeline.config import StudyConfig
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.search.space import SearchSpace
 
 __all__ = ["MAX_PROMPT_CHARS", "check_study", "check_output", "check_tracking_uri", "check_sqlite_url",
            "check_model", "check_workload"]
@@ -31,8 +38,9 @@ __all__ = ["MAX_PROMPT_CHARS", "check_study", "check_output", "check_tracking_ur
 MAX_PROMPT_CHARS = 1_000_000
 
 
-def check_study(study: StudyConfig) -> None:
-    """Every up-front check, in the order a user fixes them; raises PipelineError at the first problem."""
+def check_study(study: StudyConfig, space: SearchSpace | None = None) -> None:
+    """Every up-front check, in the order a user fixes them; raises PipelineError at the first problem. `space`: the
+    study's search space (its algorithms say which draft models are used; None = all of them)."""
     out = study.output_path()
     check_output(out)
     from pipeline.records.tracking import default_tracking_uri
@@ -41,7 +49,7 @@ def check_study(study: StudyConfig) -> None:
     if study.storage.url:
         check_sqlite_url(study.storage.url, "storage.url (--storage)")
     if study.ray.address is None:  # the engines run here: a path the model names must exist here
-        check_model(study)
+        check_model(study, None if space is None else space.algorithms)
     check_workload(study)
 
 
@@ -96,12 +104,16 @@ def check_tracking_uri(uri: str, what: str = "tracking.uri") -> None:
     check_sqlite_url(uri, what)
 
 
-def check_model(study: StudyConfig) -> None:
+def check_model(study: StudyConfig, algorithms: Sequence[str] | None = None) -> None:
+    """The target, and the draft of each of `algorithms` (None: every draft named): a draft model.drafts names for
+    an algorithm the search space never proposes is not used, so not checked (an NGRAM-only study keeps the
+    study file's EAGLE-3 path for another space)."""
     from serve.engines import engine_for
 
     engine = engine_for(study.engine.kind)
     named = [("model.target (--model)", study.model.target),
-             *((f"model.drafts.{algorithm}", path) for algorithm, path in sorted(study.model.drafts.items()))]
+             *((f"model.drafts.{algorithm}", path) for algorithm, path in sorted(study.model.drafts.items())
+               if algorithms is None or algorithm in algorithms)]
     for where, model in named:
         problem = engine.model_problem(model, where)
         if problem:

@@ -130,6 +130,12 @@ def dry_run(study: StudyConfig, space: SearchSpace, samples: int | None) -> None
     from pipeline.trial.launches import format_plan, plan_launches  # the trial stack's imports: a dry run only
 
     print(format_plan(study, plan_launches(study, sampled)))
+    from pipeline.study.backend import argv_report, decide_backend
+
+    decided = decide_backend(study, space)  # what the real run decides at its start (one backend for every engine)
+    if decided.line:
+        print(decided.line)
+        print("\n".join(argv_report(decided, sampled, study.output_path())))
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -184,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         study = load_study(args.study, overrides_from_args(args))
         space = load_space(study.search_space_path())
-        check_study(study)  # what can be checked before Ray starts or a file is written (a dry run too)
+        check_study(study, space)  # what can be checked before Ray starts or a file is written (a dry run too)
         quiet_libraries(study)
         if args.dry_run:
             dry_run(study, space, args.samples)

@@ -143,7 +143,7 @@ def engine_argv(serving: ServingConfig, host: str = ENGINE_HOST, port: int = ENG
     it (SGLang's `sglang`) its bare name, since the user's environment has its own paths."""
     from serve.engines import engine_for
 
-    argv = engine_for(serving.replica.engine).argv(serving.replica, host, port)
+    argv = engine_for(serving.replica.engine).command_argv(serving.replica, host, port)
     if argv and argv[0] == sys.executable:
         argv = ["python", *argv[1:]]
     elif argv and Path(argv[0]).parent == Path(sys.executable).parent:
@@ -191,9 +191,14 @@ def corpus_files(serving: ServingConfig) -> dict[str, str]:
 
 
 def _corpus_cd(replica: ReplicaConfig) -> str:
-    # The command names a shipped corpus by its bare file name: run it from the folder that holds the file.
-    return 'cd "$(dirname "$0")"  # the corpus file the command names lies beside this script\n' \
-        if replica.corpus_documents is not None else ""
+    # The command names a shipped corpus (and a tuned adaptive config) by its bare file name: run it from the folder
+    # that holds the file.
+    named = [what for what, there in (("corpus file", replica.corpus_documents is not None),
+                                      ("adaptive config", bool(getattr(replica.spec, "adaptive_steps", None))))
+             if there]
+    verb = "lies" if len(named) == 1 else "lie"
+    return f'cd "$(dirname "$0")"  # the {" and the ".join(named)} the command names {verb} beside this script\n' \
+        if named else ""
 
 
 def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_label: str) -> dict[str, str]:

@@ -57,12 +57,33 @@ class _DraftModelSpec(FrozenModel):
     num_draft_tokens: int | None = Field(None, ge=1, description="verify width: tree nodes including the root")
 
 
-class EagleSpec(_DraftModelSpec):
+# SGLang 0.5.23's own adaptive tiers (`speculative/adaptive_spec_params.py` DEFAULT_ADAPTIVE_CONFIG): candidate
+# num_steps per batch-size bucket (a batch routes to the largest bucket at or below its size); 0 = no drafting.
+DEFAULT_ADAPTIVE_STEPS: dict[int, tuple[int, ...]] = {1: (1, 3, 5, 7), 8: (0, 1, 3), 32: (0, 1), 64: (0,)}
+
+
+class _EagleFamilySpec(_DraftModelSpec):
+    # SGLang runs its adaptive controller for EAGLE and EAGLE3 only, with topk 1 (`adaptive_unsupported_reason`).
+    adaptive: bool = Field(False, description="SGLang's runtime controller (--speculative-adaptive): num_steps per "
+                           "batch-size bucket from candidate steps, with hysteresis; topk 1; steps/topk/draft tokens "
+                           "unset = SGLang's (topk 1, the middle candidate, steps + 1)")
+    adaptive_steps: dict[int, tuple[int, ...]] | None = Field(
+        None, description="candidate steps per batch-size bucket (--speculative-adaptive-config); None = SGLang's "
+        "default tiers. A study writes its winner's from the per-level table (0 where the baseline won)")
+
+
+class EagleSpec(_EagleFamilySpec):
     algorithm: Literal["eagle"] = "eagle"
 
 
-class Eagle3Spec(_DraftModelSpec):
+class Eagle3Spec(_EagleFamilySpec):
     algorithm: Literal["eagle3"] = "eagle3"
+
+
+def adaptive_candidates(steps: dict[int, tuple[int, ...]] | None) -> list[int]:
+    """Every num_steps an adaptive engine may run (SGLang sizes its buffers for the union): `--speculative-num-steps`,
+    when given, must be one of them."""
+    return sorted({s for entry in (steps or DEFAULT_ADAPTIVE_STEPS).values() for s in entry})
 
 
 class StandaloneSpec(_DraftModelSpec):
@@ -241,6 +262,7 @@ def _validate_draft_model(spec: EagleSpec | Eagle3Spec | StandaloneSpec, prefix:
             f"{prefix}.{missing[0]}", f"{algo}: num_steps, topk and num_draft_tokens must be all set or all unset",
             ", ".join(f"{k}={v}" for k, v in shape.items())))
         return found
+    found += _validate_adaptive(spec, prefix)
     steps, topk, draft = spec.num_steps, spec.topk, spec.num_draft_tokens
     if steps is None or topk is None or draft is None:  # all unset: the engine chooses
         return found
@@ -258,6 +280,32 @@ def _validate_draft_model(spec: EagleSpec | Eagle3Spec | StandaloneSpec, prefix:
             f"{algo}: num_draft_tokens - 1 <= topk + (num_steps - 1) * topk^2 must hold (the candidates the tree holds)",
             f"num_draft_tokens={draft}, num_steps={steps}, topk={topk} "
             f"({draft - 1} > {tree_candidates(steps, topk)})"))
+    return found
+
+
+def _validate_adaptive(spec: EagleSpec | Eagle3Spec | StandaloneSpec, prefix: str) -> list[Violation]:
+    """SGLang turns adaptive off, with only a log warning, where `adaptive_unsupported_reason` says so (for a single
+    engine config: topk other than 1), so such a trial would measure a static config under an adaptive label; and it
+    refuses steps outside the candidates (`_init_adaptive_speculative_params`)."""
+    if not isinstance(spec, _EagleFamilySpec):
+        return []
+    found = []
+    if spec.adaptive_steps is not None and not spec.adaptive:
+        found.append(Violation(f"{prefix}.adaptive_steps", f"{spec.algorithm}: adaptive_steps needs adaptive: true",
+                               "adaptive=False"))
+    for bucket, steps in (spec.adaptive_steps or {}).items():
+        if bucket < 1 or not steps or any(s < 0 for s in steps):
+            found.append(Violation(f"{prefix}.adaptive_steps", "each bucket >= 1 maps to a non-empty list of steps "
+                                   ">= 0 (SGLang's loader rule)", f"{bucket}: {list(steps)}"))
+    if not spec.adaptive:
+        return found
+    if spec.topk not in (None, 1):
+        found.append(Violation(f"{prefix}.topk", f"{spec.algorithm}: adaptive runs topk 1 only (SGLang would turn it "
+                               "off and run the static config)", f"adaptive=True, topk={spec.topk}"))
+    candidates = adaptive_candidates(spec.adaptive_steps)
+    if spec.num_steps is not None and spec.num_steps not in candidates:
+        found.append(Violation(f"{prefix}.num_steps", f"{spec.algorithm}: with adaptive, num_steps must be one of the "
+                               f"candidate steps {candidates} (SGLang refuses others)", f"num_steps={spec.num_steps}"))
     return found
 
 

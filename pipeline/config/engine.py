@@ -56,8 +56,13 @@ class EngineSettings(FrozenModel):
         "auto", description="sglang: where SGLang runs; auto = cuda where the cluster has GPUs, else cpu (SGLang's "
         "own server on CPU, from the venv of bash infra/install-sglang-cpu.sh)")
     attention_backend: str | None = Field(
-        None, description="sglang --attention-backend, the same for the baseline and every trial; None = the "
-        "adapter's (cuda: flashinfer, what SGLang picks for speculative trees; cpu: torch_native)")
+        None, description="sglang --attention-backend, the same for the baseline and every trial; None = decided at "
+        "study start: on a GPU what SGLang 0.5.23 picks on engine.gpu_arch for the model and the widest tree of the "
+        "search space (triton where that one's verify ignores the tree mask; docs/configuration.md); cpu: "
+        "torch_native")
+    gpu_arch: Literal["auto", "sm80", "sm90", "sm100", "sm120"] = Field(
+        "auto", description="sglang: the GPU architecture the attention backend is chosen for; auto = this "
+        "machine's GPU, else a GPU node of the Ray cluster (set it to see the backend in --dry-run elsewhere)")
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
     replica_cpus: float | None = Field(None, ge=0, description="CPUs reserved per engine replica; None = the engine's "
                                        "default (sglang: 2 per GPU, since NGRAM drafts on the host; cpu: 0.1)")
@@ -87,7 +92,7 @@ class EngineSettings(FrozenModel):
     @model_validator(mode="after")
     def _sglang_only(self) -> EngineSettings:
         for key, value, default in (("device", self.device, "auto"), ("attention_backend", self.attention_backend,
-                                                                       None)):
+                                                                       None), ("gpu_arch", self.gpu_arch, "auto")):
             if value != default and self.kind != "sglang":
                 raise ValueError(f"engine.{key}={value!r} applies to engine.kind sglang only (engine.kind is "
                                  f"{self.kind!r}). Fix: remove engine.{key}")

@@ -20,6 +20,7 @@ from pipeline.records.console import progress_callback
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
+from pipeline.study.backend import decide_backend, local_node_facts, ray_node_facts
 from pipeline.study.resume import (
     IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
     recorded_reports, saved_tune_trials, tune_unfinished, workload_digest, write_identity,
@@ -66,7 +67,6 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                               "reason": result.reason[:300]}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
         # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/search/searcher.py)
-        # (and NOT_EQUIVALENT under baseline-noise: a statistical verdict on a sound measurement, reports_measurement)
         value = result.objective(metric) if reports_measurement(result.outcome.value, ctx.study) else None
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
@@ -185,6 +185,10 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     identity = _identity(study, space)
     recorded = read_identity(out) if resume else None
     check_resume(recorded, identity, out)  # before anything is started or written
+    # One attention backend for every engine of the study, for the GPU they run on (pipeline/study/backend.py): what
+    # this machine can decide (and refuse) now, the rest from a GPU node once Ray is up.
+    decided = decide_backend(study, space)
+    study = decided.study
     out.mkdir(parents=True, exist_ok=True)  # SQLite (the default storage) cannot create its file in a missing folder
     storage = optuna.storages.RDBStorage(study.storage.url or f"sqlite:///{out / 'optuna.db'}")
     directions: list[Literal["maximize", "minimize"]] = [
@@ -208,6 +212,14 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
                       artifact_dir=out / "mlartifacts")
     parent = tracker.start_study(study.name, study_to_yaml(study), resume=resume)
     serve_url = connect_ray(study.name, study.ray.address)
+    if decided.line and study.engine.attention_backend is None:  # undecided here: a GPU node of the cluster says
+        # (still unknown: every engine renders the backend that is safe on any GPU, the same for all of them; a node
+        # without a driver, or a cluster without GPUs, is named by its trials' own checks)
+        decided = decide_backend(study, space, (local_node_facts, ray_node_facts))
+        study = decided.study
+        write_text_atomic(out / "study.yaml", study_to_yaml(study))
+    if decided.line:
+        print(decided.line[2:], flush=True)
     try:
         ctx = build_context(study, out, serve_url, tracker, parent, simulated=strategy.simulated)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:

@@ -11,7 +11,8 @@ finalist is judged against the baseline's runs at the SAME level once its own ru
 equivalence mode: `exact`, each run against the baseline's first successful run at that level; `baseline-noise`, the
 sign test over the finalist's runs at that level with the baseline's other runs there as its noise
 (`pipeline.decide.noise`); `deterministic`, already checked in the search on deterministic-inference engines (whose
-outputs do not depend on the level), so the runs' figures are recorded but do not gate. The baseline's runs against
+outputs do not depend on the level), so the runs' figures are recorded but do not gate, unless the baseline has no
+deterministic pass: then the search compared nothing, and no finalist is equivalent (fail closed: no promotion). The baseline's runs against
 each other at each level are the engine's own divergence: logged on the study run (`baseline_self_*_c<level>`
 metrics) and as `NOISE_ARTIFACT`, with each finalist's divergence from the baseline beside it.
 
@@ -35,7 +36,7 @@ from pipeline.decide.levels import Candidate, LevelInput, RunFigures
 from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.trial.lifecycle import Checked, Outcome, TrialContext, measure_and_check
-from pipeline.trial.gate import effective_mode
+from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, NOT_COMPARED_DETERMINISTIC, baseline_pass, effective_mode
 from pipeline.trial.replicas import launch_fresh
 
 NOISE_ARTIFACT = "study/baseline_noise.json"  # the baseline's self-divergence and the finalists' divergence, per level
@@ -110,6 +111,9 @@ def judge_level(ctx: TrialContext, config: TrialConfig, passes: Sequence[Pass],
     if reference is None:
         return [(False, "not compared: no baseline run succeeded at this level", None) for _ in passes]
     mode, policy = effective_mode(study), study.promotion
+    if mode == "deterministic" and baseline_pass(ctx, DETERMINISTIC_ARTIFACT) is None:
+        why = f"not compared: {NOT_COMPARED_DETERMINISTIC}; no promotion without a comparison"
+        return [(False, why, None) for _ in passes]
     runs = [p.records for p in passes if p.records]
     if mode == "baseline-noise" and runs:
         pooled = judge("baseline-noise", reference, runs, baseline_others=others, alpha=policy.equivalence_alpha)

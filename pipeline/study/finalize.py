@@ -22,6 +22,7 @@ from pipeline.compare import format_table, mark_constraints, rows_from_runs
 from pipeline.config import TrialConfig
 from pipeline.trial.corpus import corpus_comparison, format_corpus_table
 from pipeline.atomic import write_text_atomic
+from pipeline.decide.adaptive import tuned_adaptive_steps
 from pipeline.decide.decision import Decision
 from pipeline.decide.headline import Deploy, Headline, level_table, levels_headline, search_only_headline
 from pipeline.study.finalists import measure_levels
@@ -36,6 +37,7 @@ from pipeline.records.prediction_plot import prediction_plots
 from pipeline.records.report import write_report
 from pipeline.study.resume import workload_digest
 from pipeline.trial.lifecycle import TrialContext, shipped_replica_config
+from serve.engines import deploy_folder_report
 from serve.engines.base import ReplicaConfig
 from serve.serving import (COMMAND_FILE, HIGH_COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE,
                            Provenance, RoutingPolicy, ServingConfig, deploy_files, engine_command, serving_config)
@@ -162,6 +164,11 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     gap = _baseline_gap(ctx, rows, base_row, levels_decision)
     served = levels_decision.policy
     chosen_name = served.config or BASELINE
+    # An adaptive EAGLE winner is served with candidate steps per level from this table (pipeline/decide/adaptive.py)
+    tuned = tuned_adaptive_steps(levels_decision, chosen_name, {n: c.spec for n, c in configs.items()})
+    if tuned is not None:
+        spec = configs[chosen_name].spec.model_copy(update={"adaptive_steps": tuned})
+        configs[chosen_name] = configs[chosen_name].model_copy(update={"spec": spec})
     # The lowest level decides what is served there, so its single-level decision is the promotion's kind.
     low = levels_decision.levels[0]
     kind = "promote" if served.config else "keep_baseline"
@@ -242,6 +249,9 @@ def _promote(ctx: TrialContext, model_name: str, chosen: TrialConfig, kind: str,
                    {"config_file": str((folder / SERVING_FILE).resolve())})
     for name, text in deploy_files(serving, source_args, version or kind).items():
         write_text_atomic(folder / name, text)
+    checked = deploy_folder_report(serving.replica.engine, folder)  # SGLang: its loader on the tuned adaptive config
+    if checked:
+        print(checked, flush=True)
     try:
         ctx.tracker.log_study_artifact(ctx.parent_run_id, folder, DEPLOY_DIR)
     except Exception as exc:  # noqa: BLE001 - the files on disk and the registry already hold the winner

@@ -4,4 +4,4 @@ measure, compare with the baseline by the study's equivalence mode (`gate`), rec
 cost and share (`launches`). Every ending is an `Outcome` with its reason and logs:
 a failed trial is a recorded result, never a crashed study."""
 
-__all__ = ["corpus", "gate", "launches", "lifecycle", "replicas"]
+__all__ = ["corpus", "gate", "launches", "lifecycle", "replica_config", "replicas"]

@@ -2,10 +2,11 @@
 (`record_launches`: the `engine_launches` of every trial and finalist run, summed on the study run).
 
 A launch of a big model costs minutes of every GPU it holds. Shared (serve/replica/sharing.py): consecutive trials of one
-trial process whose engine settings are equal, differing only in warm-up length or corpus; the baseline's noise pass
-(`baseline-noise`); a finalist's runs at the study's other levels (each run starts one engine, then flushes, warms up
-and measures at every level). Not shared: a finalist's runs among themselves (each run measures a freshly started
-engine), and the deterministic-inference passes of `equivalence: deterministic` (another command line).
+trial process whose engine settings are equal, differing only in warm-up length or corpus; a finalist's runs at the
+study's other levels (each run starts one engine, then flushes, warms up and measures at every level). Not shared: a
+finalist's runs among themselves (each run measures a freshly started engine), the baseline's noise pass
+(`baseline-noise`: a launch's own noise is not another launch's), and the deterministic-inference passes of
+`equivalence: deterministic` (another command line).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ class LaunchPlan:
     trials: int  # valid search trials (each needs an engine)
     search: int  # their launches, consecutive ones sharing where they can
     deterministic: int  # the baseline's and the trials' deterministic-inference passes, never shared
-    noise: int  # the baseline's noise pass (baseline-noise): shares the baseline's launch, one without sharing
+    noise: int  # the baseline's noise pass (baseline-noise): a fresh launch of its own
     finalists: int  # baseline + finalists x runs, levels sharing a run's launch
     finalists_unshared: int  # the same without sharing: one launch per run and level
 
     @property
     def total(self) -> int:
-        return self.search + self.deterministic + self.finalists
+        return self.search + self.deterministic + self.noise + self.finalists
 
     @property
     def unshared(self) -> int:
@@ -66,7 +67,7 @@ def format_plan(study: Any, plan: LaunchPlan) -> str:
         lines.append(f"#   deterministic-inference passes: {plan.deterministic} (the baseline and every compared trial "
                      "once more, on engines started with the deterministic flags)")
     elif effective_mode(study) == "baseline-noise":
-        lines.append("#   the baseline's noise pass shares the baseline's launch")
+        lines.append("#   the baseline's noise pass: 1 (a fresh launch: its reference is another launch's noise)")
     if plan.finalists:
         lines.append(f"#   finalists: {plan.finalists} (baseline + {study.promotion.finalists} finalist(s) x "
                      f"{study.promotion.runs} runs, each run's launch measuring every level of {study.concurrency}; "

@@ -29,12 +29,13 @@ from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker
 from pipeline.trial.gate import baseline_passes, judge_trial
+from pipeline.trial.replica_config import replica_config
 from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, release, start_engine
 from pipeline.search.space import Resolution
 from serve.engines import engine_for, pinned_settings
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.spec_flags import effective_diff, effective_settings
-from serve.replica.deployment import log_tail
+from serve.replica.deployment import START_TIMEOUT_MARKER, log_tail
 from serve.replica.usage import Usage
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
@@ -115,18 +116,6 @@ class TrialResult:
         return getattr(self.summary, metric, None) if self.summary else None
 
 
-def replica_config(study: StudyConfig, trial: TrialConfig, log_dir: Path) -> ReplicaConfig:
-    engine = study.engine
-    return ReplicaConfig(
-        engine=engine.kind, model=study.model.target, dtype=study.model.dtype, device=engine.device,
-        attention_backend=engine.attention_backend, spec=trial.spec,
-        max_running_requests=trial.max_running_requests, threads=engine.threads, cpus=engine.cpus,
-        weights=engine.weights,
-        tp_size=engine.tp_size,
-        replica_cpus=engine.replica_cpus, replica_resources=engine.replica_resources, extra_flags=engine.extra_flags,
-        env=engine.env, start_timeout_s=engine.start_timeout_s, log_dir=str(log_dir))
-
-
 def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,
                            log_dir: Path) -> tuple[ReplicaConfig, CorpusFile | None]:
     """`replica_config` with the trial's corpus resolved (`corpus_for_trial`: the `warmup` choice written from the
@@ -139,9 +128,9 @@ def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,
 def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | None:
     """`/flush_cache` until it succeeds; the last refusal after `deadline_s`, else None.
 
-    SGLang refuses a flush (400) while any request is queued or running, and Serve's health check runs a real
-    generation through `/health` every few seconds, so one refusal is expected: ask it to wait for idle
-    (`?timeout=`), then retry."""
+    SGLang refuses a flush (400) while any request is queued or running (a trial's own last request may still be
+    finishing), so one refusal is expected: ask it to wait for idle (`?timeout=`), then retry. Serve's health checks
+    do not generate (`serve.engines.sglang.HEALTH_ENV`)."""
     deadline, answer = time.monotonic() + deadline_s, ""
     while True:
         response = client.post("/flush_cache", params={"timeout": FLUSH_WAIT_S}, timeout=FLUSH_WAIT_S + 30)
@@ -217,8 +206,8 @@ def _start(ctx: TrialContext, trial: TrialConfig, label: str, config: ReplicaCon
     """The engine running and healthy; its URL."""
     note_phase(log_dir, "engine", config=config_label(trial))
     try:
-        live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config,
-                                         ctx.study.engine.start_timeout_s + 60)
+        live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config,  # a cold node's allowance too
+                                         engine_for(config.engine).start_timeout_s(config, cold=True) + 60)
     except TimeoutError as exc:
         raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
     except RuntimeError as exc:
@@ -226,7 +215,9 @@ def _start(ctx: TrialContext, trial: TrialConfig, label: str, config: ReplicaCon
         if ConfigRejected.MARKER in message:
             raise TrialFailure(Outcome.INVALID,
                                message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]) from None
-        raise TrialFailure(Outcome.LAUNCH_FAILED, message) from None
+        # an engine that did not get ready in time is a TIMEOUT (a cold node's first launch), not a broken one
+        raise TrialFailure(Outcome.TIMEOUT if START_TIMEOUT_MARKER in message else Outcome.LAUNCH_FAILED,
+                           message) from None
     out.timings["deploy_s"] = time.monotonic() - started
     return live.url
 

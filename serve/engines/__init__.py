@@ -45,6 +45,46 @@ def describe_device(config: Any) -> str | None:
     return sglang_device(config)
 
 
+def node_facts(config: Any) -> Any:
+    """What this node says about itself for `config`'s engine kind (SGLang: its GPU architecture and the model's
+    config.json; `serve.engines.sglang_study.NodeFacts`); runs where it is called. None for other kinds."""
+    if config.engine != "sglang":
+        return None
+    from serve.engines.sglang_study import node_facts as sglang_facts
+
+    return sglang_facts(config)
+
+
+def shared_settings(config: Any, gpu_arch: str, widest: Any, probes: Any, deterministic: bool) -> Any:
+    """Engine settings one study's engines share, decided once before its first trial (SGLang on a GPU: the
+    attention backend, `serve.engines.sglang_study.shared_settings`); None where the kind decides nothing."""
+    if config.engine != "sglang":
+        return None
+    from serve.engines.sglang_study import shared_settings as sglang_shared
+
+    return sglang_shared(config, gpu_arch, widest, probes, deterministic)
+
+
+def check_commands(configs: list[Any], arch: str | None) -> list[Any] | None:
+    """The engines' command lines for `configs` with the engine's own verdict on each
+    (`serve.engines.sglang_study.CommandCheck`); None for kinds without one."""
+    if not configs or configs[0].engine != "sglang":
+        return None
+    from serve.engines.sglang_study import check_commands as sglang_check
+
+    return sglang_check(configs, arch)
+
+
+def deploy_folder_report(kind: str, folder: Any) -> str | None:
+    """The engine's own check of the files a deploy folder holds for it (SGLang: its loader on a tuned adaptive
+    config); None when there is nothing to say."""
+    if kind != "sglang":
+        return None
+    from serve.engines.sglang_study import adaptive_report
+
+    return adaptive_report(folder)
+
+
 def algorithms_of(kind: str) -> frozenset[str]:
     """The speculative algorithms an engine kind implements (static knowledge: validation, not preflight)."""
     return engine_for(kind).algorithms

@@ -75,8 +75,8 @@ class ReplicaConfig(FrozenModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="sglang: where SGLang runs; auto = cuda where the cluster has GPUs, else cpu")
     attention_backend: str | None = Field(
-        None, description="sglang --attention-backend, the same for baseline and trials; None = the adapter's "
-        "(cpu: torch_native; cuda: flashinfer, SGLang's own choice for speculative trees)")
+        None, description="sglang --attention-backend, the same for baseline and trials (a study decides it at its "
+        "start); None = the adapter's (cpu: torch_native; cuda: flashinfer for MHA, triton for MLA models)")
     spec: SpecConfig = Field(default_factory=NoSpec)
     max_running_requests: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, description="cpu engine torch threads")
@@ -150,6 +150,20 @@ class Engine:
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
         """The engine's full command line."""
         raise NotImplementedError
+
+    def command_argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        """The command line as a user runs it from the deploy folder (deploy/engine_command.sh): files the deploy
+        writes beside it named by file name, nothing drawn for one launch. Default: `argv`."""
+        return self.argv(config, host, port)
+
+    def start_timeout_s(self, config: ReplicaConfig, cold: bool | None = None) -> float:
+        """How long this node's start of `config` may take before it is a TIMEOUT. `cold` None: whether this node
+        has started it before (`note_started`); True: the longest a start may take anywhere (a driver waiting on a
+        replica elsewhere). Default: `config.start_timeout_s`, warm or cold."""
+        return config.start_timeout_s
+
+    def note_started(self, config: ReplicaConfig) -> None:
+        """Runs on the node after `config`'s engine answered healthy: later starts there are warm."""
 
     def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
         """`ray_actor_options` of the replica that owns the engine process."""

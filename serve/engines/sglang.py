@@ -12,58 +12,58 @@ and detokenizer children.
 `device: cpu` runs SGLang's own server on a CPU machine from its own venv (`serve.engines.sglang_cpu`), with the CPU
 flags of `sglang_cpu.launch`; `auto` means cuda where the cluster has GPUs. Settings SGLang would otherwise choose
 differently for the baseline and for speculative trials are rendered explicitly, the same for both: the attention
-backend (SGLang picks fa3 on Hopper only without speculation or with topk 1) and `max_running_requests` (unset,
-SGLang caps every speculative algorithm at 48 and leaves the baseline's memory-derived limit). Their effective values
-are read back from `/server_info` (`pinned_settings`, `effective_settings`).
+backend and `max_running_requests` (unset, SGLang caps every speculative algorithm at 48 and leaves the baseline's
+memory-derived limit). The backend is the study's (`engine.attention_backend`, filled at study start with what SGLang
+0.5.23 picks on the node's GPU architecture for the widest tree of the search space: `serve.engines.sglang_backend`);
+a config built without one gets, for the model's attention type, the backend whose verify applies the tree mask on
+every architecture. A tree on a backend whose verify ignores
+the tree mask is refused (INVALID) in `prepare`, from what SGLang's own resolution says it will run. Effective values
+are read back from `/server_info` (`pinned_settings`, `effective_settings`). `--nccl-port` is drawn from a range no
+SGLang process draws from itself (serve/ports.py): SGLang binds its HTTP port only after the model loads, and a
+parallel trial's own NCCL draw could take it meanwhile.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-from dataclasses import dataclass, field
-from importlib import metadata
+import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from serve.engines import sglang_cpu
-from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, child_env
-from serve.engines.spec_flags import UnsupportedSetting, effective_diff, render_spec
+from serve.engines.base import ConfigRejected, Engine, ReplicaConfig
+from serve.engines.spec_flags import UnsupportedSetting, render_spec
 from serve.engines.phases import report_phase
+from serve.engines.sglang_check import (PREFLIGHT_TIMEOUT_S, Preflight, installed_version, run_preflight,  # noqa: F401
+                                        server_arg_fields)
+from serve.engines.sglang_backend import (AttentionKind, architecture_of, attention_kind,
+                                          deterministic_problem, tree_mask_problem, tree_of)
 from serve.engines.sglang_cpu import launch as cpu_launch
 from serve.engines.sglang_cpu.runtime import version_problem
 from serve.engines.sglang_node import (GPU_FREE_WAIT_S, Device, busy_gpus, compiler_problems, cuda_compiler,  # noqa: F401
-                                       driver_cuda_version, host_compiler, node_problems, ray_gpu_ids, wait_gpus_free)
+                                       draft_tp_problem, driver_cuda_version, host_compiler, local_model_config,
+                                       node_gpu_arch, node_problems, ray_gpu_ids, wait_gpus_free)
 
-PREFLIGHT_TIMEOUT_S = 300.0
 DEFAULT_CPUS_PER_GPU = 2.0  # NGRAM drafts on the host: replicas must not share a core
 # SGLang's own cap for every speculative algorithm when unset (arg_groups/speculative_hook.py): rendered for the
 # baseline too, so baseline and trials run the same batch limit unless the study sets one.
 DEFAULT_MAX_RUNNING_REQUESTS = 48
-# The backend SGLang itself picks for speculative trees (topk > 1) on Hopper and Blackwell; the baseline gets it too.
-# On CPU the only backend the CPU runtime pieces support.
-DEFAULT_ATTENTION_BACKEND = {"cuda": "flashinfer", "cpu": "torch_native"}
+# On CPU the only backend the CPU runtime pieces support. On a GPU, for a config built without one (outside a study):
+# for each attention type the backend whose verify applies a tree mask on every architecture (sglang_backend.py).
+CPU_ATTENTION_BACKEND = "torch_native"
+PORTABLE_ATTENTION_BACKEND = {"mha": "flashinfer", "mla": "triton"}
+ADAPTIVE_CONFIG_FILE = "adaptive_config.json"  # a tuned adaptive config, beside the engine command that names it
+# A node's first start of SGLang pays what later starts find cached: on a GPU the JIT-compiled kernels (SGLang's,
+# flashinfer's: minutes at tp 8) and the model in the page cache (a 236B bf16 checkpoint is ~470 GB of reads); on a
+# CPU the NGRAM trie's compile (~20 s on two cores). That start may take this much longer than start_timeout_s.
+COLD_START_ALLOWANCE_S = {"cuda": 1200.0, "cpu": 300.0}
 # Serve's health check asks /health every few seconds; by default SGLang answers it with a real 1-token generation,
 # which would add prefills to a trial's measured batches. With this off, /health still answers 503 until SGLang is up.
 HEALTH_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
-
-
-def installed_version(python: str | None = None) -> str | None:
-    """SGLang's version for `python` (None = this interpreter), None when it has none. Interpreters are told apart by
-    their environment (the folder above `bin/`), not by what their symlinks resolve to: every venv of one base Python
-    resolves to the same binary."""
-    if python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
-        try:
-            return metadata.version("sglang")
-        except metadata.PackageNotFoundError:
-            return None
-    site = Path(python).parent.parent / "lib"
-    found = sorted(site.glob("python3*/site-packages/sglang-*.dist-info"))
-    return found[-1].name[len("sglang-"):-len(".dist-info")] if found else None
 
 
 def _cluster_has_gpus() -> bool | None:
@@ -123,7 +123,14 @@ def launcher(executable: str = sys.executable, device: Device = "cuda") -> list[
 
 
 def attention_backend(config: ReplicaConfig, device: Device) -> str:
-    return config.attention_backend or DEFAULT_ATTENTION_BACKEND[device]
+    """The backend the command line pins: the config's (a study's is decided at its start, `sglang_study`); without
+    one, on a GPU the backend whose verify applies a tree mask on every architecture for the model's attention type
+    (the same for any config of the model, whatever its tree or node); on a CPU torch_native."""
+    if config.attention_backend:
+        return config.attention_backend
+    if device == "cpu":
+        return CPU_ATTENTION_BACKEND
+    return PORTABLE_ATTENTION_BACKEND[attention_kind(local_model_config(cpu_launch.model_folder(config.model)) or {})]
 
 
 def pinned_settings(config: ReplicaConfig, device: Device | None = None) -> dict[str, Any]:
@@ -138,15 +145,21 @@ def pinned_settings(config: ReplicaConfig, device: Device | None = None) -> dict
 
 
 def sglang_args(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None,
-                device: Device | None = None) -> list[str]:
+                device: Device | None = None, nccl_port: int | None = None,
+                adaptive_config: str | None = None) -> list[str]:
     """Server flags (no launcher) for a ReplicaConfig; `available` = the installed ServerArgs fields (see
     `server_arg_fields`), None = SGLang 0.5.23's. Renders `model.dtype` (float32 on CPU unless given: SGLang's auto
-    there is float16), the pinned attention backend and running-request cap, the CPU flags on a CPU."""
+    there is float16), the pinned attention backend and running-request cap, the CPU flags on a CPU, `nccl_port`
+    when given, and `adaptive_config` (the path of the spec's tuned adaptive config, `write_adaptive_config`)."""
     device = device or resolve_device(config)
     model = cpu_launch.model_folder(config.model)
     dtype = "float32" if device == "cpu" and config.dtype == "auto" else config.dtype
     args = ["--model-path", model, "--host", host, "--port", str(port), "--tp-size", str(config.tp_size),
             "--dtype", dtype, "--attention-backend", attention_backend(config, device)]
+    if nccl_port is not None:
+        args += ["--nccl-port", str(nccl_port)]
+    if adaptive_config is not None:
+        args += ["--speculative-adaptive-config", adaptive_config]
     if device == "cpu":
         args += cpu_launch.cpu_flags(list(config.extra_flags))
     cpu_python = sglang_cpu.venv_python() if device == "cpu" else None
@@ -156,90 +169,77 @@ def sglang_args(config: ReplicaConfig, host: str, port: int, available: Iterable
     return args + render_spec(config.spec, cap, available, name) + list(config.extra_flags)
 
 
-def sglang_argv(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None) -> list[str]:
+def sglang_argv(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None,
+                nccl_port: int | None = None, adaptive_config: str | None = None) -> list[str]:
     """The full command line: launcher + `sglang_args`."""
     device = resolve_device(config)
     python = python_for(device) if device == "cpu" else sys.executable
-    return launcher(python, device) + sglang_args(config, host, port, available, device)
+    return launcher(python, device) + sglang_args(config, host, port, available, device, nccl_port, adaptive_config)
 
 
-def _preflight_process(request: dict[str, Any], timeout_s: float, sglang_path: str | None,
-                       python: str | None = None) -> subprocess.CompletedProcess | str:
-    """Run serve.engines.sglang_preflight with `python` (default this interpreter) and SGLang importable from
-    `sglang_path` (a `pip install --target` dir) or that interpreter's environment. No GPU: CUDA_VISIBLE_DEVICES=""
-    keeps SGLang's resolution from touching the replica's GPUs. With another interpreter (the SGLang CPU venv's),
-    SGLang resolves as its CPU platform does at launch (SGLANG_USE_CPU_ENGINE=1)."""
-    extra = {"CUDA_VISIBLE_DEVICES": ""}
-    if python is not None:
-        extra["SGLANG_USE_CPU_ENGINE"] = "1"
-    env = child_env(extra)
-    if sglang_path:
-        env["PYTHONPATH"] = os.pathsep.join([sglang_path, env["PYTHONPATH"]])
-    try:
-        return subprocess.run([python or sys.executable, "-m", "serve.engines.sglang_preflight"],
-                              input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return f"SGLang preflight took longer than {timeout_s:.0f} s"
+def warm_marker(config: ReplicaConfig, device: Device) -> Path:
+    """The file that says this node has started this SGLang version with this model (JIT and page caches warm)."""
+    from serve.engines.cpu.models import cache_root
+
+    python = python_for(device) if device == "cpu" else None
+    key = hashlib.sha256(f"{installed_version(python)}|{device}|{config.model}".encode()).hexdigest()[:16]
+    return cache_root() / "warm-starts" / f"sglang-{key}"
 
 
-def _last_json(done: subprocess.CompletedProcess) -> dict[str, Any] | None:
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else None
-
-
-@functools.lru_cache(maxsize=8)
-def server_arg_fields(sglang_path: str | None = None, python: str | None = None) -> frozenset[str] | None:
-    """The `ServerArgs` field names of the SGLang importable here (or from `sglang_path`, or by `python`); None when
-    it is absent. Flags are rendered from these, so a setting the installed version lacks is refused before launch."""
-    if sglang_path is None and installed_version(python) is None:
+def adaptive_document(config: ReplicaConfig) -> dict[str, Any] | None:
+    """The spec's tuned adaptive config in SGLang's file format (`--speculative-adaptive-config`, read by
+    `adaptive_spec_params._load_adaptive_config`): {"<batch size>": {"candidate_steps": [...]}}; None without one."""
+    steps = getattr(config.spec, "adaptive_steps", None)
+    if not steps:
         return None
-    done = _preflight_process({"fields": True}, PREFLIGHT_TIMEOUT_S, sglang_path, python)
-    data = None if isinstance(done, str) else _last_json(done)
-    if not data or "fields" not in data:
+    return {str(bucket): {"candidate_steps": list(candidates)} for bucket, candidates in sorted(steps.items())}
+
+
+def write_adaptive_config(config: ReplicaConfig) -> str | None:
+    """Write the spec's tuned adaptive config on this node (the replica's log folder, else the temp folder), named by
+    its content; its path, None without one."""
+    document = adaptive_document(config)
+    if document is None:
         return None
-    return frozenset(data["fields"])
+    text = json.dumps(document, indent=2) + "\n"
+    folder = Path(config.log_dir or tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"adaptive_config-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return str(path)
 
 
-@dataclass(frozen=True)
-class Preflight:
-    """What SGLang itself said about an argv: accepted or not (its error verbatim), and what it resolved.
-    `stage` is parse/resolve/check for SGLang's verdicts, import/crash/timeout when the preflight could not run."""
-
-    ok: bool
-    stage: str
-    error: str | None
-    resolved: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rejected(self) -> bool:
-        return not self.ok and self.stage in ("parse", "resolve", "check")
-
-    def diffs(self, config: ReplicaConfig) -> dict[str, tuple[object, object]]:
-        """{setting: (requested, resolved)} where SGLang changed what was asked (e.g. the topk=1 draft rewrite)."""
-        return effective_diff(config.spec, config.max_running_requests, self.resolved) if self.ok else {}
-
-    def as_record(self) -> dict[str, Any]:
-        return {"ok": self.ok, "stage": self.stage, "error": self.error, "resolved": self.resolved}
-
-
-def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s: float = PREFLIGHT_TIMEOUT_S,
-                  sglang_path: str | None = None, python: str | None = None) -> list[Preflight] | None:
-    """SGLang's own parser (and, unless parse_only, resolution + checks) on each server-flag list, in one subprocess
-    of `python` (default this interpreter). Argvs may include a launcher prefix. None when SGLang is absent there."""
-    if sglang_path is None and installed_version(python) is None:
+def resolved_problem(resolved: Mapping[str, Any]) -> str | None:
+    """Why a config SGLang's own resolution accepted must still not run (None: it may): SGLang turned adaptive off
+    (`adaptive_unsupported_reason`, so the trial would measure a static config), or the tree it verifies would run
+    on a backend whose verify ignores the tree mask (`serve.engines.sglang_backend`). `resolved`: the preflight's."""
+    reason = resolved.get("adaptive_unsupported_reason")
+    if reason:
+        return (f"SGLang turns --speculative-adaptive off for this config ({reason}) and would run it static; "
+                "fix: adaptive only with topk 1 (or unset)")
+    if not resolved.get("speculative_algorithm") or not resolved.get("attention_backend"):
         return None
-    request = {"argvs": [_strip_launcher(a) for a in argvs], "parse_only": parse_only}
-    done = _preflight_process(request, timeout_s, sglang_path, python)
-    if isinstance(done, str):
-        return [Preflight(False, "timeout", done)] * len(argvs)
-    data = _last_json(done)
-    if not data or "results" not in data:
-        return [Preflight(False, "crash", f"preflight exited {done.returncode}: {done.stderr[-2000:]}")] * len(argvs)
-    return [Preflight(r["ok"], r["stage"], r["error"], r.get("resolved") or {}) for r in data["results"]]
+    kind: AttentionKind = "mla" if resolved.get("use_mla_backend") else "mha"
+    return tree_mask_problem(str(resolved["attention_backend"]), kind,
+                             int(resolved.get("speculative_eagle_topk") or 1))
 
 
-def _strip_launcher(argv: list[str]) -> list[str]:
-    return argv[argv.index("--model-path"):] if "--model-path" in argv else argv
+def static_problem(config: ReplicaConfig, argv: list[str]) -> str | None:
+    """What can be refused without SGLang: a draft whose heads do not split over tp_size, a tree on a backend whose
+    verify ignores its mask (the model's attention type read from its config.json, where it is local)."""
+    draft_path = getattr(config.spec, "draft_model", None)
+    draft = local_model_config(draft_path)
+    if draft is not None:
+        problem = draft_tp_problem(draft, config.tp_size, f"the draft model {draft_path}")
+        if problem:
+            return problem
+    if "--attention-backend" not in argv:
+        return None
+    model = local_model_config(cpu_launch.model_folder(config.model)) or {}
+    backend = argv[argv.index("--attention-backend") + 1]
+    return tree_mask_problem(backend, attention_kind(model), tree_of(config.spec, architecture_of(model)).width)
 
 
 class SglangEngine(Engine):
@@ -249,12 +249,47 @@ class SglangEngine(Engine):
     algorithms = frozenset({"none", "ngram", "eagle", "eagle3", "standalone"})
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        """The command line this node starts: the NCCL port drawn here, a tuned adaptive config written here."""
+        from serve.ports import free_port
+
         device = resolve_device(config)
         python = python_for(device) if device == "cpu" else None
         try:
-            return sglang_argv(config, host, port, server_arg_fields(None, python))
+            return sglang_argv(config, host, port, server_arg_fields(None, python), free_port(host, "nccl"),
+                               write_adaptive_config(config))
         except UnsupportedSetting as exc:
             raise ConfigRejected(str(exc)) from None
+
+    def command_argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
+        """As a user runs it: the tuned adaptive config named by its file name (it lies beside the command), the
+        NCCL port left to SGLang."""
+        device = resolve_device(config)
+        python = python_for(device) if device == "cpu" else None
+        adaptive = ADAPTIVE_CONFIG_FILE if adaptive_document(config) is not None else None
+        try:
+            return sglang_argv(config, host, port, server_arg_fields(None, python), adaptive_config=adaptive)
+        except UnsupportedSetting as exc:
+            raise ConfigRejected(str(exc)) from None
+
+    def native_deploy_files(self, config: ReplicaConfig, host: str, port: int) -> dict[str, str]:
+        document = adaptive_document(config)
+        return {ADAPTIVE_CONFIG_FILE: json.dumps(document, indent=2) + "\n"} if document is not None else {}
+
+    def start_timeout_s(self, config: ReplicaConfig, cold: bool | None = None) -> float:
+        """`start_timeout_s`, plus the cold-cache allowance on a node that has not started this SGLang with this
+        model before (`warm_marker`), or always when `cold` (a driver that cannot know the node)."""
+        device = resolve_device(config)
+        if cold is None:
+            cold = not warm_marker(config, device).exists()
+        return config.start_timeout_s + (COLD_START_ALLOWANCE_S[device] if cold else 0.0)
+
+    def note_started(self, config: ReplicaConfig) -> None:
+        marker = warm_marker(config, resolve_device(config))
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:  # an unwritable cache costs later starts the allowance, nothing else
+            pass
 
     def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
         if resolve_device(config) == "cpu":  # like the CPU engine: the engine uses the node's cores, the actor proxies
@@ -278,6 +313,13 @@ class SglangEngine(Engine):
         there: use `exact` or `baseline-noise`."""
         return None if resolve_device(config) == "cpu" else ["--enable-deterministic-inference"]
 
+    def deterministic_problem(self, config: ReplicaConfig) -> str | None:
+        """Why SGLang would refuse the deterministic pass of `config` (its backend and model)."""
+        if resolve_device(config) == "cpu":
+            return None
+        model = local_model_config(cpu_launch.model_folder(config.model)) or {}
+        return deterministic_problem(attention_backend(config, "cuda"), attention_kind(model), architecture_of(model))
+
     def start_env(self, config: ReplicaConfig) -> dict[str, str]:
         """The engine's environment: health checks without generations, the CPU runtime on a CPU; the study's
         `engine.env` wins over both."""
@@ -287,13 +329,19 @@ class SglangEngine(Engine):
         return super().start_env(config.model_copy(update={"env": {**ours, **config.env}}))
 
     def prepare(self, config: ReplicaConfig, argv: list[str]) -> dict[str, Any]:
-        """SGLang's verdict on the exact argv first (it needs no GPU, and a refused config is INVALID on any node),
-        then this node's prerequisites, then wait for the replica's GPUs to be free of an earlier engine."""
+        """SGLang's verdict on the exact argv first, resolved as this node's GPU would (it needs no GPU, and a
+        refused config is INVALID on any node), then what SGLang accepts but must not run (`static_problem`,
+        `resolved_problem`), then this node's prerequisites in the engine's own environment, then wait for the
+        replica's GPUs to be free of an earlier engine."""
         device = resolve_device(config)
         python = python_for(device) if device == "cpu" else None
+        arch = node_gpu_arch() if device == "cuda" else None
         found: dict[str, Any] = {"sglang_version": installed_version(python), "device": device,
-                                 "sglang_python": python or sys.executable}
-        results = run_preflight([argv], python=python)
+                                 "sglang_python": python or sys.executable, "gpu_arch": arch}
+        refused = static_problem(config, argv)
+        if refused:
+            raise ConfigRejected(refused)
+        results = run_preflight([argv], python=python, gpu_arch=arch)
         if results is None:
             found["preflight"] = "skipped: sglang is not importable on this node"
         else:
@@ -301,20 +349,24 @@ class SglangEngine(Engine):
             found["preflight"] = result.as_record()
             if result.rejected:
                 raise ConfigRejected(f"SGLang rejected the flags at {result.stage}: {result.error}")
+            refused = resolved_problem(result.resolved) if result.ok else None
+            if refused:
+                raise ConfigRejected(refused)
             if not result.ok:  # our side could not run SGLang's parser: no verdict on the config; the launch decides
                 found["preflight_could_not_run"] = f"{result.stage}: {result.error}"
         verdict = found["preflight"]["ok"] if isinstance(found["preflight"], dict) else None
         said = " (SGLang's own parser accepted the flags: preflight ok)" if verdict else ""
+        env = self.start_env(config)  # the compilers SGLang calls are the ones its own environment names
         if device == "cpu":
             problems = [p for p in [version_problem(found["sglang_version"], str(Path(python or "").parent.parent))]
                         if p]
-            problems += compiler_problems(config, "cpu", os.environ)
+            problems += compiler_problems(config, "cpu", env)
             if problems:
                 raise RuntimeError("; ".join(problems) + said)
             return found
         gpu_ids = ray_gpu_ids()
         found["gpu_ids"] = gpu_ids
-        problems = node_problems(config, gpu_ids)
+        problems = node_problems(config, gpu_ids, env=env)
         if problems:
             raise RuntimeError("; ".join(problems) + said)
         if gpu_ids:

@@ -1,13 +1,22 @@
 """Run SGLang's own argument parser and resolution on an argv, in this (sub)process; print one JSON line.
 
-`python -m serve.engines.sglang_preflight` reads {"argvs": [[...], ...], "parse_only": bool} on stdin and prints
-{"results": [{"ok": bool, "stage": "import|parse|resolve|check", "error": str|None, "resolved": {...}}, ...]};
-or reads {"fields": true} and prints {"fields": [ServerArgs field names], "version": ...}: the flags this SGLang has.
+`python -m serve.engines.sglang_preflight` reads {"argvs": [[...], ...], "parse_only": bool, "gpu_arch": "sm90"|null
+or one per argv} on stdin and prints {"results": [{"ok": bool, "stage": "import|parse|resolve|check", "error": str|None,
+"resolved": {...}}, ...]};
+or reads {"fields": true} and prints {"fields": [ServerArgs field names], "version": ...}: the flags this SGLang has;
+or reads {"adaptive_config": path} and prints {"adaptive": {"ok", "error", "buckets", "candidate_steps"}}: SGLang's own
+loader (`_load_adaptive_config`) on an adaptive config file.
 parse_only checks flag names, types and choices with SGLang's argparse parser (fast: one parser for all argvs);
 otherwise each argv also goes through `resolve_once()` and `check_server_args()` (seconds each). It needs only
 `sglang` (installed `--no-deps`) and what `sglang.srt.server_args` imports (reference/sglang-0.5.23.md §8); GPU-only
 packages are replaced by SGLang's own mock modules, so it runs on a CPU machine. The model path (and any draft path)
 must be a local directory holding the model's `config.json`.
+
+`gpu_arch` resolves as a GPU of that architecture would (SGLang's own `runtime_context.override_platform`, with the
+facts of `serve.engines.sglang_backend.platform_facts`): the attention backend SGLang picks and the checks that
+depend on the architecture (trtllm_mha needs sm90+, ...) are the GPU node's, not this CPU's. `resolved` also says
+what SGLang made of the model (`use_mla_backend`, `architecture`) and, for an adaptive config SGLang turned off,
+why (`adaptive_unsupported_reason`, SGLang's own function).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import sys
 import traceback
 from typing import Any
 
+from serve.engines.sglang_backend import platform_facts
 from serve.engines.spec_flags import SETTINGS
 
 # GPU-only or optional packages that sglang imports at module level (reference §8, checked on 0.5.23).
@@ -28,7 +38,8 @@ GPU_ONLY = {"torchvision", "sgl_kernel", "flashinfer", "deep_gemm", "vllm", "ait
             "amdsmi", "pymtml", "tvm_ffi", "modelscope", "torchcodec", "pynvml"}
 # What a trial records of SGLang's resolution: every setting of the one table, plus what else changes a trial.
 RESOLVED_KEYS = tuple(s.server_arg for s in SETTINGS) + (
-    "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device", "attention_backend", "dtype")
+    "disable_overlap_schedule", "enable_mixed_chunk", "tp_size", "device", "attention_backend", "dtype", "page_size",
+    "speculative_adaptive_config", "enable_deterministic_inference")
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -107,11 +118,39 @@ def run(argv: list[str]) -> dict[str, Any]:
         stage = "check"
         args.check_server_args()
         resolved = args.resolved_dict()
-        return {"ok": True, "stage": stage, "error": None,
-                "resolved": {k: resolved.get(k) for k in RESOLVED_KEYS}}
+        out = {k: resolved.get(k) for k in RESOLVED_KEYS}
+        out.update(_model_facts(args))
+        if "--speculative-adaptive" in argv and not resolved.get("speculative_adaptive"):
+            from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
+
+            out["adaptive_unsupported_reason"] = adaptive_unsupported_reason(args) or "turned off by SGLang"
+        return {"ok": True, "stage": stage, "error": None, "resolved": out}
     except Exception as exc:  # noqa: BLE001 - SGLang's errors are reported verbatim, whatever their type
         detail = str(exc) or traceback.format_exc(limit=3)
         return {"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {detail}", "resolved": {}}
+
+
+def _model_facts(args: Any) -> dict[str, Any]:
+    """What SGLang made of the target model: MLA or not (its `use_mla_backend`), its architecture."""
+    try:
+        from sglang.srt.arg_groups.model_override_base import model_config_of, use_mla_backend
+
+        architectures = model_config_of(args).hf_config.architectures or [""]
+        return {"use_mla_backend": bool(use_mla_backend(args)), "architecture": architectures[0]}
+    except (ImportError, AttributeError):  # an older SGLang without these helpers: nothing to add
+        return {}
+
+
+@contextlib.contextmanager
+def as_gpu(gpu_arch: str | None) -> Any:
+    """Resolve as a GPU of `gpu_arch` would (module docstring); as this machine where None."""
+    if not gpu_arch:
+        yield
+        return
+    from sglang.srt.runtime_context import override_platform
+
+    with override_platform(**platform_facts(gpu_arch)):  # type: ignore[arg-type]
+        yield
 
 
 def server_arg_fields() -> dict[str, Any]:
@@ -126,8 +165,26 @@ def server_arg_fields() -> dict[str, Any]:
             "version": getattr(sglang, "__version__", None)}
 
 
+def adaptive_config(path: str) -> dict[str, Any]:
+    """SGLang's own loader on an adaptive config file (`_load_adaptive_config`): its buckets and the union of their
+    candidate steps (what SGLang sizes its buffers for), or its error."""
+    try:
+        from sglang.srt.speculative.adaptive_spec_params import (_load_adaptive_config,
+                                                                 resolve_candidate_steps_from_config)
+
+        _, entries = _load_adaptive_config(path)
+        return {"ok": True, "error": None, "buckets": {str(k): v["candidate_steps"] for k, v in entries.items()},
+                "candidate_steps": resolve_candidate_steps_from_config(path)}
+    except Exception as exc:  # noqa: BLE001 - SGLang's verdict, verbatim
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "buckets": {}, "candidate_steps": []}
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    if request.get("adaptive_config"):
+        _install_stubs()
+        sys.stdout.write("\n" + json.dumps({"adaptive": adaptive_config(request["adaptive_config"])}) + "\n")
+        return
     if request.get("fields"):
         _install_stubs()
         sys.stdout.write("\n" + json.dumps(server_arg_fields()) + "\n")
@@ -135,7 +192,15 @@ def main() -> None:
     argvs = [list(a) for a in request["argvs"]]
     try:
         _install_stubs()
-        results = parse_many(argvs) if request.get("parse_only") else [run(a) for a in argvs]
+        if request.get("parse_only"):
+            results = parse_many(argvs)
+        else:
+            archs = request.get("gpu_arch")
+            archs = archs if isinstance(archs, list) else [archs] * len(argvs)
+            results = []
+            for argv, arch in zip(argvs, archs):
+                with as_gpu(arch):
+                    results.append(run(argv))
     except Exception as exc:  # noqa: BLE001 - an import failure answers every argv the same way
         results = [{"ok": False, "stage": "import", "error": f"{type(exc).__name__}: {exc}", "resolved": {}}] * len(argvs)
     sys.stdout.write("\n" + json.dumps({"results": results}, default=str) + "\n")

@@ -36,12 +36,14 @@ class Setting:
 
 _NGRAM = ("ngram",)
 _DRAFTED = tuple(DRAFT_MODEL_ALGORITHMS)
+_ADAPTIVE = ("eagle", "eagle3")  # SGLang's adaptive controller runs these only
 SETTINGS: tuple[Setting, ...] = (
     Setting("algorithm", "speculative_algorithm", ("ngram", *_DRAFTED)),
     Setting("draft_model", "speculative_draft_model_path", _DRAFTED),
     Setting("num_steps", "speculative_num_steps", _DRAFTED),
     Setting("topk", "speculative_eagle_topk", _DRAFTED),
     Setting("num_draft_tokens", "speculative_num_draft_tokens", ("ngram", *_DRAFTED)),
+    Setting("adaptive", "speculative_adaptive", _ADAPTIVE),  # a switch: rendered bare when on, absent when off
     Setting("min_bfs_breadth", "speculative_ngram_min_bfs_breadth", _NGRAM),
     Setting("max_bfs_breadth", "speculative_ngram_max_bfs_breadth", _NGRAM),
     Setting("match_type", "speculative_ngram_match_type", _NGRAM),
@@ -57,7 +59,7 @@ BY_FIELD = {s.field: s for s in SETTINGS}
 # Flags the tuner renders itself, from the study and the trial: a user's `engine.extra_flags` must not set them, or
 # the engine would run something other than what is recorded. Launch flags first, then every table row.
 LAUNCH_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tp", "--dtype", "--threads",
-                "--weights", "--device", "--attention-backend")
+                "--weights", "--device", "--attention-backend", "--nccl-port", "--speculative-adaptive-config")
 ENGINE_OWNED_FLAGS: frozenset[str] = frozenset(LAUNCH_FLAGS) | {s.flag for s in SETTINGS}
 
 
@@ -75,13 +77,14 @@ def _value(setting: Setting, spec: SpecConfig, max_running_requests: int | None)
 
 def requested(spec: SpecConfig, max_running_requests: int | None = None) -> list[tuple[Setting, Any]]:
     """(setting, value) for everything this config asks of the engine, in table order; None-valued fields (engine's
-    auto choice) are not asked. NGRAM never asks steps/topk: SGLang derives them (topk := max breadth)."""
+    auto choice) are not asked, nor a switch that is off (its default). NGRAM never asks steps/topk: SGLang derives
+    them (topk := max breadth)."""
     rows = []
     for setting in SETTINGS:
         if setting.algorithms and spec.algorithm not in setting.algorithms:
             continue
         value = _value(setting, spec, max_running_requests)
-        if value is not None:
+        if value is not None and value is not False:
             rows.append((setting, value))
     return rows
 
@@ -99,7 +102,7 @@ def render_spec(spec: SpecConfig, max_running_requests: int | None = None,
                 f"{where}={value!r} needs {setting.flag}, which {engine_name} does not have (no ServerArgs field "
                 f"{setting.server_arg}); install the tested version (pip install 'sglang==0.5.23') or remove "
                 f"{where} from the search space")
-        flags += [setting.flag, str(value)]
+        flags += [setting.flag] if value is True else [setting.flag, str(value)]
     return flags
 
 

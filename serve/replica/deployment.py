@@ -46,6 +46,8 @@ from serve.ports import free_port
 from serve.replica.engine_start import TrialStarts
 from serve.replica.usage import read_usage
 
+START_TIMEOUT_MARKER = "engine not ready after"  # a start past its timeout: the trial's TIMEOUT
+
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 LOG_TAIL_BYTES = 8000
 STOP_GRACE_S = 10.0  # x2 (SIGTERM wait, then SIGKILL wait) stays inside graceful_shutdown_timeout_s below
@@ -136,8 +138,10 @@ class EngineProcess:
                                             start_new_session=True, cwd=os.getcwd())
 
     def wait_ready(self) -> None:
-        """Poll /health until 200; raise RuntimeError with the log tail on exit or timeout."""
-        deadline = time.monotonic() + self.config.start_timeout_s
+        """Poll /health until 200; raise RuntimeError with the log tail on exit or timeout. The timeout is the engine
+        kind's for this node (`Engine.start_timeout_s`: a node's first start may get a cold-cache allowance)."""
+        timeout_s = self.kind.start_timeout_s(self.config)
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"engine exited with code {self.process.returncode} before it was ready; "
@@ -145,12 +149,13 @@ class EngineProcess:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     self.startup_s = time.monotonic() - self._spawned
+                    self.kind.note_started(self.config)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)  # a refused connect costs ~1 ms; a coarser poll adds its half-period to every start
         self.stop()
-        raise RuntimeError(f"engine not ready after {self.config.start_timeout_s:.0f} s (start_timeout_s); "
+        raise RuntimeError(f"{START_TIMEOUT_MARKER} {timeout_s:.0f} s (start_timeout_s); "
                            f"--- engine log tail ---\n{log_tail(self.log_path)}")
 
     def alive(self) -> bool:

@@ -106,7 +106,7 @@ class TrialStarts:
             self.refused = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
             return self.refused
         self.engine, self.config, self.refused = engine, config, None
-        self.start.enter("loading", config.start_timeout_s)
+        self.start.enter("loading", engine.kind.start_timeout_s(engine.config))  # with a cold node's allowance
         try:
             engine.wait_ready()
         except RuntimeError as exc:

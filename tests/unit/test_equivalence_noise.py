@@ -147,13 +147,15 @@ def test_false_reject_rate_is_at_most_alpha_and_a_noisier_config_is_caught():
     assert caught / 200 > 0.8, caught / 200
 
 
-def test_a_not_equivalent_trial_tells_the_search_its_measurement_only_under_baseline_noise():
+def test_a_not_equivalent_trial_never_tells_the_search_its_measurement():
+    # Issue 40 item 3: under baseline-noise the reference measures decode kernels and a trial verify kernels over a
+    # tree mask, so a NOT_EQUIVALENT verdict is not a false reject by luck alone: the worst value, as in every mode.
     from pipeline.config import load_study
     from pipeline.trial.gate import effective_mode, reports_measurement
 
     noisy = load_study(None, {"promotion.equivalence": "baseline-noise", "workload.measure_prompts": 8})
     exact = load_study(None)
-    assert reports_measurement("NOT_EQUIVALENT", noisy) and not reports_measurement("NOT_EQUIVALENT", exact)
+    assert not reports_measurement("NOT_EQUIVALENT", noisy) and not reports_measurement("NOT_EQUIVALENT", exact)
     assert all(reports_measurement(o, s) for o in ("COMPLETE", "PRUNED") for s in (noisy, exact))
     assert not reports_measurement("TIMEOUT", noisy)
     # the CPU engine in fp32 is batch-invariant: deterministic equivalence is exact equivalence, no extra launch

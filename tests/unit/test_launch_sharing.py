@@ -64,8 +64,8 @@ def test_the_dry_run_plan_on_the_gpu_example_shape():
     plan = plan_launches(study, sampled)
     assert (plan.trials, plan.search) == (5, 3)  # baseline, one launch for the three warm-ups, the other config
     assert (plan.finalists, plan.finalists_unshared) == (12, 24)
-    assert plan.deterministic == 0 and plan.noise == 1  # baseline-noise: the noise pass shares the baseline's
-    assert plan.total == 15 and plan.unshared == 30
+    assert plan.deterministic == 0 and plan.noise == 1  # baseline-noise: the noise pass on a fresh launch
+    assert plan.total == 16 and plan.unshared == 30
     deterministic = load_study(None, {"concurrency": [8, 1], "promotion.finalists": 3,
                                       "promotion.equivalence": "deterministic"})
     assert plan_launches(deterministic, sampled).deterministic == 0  # the CPU engine: deterministic is exact

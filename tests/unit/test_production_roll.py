@@ -64,7 +64,9 @@ class Registry:
     timeout)."""
 
     def __init__(self, broken: set[str]) -> None:
-        self.alias, self.broken, self.deployed, self.said = "1", broken, [], []
+        self.alias, self.broken = "1", broken
+        self.deployed: list[str] = []
+        self.said: list[str] = []
 
     def deploy(self, settings: ProductionSettings) -> dict:
         version = settings.version or self.alias

@@ -27,6 +27,10 @@ def smi(cuda="13.0", query="0, 3, 143771\n1, 3, 143771\n"):
     return run
 
 
+def nvcc13(nvcc, env):
+    return "Cuda compilation tools, release 13.0, V13.0.88"
+
+
 def has(*names):
     return lambda name: f"/usr/bin/{name}" if name in names else None
 
@@ -43,7 +47,8 @@ def test_driver_cuda_version_is_read_from_the_banner():
 
 def test_a_ready_node_has_no_problems():
     config = ReplicaConfig(engine="sglang", model="/m", tp_size=2, spec=NgramSpec())
-    assert node_problems(config, ["0", "1"], smi(), has("nvidia-smi", "c++"), env={}, exists=files(NVCC)) == []
+    assert node_problems(config, ["0", "1"], smi(), has("nvidia-smi", "c++"), env={}, exists=files(NVCC),
+                         banner=nvcc13) == []
 
 
 def test_every_missing_prerequisite_is_named_at_once():
@@ -65,7 +70,7 @@ def test_no_driver_is_one_clear_problem():
 
 def test_outside_ray_the_gpus_are_counted_by_nvidia_smi():
     config = ReplicaConfig(engine="sglang", model="/m", tp_size=2)
-    ready = dict(which=has("nvidia-smi", "c++"), env={}, exists=files(NVCC))
+    ready = dict(which=has("nvidia-smi", "c++"), env={}, exists=files(NVCC), banner=nvcc13)
     assert node_problems(config, None, smi(), **ready) == []
     assert node_problems(config.model_copy(update={"tp_size": 3}), None, smi(), **ready)
 
@@ -118,11 +123,11 @@ def test_nvcc_is_looked_up_as_sglang_looks_it_up():
 def test_a_pip_only_gpu_node_without_nvcc_is_named_before_every_trial_fails_to_compile():
     config = ReplicaConfig(engine="sglang", model="/m")  # the baseline: no speculation, still JIT-compiles SiLU
     (problem,) = node_problems(config, ["0"], smi(), has("nvidia-smi", "c++"), env={"CUDA_HOME": "/opt/cuda"},
-                               exists=files(NVCC))
+                               exists=files(NVCC), banner=nvcc13)
     assert "/opt/cuda/bin/nvcc" in problem and "does not exist on this node" in problem
     # $CXX is the host compiler SGLang hands host code to.
     (problem,) = node_problems(config, ["0"], smi(), has("nvidia-smi", "c++"), env={"CXX": "clang++-19"},
-                               exists=files(NVCC))
+                               exists=files(NVCC), banner=nvcc13)
     assert "'clang++-19'" in problem
 
 

@@ -9,6 +9,10 @@ from pipeline.search.space.model import (CategoricalParam, FloatParam, IntParam,
                                   baseline_point)
 
 BASELINE_ATTR = "baseline"  # user attribute that marks the enqueued baseline trial in the Optuna study
+OUTCOME_ATTR = "outcome"  # the trial's outcome (COMPLETE, TIMEOUT, ...), set by the searcher before Optuna is told
+# A baseline that ended otherwise (a cold node's first launch timing out, a node failing) is queued again, this many
+# attempts in all: a baseline that keeps failing ends the study ("no baseline") instead of spending the budget.
+BASELINE_ATTEMPTS = 3
 
 
 def suggest(trial: Any, optuna_name: str, p: Param, values: dict[str, Any]) -> Any:
@@ -52,12 +56,30 @@ def define_by_run(space: SearchSpace) -> SpaceSampler:
     return SpaceSampler(space)
 
 
+def baseline_retried(outcome: str | None, error: bool = False) -> bool:
+    """Whether a baseline trial that ended with `outcome` is queued again: anything but COMPLETE, and INVALID (the
+    engine refused the baseline's own flags: a retry would be refused too). Pure."""
+    return error or outcome not in ("COMPLETE", "INVALID")
+
+
 def enqueue_baseline(study: Any, space: SearchSpace) -> bool:
-    """Put the baseline first in an Optuna study unless it already has one (a resumed study). Returns True if added."""
+    """Put the baseline first in an Optuna study unless it has one that is waiting, running or completed (a resumed
+    study), or it already failed `BASELINE_ATTEMPTS` times. A baseline Optuna recorded COMPLETE with another outcome
+    (TIMEOUT and LAUNCH_FAILED report the worst value, which Optuna records as COMPLETE) did not complete. Returns True
+    if added."""
     from optuna.trial import TrialState
 
-    alive = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
-    if any(t.user_attrs.get(BASELINE_ATTR) and t.state in alive for t in study.get_trials(deepcopy=False)):
-        return False  # a failed baseline (e.g. its driver died) is enqueued again
+    baselines = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(BASELINE_ATTR)]
+    done = [t for t in baselines if t.state in (TrialState.RUNNING, TrialState.WAITING) or (
+        t.state == TrialState.COMPLETE and not baseline_retried(t.user_attrs.get(OUTCOME_ATTR, "COMPLETE")))]
+    if done or len(baselines) >= BASELINE_ATTEMPTS:
+        return False
     study.enqueue_trial(baseline_point(space), user_attrs={BASELINE_ATTR: True})
     return True
+
+
+def baseline_waiting(study: Any) -> bool:
+    """Whether the Optuna study has a baseline queued (the next trial asked for)."""
+    from optuna.trial import TrialState
+
+    return any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))

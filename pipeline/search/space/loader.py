@@ -128,7 +128,7 @@ def check_space(space: SearchSpace) -> list[str]:
             problems.append(f"common.{name}: unknown common parameter (allowed: {', '.join(TRIAL_FIELDS)}); {hint}")
     for algorithm in space.algorithms:
         seen: list[str] = []
-        conditional: set[str] = set()
+        conditional: dict[str, dict[str, list[Any]]] = {}  # parameter -> its `when`
         checked: list[tuple[str, str, str, Param]] = []
         allowed = _allowed_fields(algorithm)
         before = len(problems)
@@ -143,16 +143,26 @@ def check_space(space: SearchSpace) -> list[str]:
             problems.extend(_check_param(algorithm, key, name, p, seen))
             for side in ("low", "high"):
                 bound = getattr(p, side, None)
-                if isinstance(bound, str) and conditional & _names(bound):
-                    problems.append(f"{key}.{side}: {bound!r} names {sorted(conditional & _names(bound))}, which "
-                                    "exist only under a `when` condition; bound by unconditional parameters")
+                # a bound may name a conditional parameter only where its own condition implies that one's
+                absent = sorted(n for n in (_names(bound) if isinstance(bound, str) else set())
+                                if n in conditional and not _implies(p.when, conditional[n]))
+                if absent:
+                    problems.append(f"{key}.{side}: {bound!r} names {absent}, which exist only under a `when` "
+                                    "condition; bound by unconditional parameters (or give this parameter the same "
+                                    "condition)")
             if p.when:
-                conditional.add(name)
+                conditional[name] = dict(p.when)
             seen.append(name)
             checked.append((key, name, optuna_name, p))
         if len(problems) == before:  # probing needs well-formed bounds
             problems.extend(_probe_bounds(algorithm, checked))
     return list(dict.fromkeys(problems))  # a common parameter is checked once per branch: report it once
+
+
+def _implies(when: dict[str, list[Any]], other: dict[str, list[Any]]) -> bool:
+    """Whether every point where condition `when` holds also satisfies `other`. Pure."""
+    return all(name in when and set(map(repr, when[name])) <= set(map(repr, allowed))
+               for name, allowed in other.items())
 
 
 def load_space(path: str | Path) -> SearchSpace:

@@ -40,18 +40,44 @@ def tpe_sampler(seed: int, max_trials: int, n_startup_trials: int | None = None,
 
 def constrained_search_class() -> Any:
     """Ray Tune's `OptunaSearch` that copies a trial's SLA figures (result keys starting `sla.`, as
-    `pipeline.decide.sla.constraint_user_attrs` names them) into the Optuna trial's user attributes before telling Optuna,
-    so the sampler's `constraints_func` sees them: the trial runs in a Ray worker and cannot touch the driver's study."""
+    `pipeline.decide.sla.constraint_user_attrs` names them) and its outcome into the Optuna trial's user attributes
+    before telling Optuna, so the sampler's `constraints_func` sees them: the trial runs in a Ray worker and cannot
+    touch the driver's study. The baseline runs alone (no trial starts beside it: trials on one node share its host
+    CPU, where NGRAM drafts, its PCIe and its disk), and a baseline that did not complete is queued again
+    (`enqueue_baseline`)."""
     from pipeline.search.searcher import PruningOptunaSearch  # imports Ray: only here; it also maps PRUNED trials
+    from pipeline.search.space.define import BASELINE_ATTR, OUTCOME_ATTR, baseline_retried, baseline_waiting, \
+        enqueue_baseline
 
     class ConstrainedOptunaSearch(PruningOptunaSearch):  # type: ignore[misc]
+        def _baseline_blocks(self) -> bool:
+            """While the baseline runs, or is next while other trials run, nothing more starts (Tune asks again)."""
+            live = [t for tid, t in self._ot_trials.items() if tid not in self._completed_trials]
+            if any(t.user_attrs.get(BASELINE_ATTR) for t in live):
+                return True
+            return bool(live) and baseline_waiting(self._ot_study)
+
+        def suggest(self, trial_id: str) -> dict[Any, Any] | None:
+            if trial_id not in self._ot_trials and self._baseline_blocks():
+                return None
+            return super().suggest(trial_id)
+
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
                               error: bool = False) -> None:
             ot_trial = self._ot_trials.get(trial_id)
+            outcome = (result or {}).get("outcome")
             if result and ot_trial is not None:
                 for key, value in result.items():
                     if key.startswith("sla.") and isinstance(value, (int, float)):
                         ot_trial.set_user_attr(key, float(value))
+                if isinstance(outcome, str):
+                    ot_trial.set_user_attr(OUTCOME_ATTR, outcome)
             super().on_trial_complete(trial_id, result, error)
+            space = getattr(self._space, "space", None)  # the define-by-run SpaceSampler's
+            if ot_trial is not None and ot_trial.user_attrs.get(BASELINE_ATTR) and baseline_retried(outcome, error) \
+                    and space is not None:
+                if enqueue_baseline(self._ot_study, space):
+                    print(f"the baseline ended {outcome or 'with an error'}: queued again, to run alone next",
+                          flush=True)
 
     return ConstrainedOptunaSearch

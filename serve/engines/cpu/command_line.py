@@ -112,8 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="STANDALONE: draft model (same tokenizer as the target)")
     # The rest of the table, typed and defaulted from serve.spec (NGRAM's defaults are SGLang's).
     for setting in SETTINGS:
-        if setting.field in ("algorithm", "draft_model") or not setting.algorithms:
+        if setting.field == "adaptive":  # a switch of EAGLE's, which this engine lacks: accepted, then ignored as
+            s.add_argument(setting.flag, dest=setting.server_arg, action="store_true",  # SGLang ignores it elsewhere
+                           help="SGLang's adaptive EAGLE steps; ignored here (no EAGLE), as SGLang ignores it for "
+                                "NGRAM/STANDALONE")
             continue
+        if setting.field in ("algorithm", "draft_model") or not set(setting.algorithms) & {"ngram", "standalone"}:
+            continue  # the CPU engine implements NGRAM and STANDALONE only
         info = (NgramSpec if setting.algorithms == ("ngram",) else StandaloneSpec).model_fields[setting.field]
         kind = str if setting.field in ("match_type", "external_corpus") else int
         choices = ("BFS", "PROB") if setting.field == "match_type" else None
@@ -185,6 +190,8 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
     else:
         raise ConfigError(f"--speculative-algorithm: Unknown speculative algorithm name: {args.speculative_algorithm} "
                           "(the CPU engine offers NGRAM and STANDALONE)")
+    if args.speculative_adaptive:
+        warnings.append("--speculative-adaptive ignored: SGLang runs it for EAGLE/EAGLE3 only")
     violations = validate_spec(spec, prefix="spec")
     if violations:
         raise ConfigError("; ".join(f"{_flag_of(v.field)}: {v}" for v in violations))

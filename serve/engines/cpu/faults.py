@@ -7,6 +7,10 @@ passes this flag; a study can, through `engine.extra_flags`.
 SPEC is `KIND[=VALUE][@speculative|@baseline]`:
 - `exit-at-start[=CODE]`  exit with CODE (default 3) before loading the model: the engine never gets healthy.
 - `slow-start=SECONDS`    sleep SECONDS before loading the model, so `/health` answers that much later.
+- `hang-at-start=STARTS`  the first STARTS starts of this scope never get healthy: the process waits before loading
+                          the model until it is stopped, so its start times out whatever the timeout (a cold node's
+                          first launch). Starts are counted in the folder `$SPECDEC_TEST_FAULT_STATE` names (the
+                          study's `engine.env`), which this fault requires.
 - `crash-after=N`         the process exits (code 70) when generation request N+1 arrives.
 - `hang-after=N`          generation requests after the first N are accepted and never answered.
 - `slow-steps=FACTOR`     every scheduler round takes FACTOR (> 1) times as long: after each round the worker sleeps
@@ -43,8 +47,10 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from serve.spec import FrozenModel
@@ -65,11 +71,13 @@ DEFAULT_EXIT_CODE = 3
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
 DRAFTS_SCOPE = "drafts="  # `@drafts=N`: armed only for a speculative config of N draft tokens
-Kind = Literal["exit-at-start", "slow-start", "crash-after", "hang-after", "slow-steps", "wrong-tokens",
-               "batch-noise", "busy-neighbours"]
+Kind = Literal["exit-at-start", "slow-start", "hang-at-start", "crash-after", "hang-after", "slow-steps",
+               "wrong-tokens", "batch-noise", "busy-neighbours"]
+STATE_ENV = "SPECDEC_TEST_FAULT_STATE"  # where `hang-at-start` counts starts across engine processes
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
     "slow-start": ("seconds > 0", float),
+    "hang-at-start": ("a count of starts >= 1", int),
     "crash-after": ("a request count >= 0", int),
     "hang-after": ("a request count >= 0", int),
     "busy-neighbours": ("a request count >= 0", int),
@@ -77,8 +85,9 @@ _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value 
     "wrong-tokens": ("no value", None),
     "batch-noise": ("a logit noise scale > 0", float),
 }
-_USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, crash-after=N, "
-          "hang-after=N, busy-neighbours=N, slow-steps=FACTOR, wrong-tokens, batch-noise=SIGMA")
+_USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, "
+          "hang-at-start=STARTS, crash-after=N, hang-after=N, busy-neighbours=N, slow-steps=FACTOR, wrong-tokens, "
+          "batch-noise=SIGMA")
 
 
 class FaultSpecError(ValueError):
@@ -129,6 +138,8 @@ def _in_range(kind: str, value: float) -> bool:
         return 1 <= value <= 255
     if kind in ("slow-start", "batch-noise"):
         return value > 0
+    if kind == "hang-at-start":
+        return value >= 1
     if kind == "slow-steps":
         return value > 1
     return value >= 0
@@ -189,14 +200,32 @@ def request_action(faults: dict[str, Fault], method: str, path: str, count: int
     return "pass"
 
 
-def before_start(faults: Iterable[Fault], speculative: bool, sleep: Callable[[float], None] = time.sleep, *,
-                 draft_tokens: int | None = None) -> int | None:
+def hangs_this_start(fault: Fault, speculative: bool, state: str | None) -> bool:
+    """Whether this start is one of the first `fault.value` of its scope (counted, and this one recorded, in the
+    folder `state`). FaultSpecError without a folder: the count must outlive the engine process."""
+    if not state:
+        raise FaultSpecError(f"{FLAG}: {fault} counts starts across engine processes in a folder; set {STATE_ENV} "
+                             "in the engine's environment (engine.env)")
+    folder = Path(state)
+    folder.mkdir(parents=True, exist_ok=True)
+    scope = "speculative" if speculative else "baseline"
+    started = len(list(folder.glob(f"hang-at-start-{scope}-*")))
+    (folder / f"hang-at-start-{scope}-{started}-{os.getpid()}").touch()
+    return started < int(fault.value or 1)
+
+
+def before_start(faults: Iterable[Fault], speculative: bool, sleep: Callable[[float], None] = time.sleep,
+                 hang: Callable[[], None] | None = None, *, draft_tokens: int | None = None) -> int | None:
     """Apply the start-up faults: an exit code to return from the server's main, or None to go on starting
-    (after sleeping for `slow-start`). Logs every armed fault so the engine log says this engine misbehaves on
-    purpose."""
+    (after sleeping for `slow-start`; never, for a start `hang-at-start` hangs: `hang` waits until the process is
+    stopped). Logs every armed fault so the engine log says this engine misbehaves on purpose."""
     active = armed(faults, speculative, draft_tokens)
     for fault in active.values():
         log.warning("TEST FAULT armed: %s (testing only: this engine misbehaves on purpose)", fault)
+    if "hang-at-start" in active and hangs_this_start(active["hang-at-start"], speculative,
+                                                     os.environ.get(STATE_ENV)):
+        log.error("TEST FAULT hang-at-start: this start never gets healthy; waiting to be stopped")
+        (hang or threading.Event().wait)()
     if "exit-at-start" in active:
         code = int(active["exit-at-start"].value or DEFAULT_EXIT_CODE)
         log.error("TEST FAULT exit-at-start: exiting with code %d before loading the model", code)

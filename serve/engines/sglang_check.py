@@ -1,0 +1,131 @@
+"""SGLang's own verdict on our command lines, asked in a subprocess (`serve.engines.sglang_preflight`): which
+ServerArgs fields the installed SGLang has, and whether its parser, `resolve_once()` and `check_server_args()` accept
+an argv, resolving as a GPU of a given architecture would (`gpu_arch`). Which SGLang answers is named by the
+interpreter that has it (`installed_version`): this one, the SGLang CPU venv's, or a `pip install --target` folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from serve.engines.base import ReplicaConfig, child_env
+from serve.engines.spec_flags import effective_diff
+
+PREFLIGHT_TIMEOUT_S = 300.0
+
+
+def installed_version(python: str | None = None) -> str | None:
+    """SGLang's version for `python` (None = this interpreter), None when it has none. Interpreters are told apart by
+    their environment (the folder above `bin/`), not by what their symlinks resolve to: every venv of one base Python
+    resolves to the same binary."""
+    if python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
+        try:
+            return metadata.version("sglang")
+        except metadata.PackageNotFoundError:
+            return None
+    site = Path(python).parent.parent / "lib"
+    found = sorted(site.glob("python3*/site-packages/sglang-*.dist-info"))
+    return found[-1].name[len("sglang-"):-len(".dist-info")] if found else None
+
+
+def _preflight_process(request: dict[str, Any], timeout_s: float, sglang_path: str | None,
+                       python: str | None = None) -> subprocess.CompletedProcess | str:
+    """Run serve.engines.sglang_preflight with `python` (default this interpreter) and SGLang importable from
+    `sglang_path` (a `pip install --target` dir) or that interpreter's environment. No GPU: CUDA_VISIBLE_DEVICES=""
+    keeps SGLang's resolution from touching the replica's GPUs. With another interpreter (the SGLang CPU venv's),
+    SGLang resolves as its CPU platform does at launch (SGLANG_USE_CPU_ENGINE=1)."""
+    extra = {"CUDA_VISIBLE_DEVICES": ""}
+    if python is not None:
+        extra["SGLANG_USE_CPU_ENGINE"] = "1"
+    env = child_env(extra)
+    if sglang_path:
+        env["PYTHONPATH"] = os.pathsep.join([sglang_path, env["PYTHONPATH"]])
+    try:
+        return subprocess.run([python or sys.executable, "-m", "serve.engines.sglang_preflight"],
+                              input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return f"SGLang preflight took longer than {timeout_s:.0f} s"
+
+
+def _last_json(done: subprocess.CompletedProcess) -> dict[str, Any] | None:
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+@functools.lru_cache(maxsize=8)
+def server_arg_fields(sglang_path: str | None = None, python: str | None = None) -> frozenset[str] | None:
+    """The `ServerArgs` field names of the SGLang importable here (or from `sglang_path`, or by `python`); None when
+    it is absent. Flags are rendered from these, so a setting the installed version lacks is refused before launch."""
+    if sglang_path is None and installed_version(python) is None:
+        return None
+    done = _preflight_process({"fields": True}, PREFLIGHT_TIMEOUT_S, sglang_path, python)
+    data = None if isinstance(done, str) else _last_json(done)
+    if not data or "fields" not in data:
+        return None
+    return frozenset(data["fields"])
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What SGLang itself said about an argv: accepted or not (its error verbatim), and what it resolved.
+    `stage` is parse/resolve/check for SGLang's verdicts, import/crash/timeout when the preflight could not run."""
+
+    ok: bool
+    stage: str
+    error: str | None
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rejected(self) -> bool:
+        return not self.ok and self.stage in ("parse", "resolve", "check")
+
+    def diffs(self, config: ReplicaConfig) -> dict[str, tuple[object, object]]:
+        """{setting: (requested, resolved)} where SGLang changed what was asked (e.g. the topk=1 draft rewrite)."""
+        return effective_diff(config.spec, config.max_running_requests, self.resolved) if self.ok else {}
+
+    def as_record(self) -> dict[str, Any]:
+        return {"ok": self.ok, "stage": self.stage, "error": self.error, "resolved": self.resolved}
+
+
+def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s: float = PREFLIGHT_TIMEOUT_S,
+                  sglang_path: str | None = None, python: str | None = None,
+                  gpu_arch: str | list[str | None] | None = None) -> list[Preflight] | None:
+    """SGLang's own parser (and, unless parse_only, resolution + checks) on each server-flag list, in one subprocess
+    of `python` (default this interpreter), resolving as a GPU of `gpu_arch` would (one for all argvs or one per
+    argv; None: as SGLang resolves `--device cuda` on this machine). Argvs may include a launcher prefix. None when
+    SGLang is absent there."""
+    if sglang_path is None and installed_version(python) is None:
+        return None
+    request = {"argvs": [_strip_launcher(a) for a in argvs], "parse_only": parse_only, "gpu_arch": gpu_arch}
+    done = _preflight_process(request, timeout_s, sglang_path, python)
+    if isinstance(done, str):
+        return [Preflight(False, "timeout", done)] * len(argvs)
+    data = _last_json(done)
+    if not data or "results" not in data:
+        return [Preflight(False, "crash", f"preflight exited {done.returncode}: {done.stderr[-2000:]}")] * len(argvs)
+    return [Preflight(r["ok"], r["stage"], r["error"], r.get("resolved") or {}) for r in data["results"]]
+
+
+def _strip_launcher(argv: list[str]) -> list[str]:
+    return argv[argv.index("--model-path"):] if "--model-path" in argv else argv
+
+
+def check_adaptive_config(path: str, python: str | None = None) -> dict[str, Any] | None:
+    """SGLang's own loader on an adaptive config file ({"ok", "error", "buckets", "candidate_steps"}); None when
+    SGLang is not importable by `python`."""
+    if installed_version(python) is None:
+        return None
+    done = _preflight_process({"adaptive_config": path}, PREFLIGHT_TIMEOUT_S, None, python)
+    data = None if isinstance(done, str) else _last_json(done)
+    if not data or "adaptive" not in data:
+        reason = done if isinstance(done, str) else f"exited {done.returncode}: {done.stderr[-2000:]}"
+        return {"ok": False, "error": f"the loader could not run: {reason}", "buckets": {}, "candidate_steps": []}
+    return data["adaptive"]  # type: ignore[no-any-return]

@@ -1,0 +1,178 @@
+"""Issue 40 item 1: the attention backend the project renders on a GPU, per architecture x attention type x the study's
+widest tree, checked with SGLang 0.5.23's own resolution functions on this CPU machine, the device faked with SGLang's
+own `override_platform` (serve/engines/sglang_preflight.py). Models: a DeepSeek-V2-layout MLA config.json (the one
+examples/study-seed-mla.yaml ships) and a Llama-layout MHA one.
+
+Per cell: the project's backend for a study whose widest tree is that column's (the baseline column: no tree);
+SGLang accepts the baseline's and the trial's command lines with it (parse, `resolve_once`, `check_server_args`) and
+resolves both to it; the tree SGLang then verifies (its own topk and MLA verdict) is on a backend whose verify applies
+the tree mask; SGLang's own choice without `--attention-backend` is what `sglang_default` says, and the project
+differs from it only where that choice's verify ignores the tree mask. docs/configuration.md shows the same table.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import TrialConfig, load_study
+from pipeline.search.space import SearchSpace
+from pipeline.study.backend import decide_backend
+from pipeline.trial.lifecycle import replica_config
+from serve.engines.sglang import resolved_problem, sglang_args
+from serve.engines.sglang_backend import (GPU_ARCHS, TREE_FALLBACK, architecture_of, attention_kind, sglang_default,
+                                          tree_mask_problem, tree_of)
+from serve.engines.sglang_check import installed_version, run_preflight
+from serve.spec import Eagle3Spec, NgramSpec, NoSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+MLA_CONFIG = ROOT / "examples" / "models" / "deepseek-v2-236b" / "config.json"
+MHA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+              "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu"}
+COLUMNS = ("baseline", "NGRAM breadth 1", "NGRAM breadth 4", "EAGLE3 topk 1", "EAGLE3 topk 4")
+# The table as docs/configuration.md shows it: (arch, attention) -> the backend of each column.
+EXPECTED = {
+    ("sm80", "MHA"): ("flashinfer",) * 5,
+    ("sm80", "MLA"): ("triton",) * 5,
+    ("sm90", "MHA"): ("fa3", "fa3", "fa3", "fa3", "flashinfer"),
+    ("sm90", "MLA"): ("fa3",) * 5,
+    ("sm100", "MHA"): ("trtllm_mha", "flashinfer", "flashinfer", "trtllm_mha", "flashinfer"),
+    ("sm100", "MLA"): ("flashinfer", "flashinfer", "triton", "flashinfer", "triton"),
+    ("sm120", "MHA"): ("flashinfer",) * 5,
+    ("sm120", "MLA"): ("triton",) * 5,
+}
+needs_sglang = pytest.mark.skipif(installed_version() is None,
+                                  reason="sglang is not installed (bash infra/install-sglang-parser.sh)")
+
+
+def column_spec(column: str, model: str):
+    return {"baseline": NoSpec(),
+            "NGRAM breadth 1": NgramSpec(num_draft_tokens=8, max_bfs_breadth=1),
+            "NGRAM breadth 4": NgramSpec(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2),
+            "EAGLE3 topk 1": Eagle3Spec(draft_model=model, num_steps=3, topk=1, num_draft_tokens=4),
+            "EAGLE3 topk 4": Eagle3Spec(draft_model=model, num_steps=3, topk=4, num_draft_tokens=8)}[column]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    (root / "MLA").mkdir()
+    shutil.copy(MLA_CONFIG, root / "MLA" / "config.json")
+    (root / "MHA").mkdir()
+    (root / "MHA" / "config.json").write_text(json.dumps(MHA_CONFIG))
+    return {kind: str(root / kind) for kind in ("MHA", "MLA")}
+
+
+def column_space(column: str) -> SearchSpace:
+    """A search space whose one speculative point is the column's (the baseline column: none)."""
+    fixed = {"NGRAM breadth 1": ("ngram", {"num_draft_tokens": 8, "max_bfs_breadth": 1}),
+             "NGRAM breadth 4": ("ngram", {"num_draft_tokens": 8, "max_bfs_breadth": 4, "min_bfs_breadth": 2}),
+             "EAGLE3 topk 1": ("eagle3", {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}),
+             "EAGLE3 topk 4": ("eagle3", {"num_steps": 3, "topk": 4, "num_draft_tokens": 8})}.get(column)
+    if fixed is None:
+        return SearchSpace.model_validate({"name": "baseline", "algorithms": ["none"]})
+    algorithm, values = fixed
+    return SearchSpace.model_validate({"name": column, "algorithms": ["none", algorithm], "branches": {
+        algorithm: {k: {"type": "fixed", "value": v} for k, v in values.items()}}})
+
+
+def study_for(arch: str, model: str, column: str):
+    """The study as it runs: its backend decided as `run_study` decides it (`decide_backend`)."""
+    study = load_study(None, {"engine.kind": "sglang", "engine.device": "cuda", "engine.gpu_arch": arch,
+                              "model.target": model, "model.dtype": "auto", "model.drafts": {"eagle3": model}})
+    return decide_backend(study, column_space(column)).study
+
+
+def project_argv(arch: str, model: str, column: str, tmp: Path) -> list[str]:
+    """The command line the project renders for the column's trial (baseline column: the baseline)."""
+    study = study_for(arch, model, column)
+    return sglang_args(replica_config(study, TrialConfig(spec=column_spec(column, model)), tmp), "127.0.0.1", 30000)
+
+
+def project_backend(arch: str, model: str, column: str) -> str:
+    argv = project_argv(arch, model, column, Path("/tmp"))
+    return argv[argv.index("--attention-backend") + 1]
+
+
+def test_the_pure_table_is_the_documented_one(models):
+    table = {(arch, kind): tuple(project_backend(arch, models[kind], c) for c in COLUMNS)
+             for arch in GPU_ARCHS for kind in ("MHA", "MLA")}
+    assert table == EXPECTED
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    for (arch, kind), backends in EXPECTED.items():
+        assert f"| {arch} | {kind} | " + " | ".join(backends) + " |" in docs, (arch, kind)
+
+
+def test_flashinfer_on_mla_is_refused_for_trees_and_kept_for_chains():
+    assert tree_mask_problem("flashinfer", "mla", 4) is not None
+    assert "FlashInferMLAAttnBackend" in (tree_mask_problem("flashinfer", "mla", 4) or "")
+    assert tree_mask_problem("flashinfer", "mla", 1) is None  # a chain: its causal mask is its tree mask
+    assert tree_mask_problem("flashinfer", "mha", 4) is None
+    assert tree_mask_problem("trtllm_mla", "mla", 2) is not None  # 64-token pages: no tree there
+    assert tree_mask_problem("some_new_backend", "mha", 2) is not None  # not read, not trusted
+
+
+@needs_sglang
+def test_each_cell_is_what_sglang_resolves_and_its_verify_applies_the_tree_mask(models, tmp_path):
+    cells, argvs, archs = [], [], []
+    for arch, kind in EXPECTED:
+        model = models[kind]
+        for column in COLUMNS:
+            spec = column_spec(column, model)
+            study = study_for(arch, model, column)  # the baseline of the same study as the trial
+            baseline = sglang_args(replica_config(study, TrialConfig(), tmp_path), "127.0.0.1", 30000)
+            trial = sglang_args(replica_config(study, TrialConfig(spec=spec), tmp_path), "127.0.0.1", 30000)
+            backend = trial[trial.index("--attention-backend") + 1]
+            at = trial.index("--attention-backend")
+            stock = trial[:at] + trial[at + 2:]  # SGLang's own choice
+            cells.append((arch, kind, column, backend, spec))
+            argvs += [baseline, trial, stock]
+            archs += [arch] * 3
+    results = run_preflight(argvs, gpu_arch=archs)  # one SGLang import for the 120 resolutions
+    assert results is not None
+    for i, (arch, kind, column, backend, spec) in enumerate(cells):
+        base, trial, stock = results[3 * i: 3 * i + 3]
+        where = (arch, kind, column)
+        assert base.ok and trial.ok and stock.ok, (where, base.error, trial.error, stock.error)
+        assert base.resolved["attention_backend"] == trial.resolved["attention_backend"] == backend, where
+        assert trial.resolved["use_mla_backend"] == (kind == "MLA"), where
+        assert resolved_problem(trial.resolved) is None, where  # SGLang's own topk + MLA verdict on our backend
+        config = json.loads((Path(models[kind]) / "config.json").read_text())
+        tree = tree_of(spec, architecture_of(config))
+        mirrored = sglang_default(arch, attention_kind(config), architecture_of(config), tree)  # type: ignore[arg-type]
+        assert stock.resolved["attention_backend"] == mirrored, where
+        width = int(stock.resolved.get("speculative_eagle_topk") or 1)
+        if backend != mirrored:  # the project moved off SGLang's choice only where its verify ignores the mask
+            assert tree_mask_problem(mirrored, "mla" if kind == "MLA" else "mha", width), where
+            assert backend == TREE_FALLBACK, where
+        assert EXPECTED[(arch, kind)][COLUMNS.index(column)] == backend, where
+
+
+@needs_sglang
+def test_a_tree_on_a_backend_whose_verify_ignores_its_mask_is_invalid(models, tmp_path, monkeypatch):
+    # flashinfer named by the study on the MLA model: SGLang itself accepts the breadth-4 NGRAM command line (its
+    # FlashInferMLAAttnBackend would then verify the tree with a causal mask); the project refuses it, from SGLang's
+    # own resolved backend, topk and MLA verdict, and before that from the model's config.json.
+    import serve.engines.sglang as sglang
+    from serve.engines.base import ConfigRejected, ReplicaConfig
+    from serve.engines.sglang_study import check_commands
+
+    model = models["MLA"]
+    tree, chain = (ReplicaConfig(engine="sglang", device="cuda", model=model, dtype="auto", attention_backend="flashinfer",
+                                 spec=NgramSpec(num_draft_tokens=8, max_bfs_breadth=b)) for b in (4, 1))
+    argv = sglang_args(tree, "127.0.0.1", 30000)
+    (verdict,) = run_preflight([argv], gpu_arch="sm100") or []
+    assert verdict.ok and verdict.resolved["speculative_eagle_topk"] == 4 and verdict.resolved["use_mla_backend"]
+    assert "FlashInferMLAAttnBackend" in (resolved_problem(verdict.resolved) or "")
+    tree_check, chain_check = check_commands([tree, chain], "sm100")  # what --dry-run prints
+    assert tree_check.ok is False and "ignores the tree mask" in (tree_check.problem or "")
+    assert chain_check.ok is True  # a chain's causal mask is its tree mask
+    monkeypatch.setattr(sglang, "node_gpu_arch", lambda: "sm100")
+    monkeypatch.setattr(sglang, "run_preflight", lambda *a, **k: pytest.fail("refused before SGLang is asked"))
+    with pytest.raises(ConfigRejected, match="ignores the tree mask"):  # in the replica: an INVALID trial
+        sglang.SglangEngine().prepare(tree, argv)
