@@ -30,7 +30,7 @@ def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
 TIERS = ("unit", "model", "integration", "engines", "end_to_end", "gpu")
 LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract, studies, production",
             "end_to_end": "the closed loop, levels, distributed (PostgreSQL), 2-node cluster, serve deploy, "
-                          "the production driver and rolls, open-loop and corpus studies, a study beside an endpoint"}
+                          "the production driver and rolls, open-loop and corpus studies, a study beside an endpoint, a baseline queued again"}
 EVERY_TIER = "python -m pytest -q -n 2 --dist loadfile tests"
 
 

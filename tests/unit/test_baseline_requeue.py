@@ -2,7 +2,7 @@
 is queued again, in the running study and on `--resume`; and the baseline runs alone. The study's own searcher
 (`constrained_search_class`, Ray Tune's OptunaSearch) on a real Optuna SQLite study, driven the way Tune drives it
 (suggest, then the trial's final report); no Ray runtime is needed for the searcher itself. The same through a
-real study with the CPU engine: tests/integration/test_baseline_requeue.py."""
+real study with the CPU engine: tests/end_to_end/test_baseline_requeue.py."""
 
 from __future__ import annotations
 

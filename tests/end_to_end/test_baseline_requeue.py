@@ -15,7 +15,7 @@ from pipeline.search.space import load_space
 from pipeline.study.driver import run_study
 from tests.integration.conftest import TEST_THREADS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 
 SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\nbranches:\n  ngram:\n"
          "    num_draft_tokens: {type: fixed, value: 3}\n    max_bfs_breadth: {type: fixed, value: 1}\n"
