@@ -9,8 +9,11 @@ tokens each (w = num_draft_tokens, 1 for plain decoding) in one forward. Its tim
 - `shape` is the engine's own curve when it measured one (the CPU engine's round table in `/server_info`'s
   `verify_cost.round_cost`, measured once per model, dtype, threads, weights mode and machine: the forward of b x w
   queries, the LM head per row -- a round computes logits for every root and real draft node -- and one step at a
-  longer context), in milliseconds; otherwise a prior for a memory-bound decode step, 1 + ALPHA * (b*w - 1), in units
-  of one plain step (SGLang: nothing is measured before a launch).
+  longer context), in milliseconds; for an engine that reports none (SGLang's own server, llama-server), the same
+  table measured over its HTTP API right after the baseline's measurement (pipeline/measure/shape.py, recorded as
+  the baseline's `verify_cost`; SGLang's verify computes the logits of every query row, so its cells hold them and
+  its LM-head column is flat); otherwise (the probe failed) a prior for a memory-bound decode step,
+  1 + ALPHA * (b*w - 1), in units of one plain step.
 - `k` scales the shape and `o` is the per-request cost of a round outside the forward (drafting, tree masks, the
   accept walk, streaming). Both are fitted to what each launch measured: the sum over its measured requests of
   (e2e - ttft), against the same sum over the rounds the replay says each request spanned (`Launch`). One launch
