@@ -24,9 +24,13 @@ forward, fitted to the baseline's own steps). Every timing is the fastest of PAS
 only ever adds time). A request that found its context evicted (cached tokens != the context) is no sample: its
 prefix is cached again and the call repeated.
 
-The probe checks itself as a measurement window does (`pipeline.measure.window.judge_window` on the engine's node
-around it): a disturbed or non-monotone table is measured again (`attempts` in all) and the cleanest kept, flagged
-when none was clean. The plan, the bodies, the answers' checks and the table are pure; `probe_shape` does the I/O.
+The table is read as measured (`as_measured`: no cell raised to a narrower or smaller one). Its dips are real on a
+CPU: torch's fp32 GEMM on 2 or 3 rows is slower than on 4 (SmolLM2-135M's LM head on one thread: 7.0, 17.5, 26.3,
+13.6 ms for 1-4 rows), so SGLang's verify of width 3 costs more than of width 4, reproducibly; the record names them
+(`dips`). What other work bends, the window check catches: the probe checks itself as a measurement window does
+(`pipeline.measure.window.judge_window` on the engine's node around it), and a disturbed table, or one with a step
+measured at no cost, is measured again (`attempts` in all) and the cleanest kept, flagged when none was clean.
+The plan, the bodies, the answers' checks and the table are pure; `probe_shape` does the I/O.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from pipeline.measure.window import Window, judge_window
 from serve.replica.usage import Usage
 
 __all__ = ["Attempt", "BATCHES", "CONTEXT_TOKENS", "Call", "DECODE_TOKENS", "LONG_CONTEXT_TOKENS", "PASSES", "Plan",
-           "Prompts", "WIDTHS", "assemble", "body", "calls", "check_answer", "choose", "engine_has_table", "plan_for",
-           "probe_shape", "study_probe", "table_problem"]
+           "Prompts", "WIDTHS", "assemble", "body", "calls", "check_answer", "choose", "dips", "engine_has_table",
+           "plan_for", "probe_shape", "study_probe", "table_problem"]
 
 CONTEXT_TOKENS = 128  # the CPU engine's round table's context (serve/engines/cpu/probe.py)
 LONG_CONTEXT_TOKENS = 512
@@ -54,7 +58,7 @@ DECODE_TOKENS = 9  # generated tokens of the long call of a step pair: 8 decode 
 PASSES = 3
 TOKENS = (1000, 8000)  # prompt token ids: ordinary ids of any real vocabulary, none special
 MONOTONE_SLACK = 0.85  # as the CPU engine's check: a cell below this share of a narrower or smaller one
-MONOTONE_SLACK_MS = 1.0  # (and by more than this) is not the noise of a quiet machine
+MONOTONE_SLACK_MS = 1.0  # (and by more than this) is a dip, not noise
 SGLANG, LLAMA = "sglang", "llama"
 
 
@@ -164,15 +168,22 @@ def assemble(plan: Plan, best: dict[Call, float]) -> dict[str, Any]:
             "the requests' last rows only (the API computes no logits of prompt positions)",
             "context_tokens": ctx, "long_context_tokens": plan.long_context_tokens,
             "short_context_ms": round(step(1, ctx), 3), "long_context_ms": round(step(1, plan.long_context_tokens), 3),
-            "passes": plan.passes}
+            "as_measured": True, "passes": plan.passes}
 
 
 def table_problem(table: dict[str, Any]) -> str | None:
-    """Why a measured table cannot be trusted as it is (None when it can): a plain step measured at no cost, or a
-    cell clearly below a narrower or smaller one (no quiet machine measures that). Pure."""
+    """Why a measured table cannot be used (None when it can): a step or a cell measured at no cost, which only
+    calls whose own costs swamped the differences measure. Pure."""
+    if table["short_context_ms"] <= 0 or table["long_context_ms"] <= 0 or any(c <= 0 for r in table["ms"] for c in r):
+        return "a step measured at no cost: the calls' own costs swamped the differences"
+    return None
+
+
+def dips(table: dict[str, Any]) -> str | None:
+    """The first cell clearly below a narrower or smaller one, in words; None when there is none. Not a reason to
+    measure again: on a CPU such dips reproduce (torch's fp32 GEMM on 2 or 3 rows is slower than on 4), so the table
+    is read as measured (`as_measured`); what other work bends, the window check catches. Pure."""
     ms, widths, batches = table["ms"], table["widths"], table["batches"]
-    if table["short_context_ms"] <= 0 or any(row[0] <= 0 for row in ms):
-        return "a plain step measured at no cost: the calls' own costs swamped the difference"
     for i, row in enumerate(ms):
         for j in range(1, len(row)):
             if row[j] < MONOTONE_SLACK * max(row[:j]) and max(row[:j]) - row[j] > MONOTONE_SLACK_MS:
@@ -203,7 +214,7 @@ class Attempt:
 
 
 def choose(attempts: Sequence[Attempt]) -> Attempt | None:
-    """The attempt to keep: the first clean one; else, among those with a table, the monotone ones before the
+    """The attempt to keep: the first clean one; else, among those with a table, the usable ones before the
     others and then the least disturbed (the engine's lowest run-queue wait share). Pure."""
     with_table = [a for a in attempts if a.table is not None]
     for a in with_table:
@@ -299,7 +310,8 @@ def probe_shape(url: str, engine_kind: str, levels: Sequence[int], *, max_runnin
                 ) -> dict[str, Any]:
     """The engine's round table measured at `url` (the trial's route to its engine), as a `verify_cost` record:
     `round_cost` (the table), `source` "http-probe", `disturbance` (the kept attempt's run-queue wait and steal
-    shares), `flag` (clean, re-measured, disturbed, not monotone or unchecked), `attempts`, `repeated`, `seconds`.
+    shares), `flag` (clean, re-measured, disturbed, suspect or unchecked), `dips` (a cell below a narrower or smaller
+    one), `attempts`, `repeated` (calls repeated after a cache miss), `seconds`.
     Never raises: an engine that cannot be probed gives a record with `error` and no table (the cost model then
     takes its prior)."""
     plan = plan_for(engine_kind, levels, max_running)
@@ -327,6 +339,8 @@ def probe_shape(url: str, engine_kind: str, levels: Sequence[int], *, max_runnin
                   window=window.line(), repeated=sum(a.repeated for a in tried), flag=_flag(kept, len(tried)))
     if kept.problem:
         record["problem"] = kept.problem
+    if kept.table is not None and dips(kept.table):
+        record["dips"] = dips(kept.table)
     return record
 
 
@@ -334,7 +348,7 @@ def _flag(kept: Attempt, attempts: int) -> str:
     if kept.window.disturbed:
         return "disturbed"
     if kept.problem:
-        return "not monotone"
+        return "suspect"
     if kept.window.disturbed is None:
         return "unchecked"
     return "re-measured" if attempts > 1 else "clean"
