@@ -47,6 +47,7 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from pipeline.config import load_study
+    from pipeline.config.study import resolve_space_path
     from pipeline.measure.summary import to_records
     from pipeline.records.tracking import Tracker
     from pipeline.search.space import baseline_point, load_space, resolve
@@ -55,7 +56,7 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
     from pipeline.study.driver import workload_requests
 
     study = load_study(output / "study.yaml", {})
-    space = load_space(study.search_space)
+    space = load_space(resolve_space_path(study.search_space))
     tracker = Tracker(f"sqlite:///{output / 'mlflow.db'}", name)
     client = tracker.client()
     runs = sorted((r for r in client.search_runs([tracker.experiment_id()], max_results=100)
@@ -92,6 +93,7 @@ def err(predicted: float | None, measured: float | None) -> float | None:
 
 def study_command(args: argparse.Namespace) -> None:
     from pipeline.config import load_study
+    from pipeline.config.study import resolve_space_path
     from pipeline.search.space import load_space
     from pipeline.study.driver import run_study
 
@@ -102,7 +104,7 @@ def study_command(args: argparse.Namespace) -> None:
         if not (output / "study.yaml").exists():
             study = load_study(None, study_overrides(args.engine, name, output, args.threads))
             started = time.monotonic()
-            code = run_study(study, load_space(study.search_space))
+            code = run_study(study, load_space(resolve_space_path(study.search_space)))
             print(f"run {i}: study exit {code} in {time.monotonic() - started:.0f} s", flush=True)
         row = read_back(output, name)
         rows.append(row)

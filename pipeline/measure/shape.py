@@ -362,9 +362,10 @@ def engine_has_table(server_info: dict[str, Any]) -> bool:
 
 def study_probe(url: str, study: Any, server_info: dict[str, Any]) -> dict[str, Any]:
     """`probe_shape` as a study runs it after its baseline's measurement: the study's engine kind and levels, the
-    engine's running-request cap, as many attempts as a measurement window gets (`workload.remeasure` + 1) and its
-    wait limit."""
+    engine's running-request cap, the measurement window's wait limit, and one attempt more when the window was
+    disturbed (none with `workload.remeasure: 0`): what held the CPU during the baseline's windows (a study's own
+    start-up work) often still holds it, and each attempt costs about as much as the baseline's measurement."""
     cap = server_info.get("max_running_requests")
     return probe_shape(url, study.engine.kind, study.concurrency, max_running=cap if isinstance(cap, int) else None,
-                       attempts=study.workload.remeasure + 1, wait_limit=study.workload.wait_limit,
+                       attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
                        timeout_s=study.engine.request_timeout_s, seed=study.seed)
