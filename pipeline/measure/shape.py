@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from pipeline.measure.window import Window, judge_window
+from serve.engines import engine_for
 from serve.replica.usage import Usage
 
 __all__ = ["Attempt", "BATCHES", "CONTEXT_TOKENS", "Call", "DECODE_TOKENS", "LONG_CONTEXT_TOKENS", "PASSES", "Plan",
@@ -59,13 +60,13 @@ PASSES = 3
 TOKENS = (1000, 8000)  # prompt token ids: ordinary ids of any real vocabulary, none special
 MONOTONE_SLACK = 0.85  # as the CPU engine's check: a cell below this share of a narrower or smaller one
 MONOTONE_SLACK_MS = 1.0  # (and by more than this) is a dip, not noise
-SGLANG, LLAMA = "sglang", "llama"
+SGLANG, LLAMA = "generate", "completion"  # `Engine.extend_api`: the dialects
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one probe measures. `dialect`: the API (`sglang` /generate, `llama` /completion); `all_rows`: the extend
-    computes the logits of every query row, as the engine's verify does."""
+    """What one probe measures. `dialect`: the API (`generate`: SGLang's /generate, `completion`: llama-server's);
+    `all_rows`: the extend computes the logits of every query row, as the engine's verify does."""
 
     dialect: str
     batches: tuple[int, ...]
@@ -98,7 +99,7 @@ def plan_for(engine_kind: str, levels: Sequence[int], max_running: int | None = 
     top = max(levels or [1])
     cap = max_running if max_running and max_running > 0 else top
     batches = tuple(b for b in BATCHES if b == 1 or (b < 2 * top and b <= cap))
-    return Plan(dialect=LLAMA if engine_kind == "llama_cpp" else SGLANG, batches=batches)
+    return Plan(dialect=engine_for(engine_kind).extend_api, batches=batches)
 
 
 def calls(plan: Plan) -> list[Call]:

@@ -51,7 +51,7 @@ def test_the_probe_measures_sglangs_round_table_in_one_forward_per_round(tmp_pat
         record = probe_shape(engine.url, "sglang", [1, 4])
         log = engine.log()
     table = check_record(record, (1, 2, 4))
-    assert record["dialect"] == "sglang" and table["logit_rows"] == "every query row"
+    assert record["dialect"] == "generate" and table["logit_rows"] == "every query row"
     # every call of 4 requests x w new tokens after their cached 128 was one prefill batch of 4 (SGLang's own line)
     batches = re.findall(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)", log)
     of_four = [(int(t), int(c)) for n, t, c in batches if n == "4"]
@@ -69,4 +69,4 @@ def test_the_probe_measures_llama_servers_table_through_its_own_completion_route
     finally:
         process.stop()
     table = check_record(record, (1, 2, 4))
-    assert record["dialect"] == "llama" and table["logit_rows"].startswith("the requests' last rows only")
+    assert record["dialect"] == "completion" and table["logit_rows"].startswith("the requests' last rows only")

@@ -21,8 +21,8 @@ def test_the_plan_measures_the_batches_the_study_puts_in_flight_in_the_engines_d
     assert plan_for("sglang", [1, 4]).batches == (1, 2, 4)  # the finalists' levels are predicted too
     assert plan_for("sglang", [8], max_running=2).batches == (1, 2)  # never past the engine's cap
     sglang, llama = plan_for("sglang", [1]), plan_for("llama_cpp", [1])
-    assert (sglang.dialect, sglang.all_rows) == ("sglang", True)
-    assert (llama.dialect, llama.all_rows) == ("llama", False)
+    assert (sglang.dialect, sglang.all_rows) == ("generate", True)
+    assert (llama.dialect, llama.all_rows) == ("completion", False)
 
 
 def test_each_pass_times_the_step_pairs_and_every_width():
