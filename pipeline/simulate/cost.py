@@ -9,8 +9,11 @@ tokens each (w = num_draft_tokens, 1 for plain decoding) in one forward. Its tim
 - `shape` is the engine's own curve when it measured one (the CPU engine's round table in `/server_info`'s
   `verify_cost.round_cost`, measured once per model, dtype, threads, weights mode and machine: the forward of b x w
   queries, the LM head per row -- a round computes logits for every root and real draft node -- and one step at a
-  longer context), in milliseconds; otherwise a prior for a memory-bound decode step, 1 + ALPHA * (b*w - 1), in units
-  of one plain step (SGLang: nothing is measured before a launch).
+  longer context), in milliseconds; for an engine that reports none (SGLang's own server, llama-server), the same
+  table measured over its HTTP API right after the baseline's measurement (pipeline/measure/shape.py, recorded as
+  the baseline's `verify_cost`; SGLang's verify computes the logits of every query row, so its cells hold them and
+  its LM-head column is flat); otherwise (the probe failed) a prior for a memory-bound decode step,
+  1 + ALPHA * (b*w - 1), in units of one plain step.
 - `k` scales the shape and `o` is the per-request cost of a round outside the forward (drafting, tree masks, the
   accept walk, streaming). Both are fitted to what each launch measured: the sum over its measured requests of
   (e2e - ttft), against the same sum over the rounds the replay says each request spanned (`Launch`). One launch
@@ -62,16 +65,23 @@ class RoundTable(FrozenModel):
     long_context_tokens: int
     short_context_ms: float
     long_context_ms: float
+    # True: read the cells as measured, not raised to a narrower or smaller one's. For a table whose dips reproduce
+    # (pipeline/measure/shape.py): torch's fp32 GEMM on 2 or 3 rows is slower than on 4 (SmolLM2's LM head, one
+    # thread: 7.0, 17.5, 26.3, 13.6 ms for 1-4 rows), so an engine's verify of width 3 costs more than of width 4.
+    as_measured: bool = False
 
     def _derived(self) -> _Derived:
         """The table read as monotone (more rows never cost less: a cell below a narrower or smaller one is
-        measurement noise, raised to it) and a memo of interpolated shapes, computed once per table: re-predicting a
-        space times every round of every config. Kept beside the fields, and checked against the very lists it was
-        made from, so a `model_copy(update=...)` with other cells recomputes it."""
+        measurement noise, raised to it), unless `as_measured`, and a memo of interpolated shapes, computed once per
+        table: re-predicting a space times every round of every config. Kept beside the fields, and checked against
+        the very lists it was made from, so a `model_copy(update=...)` with other cells recomputes it."""
         derived = self.__dict__.get("_derived_cache")
-        sources = (self.batches, self.widths, self.ms, self.lm_head_rows, self.lm_head_ms)
+        sources = (self.batches, self.widths, self.ms, self.lm_head_rows, self.lm_head_ms, self.as_measured)
         if derived is None or any(a is not b for a, b in zip(derived.sources, sources)):
-            derived = _Derived(sources, _monotone(self.ms), _monotone([self.lm_head_ms])[0], {})
+            if self.as_measured:
+                derived = _Derived(sources, [list(row) for row in self.ms], list(self.lm_head_ms), {})
+            else:
+                derived = _Derived(sources, _monotone(self.ms), _monotone([self.lm_head_ms])[0], {})
             self.__dict__["_derived_cache"] = derived
         return derived
 
@@ -97,7 +107,7 @@ def round_table(verify_cost: Any) -> RoundTable | None:
         return None
     data = verify_cost["round_cost"]
     try:
-        return RoundTable.model_validate({k: data[k] for k in RoundTable.model_fields})
+        return RoundTable.model_validate({k: data[k] for k in RoundTable.model_fields if k in data})
     except (KeyError, ValueError):
         return None
 

@@ -22,6 +22,7 @@ from pipeline.config import StudyConfig, TrialConfig
 from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, listed_corpora, ship_corpus
 from pipeline.decide.equivalence import EquivalenceReport
 from pipeline.measure.load import LoadRequest, run_phase
+from pipeline.measure.shape import engine_has_table, study_probe
 from pipeline.measure.summary import RequestRecord, Summary, summarize, to_table
 from pipeline.measure.window import Window, judge_window, window_record
 from pipeline.search.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
@@ -317,6 +318,13 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         phase_start = time.monotonic()
         out.records += run_phase(url, todo, phase="reference", **kwargs) if todo else []
         out.timings["reference_s"] = time.monotonic() - phase_start
+    # --- simulate-first on an engine that reports no round table (SGLang, llama-server): its verify-cost shape,
+    # measured over its HTTP API now and recorded as the baseline's `verify_cost` (pipeline/measure/shape.py) ---
+    if baseline and ctx.reference and not lost_requests(measured) and not engine_has_table(out.server_info):
+        phase_start = time.monotonic()
+        out.server_info["verify_cost"] = study_probe(url, study, out.server_info)
+        out.timings["shape_probe_s"] = time.monotonic() - phase_start
+        note_phase(log_dir, "shape-probe", check=out.server_info["verify_cost"].get("window"))
     # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
     out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
 

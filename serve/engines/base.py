@@ -146,6 +146,11 @@ class Engine:
     # `return_spec_tokens_details` -> `sglext.spec_tokens_details`): the production ingress then asks, for live
     # accept length. llama-server takes the field and returns none.
     spec_details: ClassVar[bool] = False
+    # How its HTTP API takes a batch of extends on cached contexts (the pipeline's verify-cost probe): "generate" =
+    # SGLang's native `/generate` (token-id prompts in one call, prompt logprobs from a position on, `cached_tokens`);
+    # "completion" = llama-server's `/completion` (several prompts in parallel slots, `cache_prompt`, no logits of
+    # prompt positions).
+    extend_api: ClassVar[str] = "generate"
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
         """The engine's full command line."""

@@ -20,6 +20,7 @@ class LlamaCppEngine(Engine):
     kind = "llama_cpp"
     label = "llama.cpp's llama-server"
     algorithms = frozenset({"none", *LLAMA_CPP_ALGORITHMS})
+    extend_api = "completion"  # the shim forwards llama-server's own /completion as it is
 
     def server_argv(self, config: ReplicaConfig) -> list[str]:
         """llama-server's own command line for `config` (without host/port): what production would run."""

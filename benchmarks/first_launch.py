@@ -1,0 +1,245 @@
+"""The first NGRAM launch of a simulate-first study, predicted from the baseline launch alone, against what it
+measured: with the verify-cost shape measured on the engine (its own round table, or the one measured over its HTTP
+API after the baseline's measurement, pipeline/measure/shape.py) and, from the same baseline, with the prior shape
+(`pipeline.simulate.cost.ALPHA`). Not a test.
+
+    python benchmarks/first_launch.py study --engine sglang --runs 3        # SGLang 0.5.23's own server on the CPU
+    python benchmarks/first_launch.py study --engine cpu --runs 3           # the CPU engine (its own round table)
+    python benchmarks/first_launch.py probe --engine llama_cpp --levels 1,4  # the probe alone, on a fresh engine
+
+`study`: each run is a whole study (`search_spaces/default.yaml`, the templated workload -- answers repeat across
+requests, so the trie copies -- with its defaults, `budget.max_trials: 2`: the baseline and the best predicted
+config, no finalists) under `--output`/run-<i>; then its MLflow records are read back. `probe`: one engine started
+as a replica starts it (the baseline, no speculation), the probe run against it, the table printed; the probe's own
+time against the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.repeatability import cpu_line  # noqa: E402
+
+
+def study_overrides(engine: str, name: str, output: Path, threads: int | None) -> dict[str, Any]:
+    over: dict[str, Any] = {"name": name, "output_dir": str(output), "search_space": "default.yaml",
+                            "search.strategy": "simulate-first", "budget.max_trials": 2, "promotion.finalists": 0,
+                            "engine.threads": threads}
+    if engine == "sglang":
+        over.update({"engine.kind": "sglang", "engine.device": "cpu", "engine.start_timeout_s": 600})
+    return over
+
+
+def read_back(output: Path, name: str) -> dict[str, Any]:
+    """The baseline's probe and times, and the first NGRAM launch's predicted (logged; and re-derived with the prior
+    from the same baseline) and measured throughput."""
+    import pyarrow.parquet as pq
+
+    from pipeline.config import load_study
+    from pipeline.config.study import resolve_space_path
+    from pipeline.measure.summary import to_records
+    from pipeline.records.tracking import Tracker
+    from pipeline.search.space import baseline_point, load_space, resolve
+    from pipeline.simulate.predict import decode_rounds
+    from pipeline.simulate.simulator import Simulator, base_cost
+    from pipeline.simulate.workload import answers_of
+    from pipeline.study.driver import workload_requests
+
+    study = load_study(output / "study.yaml", {})
+    space = load_space(resolve_space_path(study.search_space))
+    tracker = Tracker(f"sqlite:///{output / 'mlflow.db'}", name)
+    client = tracker.client()
+    runs = sorted((r for r in client.search_runs([tracker.experiment_id()], max_results=100)
+                   if r.data.tags.get("specdec.kind") == "trial"), key=lambda r: r.info.start_time)
+    baseline = next(r for r in runs if r.data.params.get("spec.algorithm") == "none")
+    launch = next(r for r in runs if r.data.params.get("spec.algorithm") == "ngram")
+    with tempfile.TemporaryDirectory() as tmp:
+        records = to_records(pq.read_table(client.download_artifacts(baseline.info.run_id, "requests.parquet", tmp)))
+        info = json.loads(Path(client.download_artifacts(baseline.info.run_id, "server_info.json", tmp)).read_text())
+    warmup, measure = workload_requests(study, prompt_ids=True)
+    simulator = Simulator(answers_of(records), warmup, measure, arrival=study.workload.arrival, seed=study.seed,
+                          lag=study.search.simulate.lag_rounds)
+    baseline_config = resolve(space, {"algorithm": "none", **baseline_point(space)}, study).config
+    config = resolve(space, json.loads(launch.data.tags["optuna.params"]), study).config
+    predicted: dict[str, Any] = {}
+    rounds = decode_rounds(simulator.replay(config))
+    for shape, verify_cost in (("measured", info.get("verify_cost")), ("prior", None)):
+        base = base_cost(records, verify_cost, study.search_concurrency)
+        cost = simulator.fitted(base, [(baseline_config, records)])
+        decode_s = sum(cost.seconds(r) for rr in rounds for r in rr)  # what the shape governs
+        predicted[shape] = (simulator.predict(config, cost).get("tput_tok_s"), cost.shape, cost.o_ms, decode_s)
+        if shape == "measured" and study.engine.kind == "sglang" and study.search_concurrency == 1:
+            predicted["cache_aware"] = cache_aware(simulator, config, cost, records, warmup, measure)
+    with tempfile.TemporaryDirectory() as tmp:
+        launched = to_records(pq.read_table(client.download_artifacts(launch.info.run_id, "requests.parquet", tmp)))
+    decode_measured = sum(r.e2e_s - (r.ttft_s or 0.0) for r in launched if r.phase == "measure")
+    vc = info.get("verify_cost") or {}
+    m, bm = launch.data.metrics, baseline.data.metrics
+    return {"config": launch.data.tags.get("mlflow.runName", ""), "measured": m.get("tput_tok_s"),
+            "logged_prediction": m.get("predicted_tput_tok_s"), "measured_shape": predicted["measured"],
+            "cache_aware": predicted.get("cache_aware"), "decode_measured_s": decode_measured, "prior": predicted["prior"], "spread": m.get("tput_spread"), "flag": launch.data.tags.get(
+                "measurement_flag"), "baseline": bm.get("tput_tok_s"), "baseline_measure_s": bm.get("time_measure_s"),
+            "baseline_total_s": bm.get("time_total_s"), "probe_s": bm.get("time_shape_probe_s"),
+            "probe": {k: vc.get(k) for k in ("source", "flag", "attempts", "repeated", "seconds", "window", "error")},
+            "table": vc.get("round_cost")}
+
+
+def cached_prefix(prompt: Sequence[int], earlier: Sequence[Sequence[int]]) -> int:
+    """SGLang's radix-cache hit for `prompt` (page size 1): its longest common prefix with a sequence an earlier
+    request of the launch left in the cache (its prompt and all but its last output token), at most all but the
+    prompt's last token."""
+    best = 0
+    for seq in earlier:
+        n = 0
+        for a, b in zip(prompt, seq):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return min(best, len(prompt) - 1)
+
+
+def cache_aware(simulator: Any, config: Any, cost: Any, records: Sequence[Any], warmup: Sequence[Any],
+                measure: Sequence[Any]) -> tuple[float, float, float]:
+    """An offline estimate, not the simulator's prediction: the launch's throughput (closed loop, concurrency 1)
+    with the prefill charged for the tokens SGLang's radix cache did not hold -- fitted on the baseline's measured
+    requests against what its own warm-up left cached, predicted for the config's warm-up -- and the decode time of
+    the simulator's rounds under `cost`. Returns (throughput, p0 ms, p1 ms per uncached token)."""
+    from pipeline.simulate.cost import prefill_fit
+    from pipeline.simulate.predict import decode_rounds
+
+    earlier: list[tuple[int, ...]] = []
+    uncached, ttfts = [], []
+    for r in records:  # the baseline's warm-up (the last attempt's), then its measured requests, in order
+        if r.phase == "reference":
+            continue
+        if r.phase == "measure" and r.ok and r.ttft_s:
+            uncached.append(len(r.prompt_ids) - cached_prefix(r.prompt_ids, earlier))
+            ttfts.append(r.ttft_s)
+        earlier.append(tuple(r.prompt_ids) + tuple(r.output_ids[:-1]))
+    p0, p1 = prefill_fit(uncached, ttfts)
+    answers = simulator.answers
+    sequences = [answers[warmup[i % len(warmup)].index] for i in range(config.warmup_requests)]
+    earlier = [tuple(a.prompt_ids) + tuple(a.output_ids[:-1]) for a in sequences]
+    window, tokens = 0.0, 0
+    for item, rounds in zip(measure, decode_rounds(simulator.replay(config))):
+        answer = answers[item.index]
+        ttft = (p0 + p1 * (len(answer.prompt_ids) - cached_prefix(answer.prompt_ids, earlier))) / 1000.0
+        window += ttft + sum(cost.seconds(r) for r in rounds) + cost.gap_s
+        tokens += len(answer.output_ids)
+        earlier.append(tuple(answer.prompt_ids) + tuple(answer.output_ids[:-1]))
+    return tokens / max(window - cost.gap_s, 1e-9), p0, p1
+
+
+def err(predicted: float | None, measured: float | None) -> float | None:
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
+def study_command(args: argparse.Namespace) -> None:
+    from pipeline.config import load_study
+    from pipeline.config.study import resolve_space_path
+    from pipeline.search.space import load_space
+    from pipeline.study.driver import run_study
+
+    rows = []
+    for i in range(args.runs):
+        name = f"first-launch-{args.engine}-{i}"
+        output = Path(args.output).resolve() / f"run-{i}"
+        if not (output / "study.yaml").exists():
+            study = load_study(None, study_overrides(args.engine, name, output, args.threads))
+            started = time.monotonic()
+            code = run_study(study, load_space(resolve_space_path(study.search_space)))
+            print(f"run {i}: study exit {code} in {time.monotonic() - started:.0f} s", flush=True)
+        row = read_back(output, name)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "table"}, default=str), flush=True)
+    print(f"\nmachine: {cpu_line()}; engine {args.engine}, engine.threads {args.threads}")
+    print("| run | launched config | measured tok/s (spread) | predicted, measured shape | error | same, prefill of "
+          "uncached tokens (offline) | error | predicted, prior | error | probe s / baseline measure s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        shaped, prior = r["measured_shape"][0], r["prior"][0]
+        aware = r["cache_aware"][0] if r["cache_aware"] else None
+        probe = f"{r['probe_s']:.1f} / {r['baseline_measure_s']:.1f}" if r["probe_s"] else "- (engine's own table)"
+        aware_cells = f"{aware:.2f} | {err(aware, r['measured']):+.1%}" if aware else "- | -"
+        print(f"| {i} | {r['config']} | {r['measured']:.2f} (±{r['spread'] or 0:.0%}) | {shaped:.2f} | "
+              f"{err(shaped, r['measured']):+.1%} | {aware_cells} | {prior:.2f} | {err(prior, r['measured']):+.1%} "
+              f"| {probe} |")
+    print("\ndecode time of the launch's measured requests (sum of e2e - TTFT), predicted against measured:")
+    for i, r in enumerate(rows):
+        d = r["decode_measured_s"]
+        print(f"  run {i}: measured {d:.3f} s; measured shape {r['measured_shape'][3]:.3f} s "
+              f"({err(r['measured_shape'][3], d):+.1%}); prior {r['prior'][3]:.3f} s ({err(r['prior'][3], d):+.1%})")
+    for name, key in (("measured shape", "measured_shape"), ("uncached prefill", "cache_aware"), ("prior", "prior")):
+        errors = [abs(err(r[key][0], r["measured"]) or 0.0) for r in rows if r.get(key)]
+        if errors:
+            print(f"|error| {name}: median {statistics.median(errors):.1%} (max {max(errors):.1%}, n={len(errors)})")
+    Path(args.output).mkdir(parents=True, exist_ok=True)
+    (Path(args.output) / "first_launch.json").write_text(json.dumps(rows, indent=2, default=str))
+
+
+def probe_command(args: argparse.Namespace) -> None:
+    from pipeline.measure.shape import probe_shape
+    from serve.engines.base import ReplicaConfig
+    from serve.replica.deployment import EngineProcess
+    from serve.spec import NoSpec
+
+    levels = [int(x) for x in args.levels.split(",")]
+    model = args.model or ("smollm2-135m" if args.engine != "llama_cpp" else "smollm2-135m")
+    config = ReplicaConfig(engine=args.engine, device="cpu", model=model, spec=NoSpec(), threads=args.threads,
+                           start_timeout_s=600, log_dir=tempfile.mkdtemp(prefix="first-launch-probe-"))
+    process = EngineProcess(config)
+    try:
+        process.wait_ready()
+        print(f"machine: {cpu_line()}; {args.engine} started in {process.startup_s:.1f} s", flush=True)
+        for run in range(args.runs):
+            record = probe_shape(process.url, args.engine, levels, attempts=1)
+            table = record.pop("round_cost", None)
+            print(json.dumps(record, default=str))
+            if table:
+                print(f"run {run}: {table['seconds']:.1f} s; step at {table['context_tokens']} tokens "
+                      f"{table['short_context_ms']:.1f} ms, at {table['long_context_tokens']} "
+                      f"{table['long_context_ms']:.1f} ms; logits: {table['logit_rows']}")
+                print("| requests | " + " | ".join(f"w={w}" for w in table["widths"]) + " |")
+                print("|---" * (len(table["widths"]) + 1) + "|")
+                for b, row in zip(table["batches"], table["ms"]):
+                    print(f"| {b} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
+    finally:
+        process.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    study = sub.add_parser("study", help="simulate-first studies; the first launch's predictions against it")
+    study.add_argument("--engine", choices=("sglang", "cpu"), default="sglang")
+    study.add_argument("--runs", type=int, default=3)
+    study.add_argument("--threads", type=int, default=1, help="engine.threads (the engines' own tests use 1 here)")
+    study.add_argument("--output", default="runs/first-launch")
+    probe = sub.add_parser("probe", help="the HTTP probe alone on a freshly started baseline engine")
+    probe.add_argument("--engine", choices=("sglang", "llama_cpp", "cpu"), default="sglang")
+    probe.add_argument("--levels", default="1", help="concurrency levels the plan covers (comma-separated)")
+    probe.add_argument("--runs", type=int, default=2)
+    probe.add_argument("--threads", type=int, default=1)
+    probe.add_argument("--model", default=None)
+    args = parser.parse_args()
+    if args.command == "study":
+        study_command(args)
+    else:
+        probe_command(args)
+
+
+if __name__ == "__main__":
+    main()
