@@ -26,8 +26,8 @@ from serve.engines.cpu.llama import FORWARD_VERSION
 from serve.engines.cpu.models import cache_root
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
 
-__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "probe_key", "PROBE_SIZES",
-           "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
+__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "cached_draft_cost", "probe_key",
+           "PROBE_SIZES", "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
 
 PROBE_SIZES = tuple(range(1, 17))
 # At engine start-up: the curve's shape at a third of the cost (~2 s instead of ~4.5 s for a 135M model on 2 cores).
@@ -201,6 +201,31 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(entry, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a concurrent engine reads the old entry or the new one, never half
+    return {**curve, "source": "measured", "measured_at": entry["measured_at"]}
+
+
+def cached_draft_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_s: float,
+                      sizes: tuple[int, ...] = STARTUP_PROBE_SIZES, refresh: bool = False) -> dict:
+    """A STANDALONE draft model's step: the curve of `measure_verify_cost` on the draft runner (one forward of N
+    query tokens after a 128-token context plus their logits, N = a catch-up or a frontier of topk nodes), cached
+    like the target's curve under its own key. The CPU engine reports it as `verify_cost.draft_cost` and the draft
+    replay (`draft_replay`) hands it to the pipeline's step-cost model, so a STANDALONE round's predicted time
+    includes the draft's own forwards."""
+    choice = runner.weights
+    key = {**probe_key(model_dir, dtype, runner.backend, sizes,
+                       choice.mode + (f"-{choice.isa}" if choice.isa else "")), "role": "draft"}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_root() / "probe" / f"draft-{digest}.json"
+    if not refresh:
+        stored = _read(path)
+        if stored is not None and stored.get("key") == key:
+            return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
+    curve = measure_verify_cost(runner, budget_s, sizes)
+    entry = {"key": key, "curve": curve, "measured_at": round(time.time(), 3)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entry, indent=1) + "\n")
+    os.replace(tmp, path)
     return {**curve, "source": "measured", "measured_at": entry["measured_at"]}
 
 

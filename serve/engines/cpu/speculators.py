@@ -33,13 +33,22 @@ from serve.engines.cpu.runner import ModelRunner, chain_visibility
 from serve.draft.tree import Expansion, TreeBuild
 from serve.ngram.schedule import DraftState, NgramDrafter
 
-__all__ = ["NgramSpeculator", "StandaloneSpeculator", "top_expansions"]
+__all__ = ["NgramSpeculator", "StandaloneSpeculator", "log_probs", "top_expansions", "top_of"]
 
 
 def top_expansions(runner: ModelRunner, hidden: torch.Tensor, k: int) -> list[Expansion]:
     """Each row's top-k (token, log-prob), best first, from hidden states [n, d]: what a STANDALONE step offers.
-    The draft replay (`draft_replay`) calls this too, so both rank a row's tokens with the same float ops."""
-    logp = torch.log_softmax(runner.logits(hidden), dim=-1)
+    The draft replay (`draft_replay`) uses the same two steps, so both rank a row's tokens with the same float ops."""
+    return top_of(log_probs(runner, hidden), k)
+
+
+def log_probs(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """The draft's next-token log-probs [n, V] after hidden states [n, d]."""
+    return torch.log_softmax(runner.logits(hidden), dim=-1)
+
+
+def top_of(logp: torch.Tensor, k: int) -> list[Expansion]:
+    """Each row's k best (token, log-prob) of log-probs [n, V], best first."""
     top = torch.topk(logp, k, dim=-1)
     return [list(zip(tokens, values)) for tokens, values in zip(top.indices.tolist(), top.values.tolist())]
 
