@@ -10,8 +10,8 @@ What a draft round costs the engine beyond its verify forward (`Round.drafts`, p
 the committed tokens the draft has not seen -- the prompt and first token at a request's first step, then the bonus
 token, plus the last accepted node when it was at the deepest level (never forwarded) -- then num_steps - 1 tree
 forwards of topk nodes each; each forward also computes its rows' logits. `DraftCurve` is the draft's measured cost
-of one such forward by rows (`verify_cost.draft_cost` of the engine: the CPU engine's probe on the draft model, the
-same curve the replay reports), which the step-cost model adds to the round.
+of one such forward by rows, and of a prefill (`verify_cost.draft_cost` of the engine: the CPU engine's probe on the
+draft model, the same curve the replay reports), which the step-cost model adds to the round.
 
 Requests of the warm-up phase that the tables lack are replayed without drafts: a draft model keeps no state across
 requests, so they move no measured figure. Pure.
@@ -35,14 +35,18 @@ Ranks = Sequence[Sequence[int]]  # per num_steps: the round's on-path ranks (`Ro
 
 
 class DraftCurve(FrozenModel):
-    """ms of one draft forward of `sizes[i]` query rows (with their logits), measured on the engine's machine;
-    linear between and past the measured sizes."""
+    """ms of one draft forward of `sizes[i]` query rows (with their logits) after a short context, and of a prefill of
+    `prefill_tokens[i]` tokens (a request's first draft step), measured on the engine's machine; linear between and
+    past the measured sizes."""
 
     sizes: list[int] = Field(min_length=1)
     ms: list[float] = Field(min_length=1)
+    prefill_tokens: list[int] = Field(default_factory=list)
+    prefill_ms: list[float] = Field(default_factory=list)
 
     def forward_ms(self, rows: int) -> float:
-        xs, ys = self.sizes, self.ms
+        points = sorted({**dict(zip(self.sizes, self.ms)), **dict(zip(self.prefill_tokens, self.prefill_ms))}.items())
+        xs, ys = [x for x, _ in points], [y for _, y in points]
         if len(xs) == 1:
             return ys[0] * rows / xs[0]
         i = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)
@@ -54,7 +58,9 @@ def draft_curve(data: Any) -> DraftCurve | None:
     if not isinstance(data, dict):
         return None
     try:
-        return DraftCurve(sizes=list(data["sizes"]), ms=list(data["ms"]))
+        return DraftCurve(sizes=list(data["sizes"]), ms=list(data["ms"]),
+                          prefill_tokens=list(data.get("prefill_tokens") or []),
+                          prefill_ms=list(data.get("prefill_ms") or []))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -26,7 +26,8 @@ from serve.engines.cpu.llama import FORWARD_VERSION
 from serve.engines.cpu.models import cache_root
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
 
-__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "cached_draft_cost", "probe_key",
+__all__ = ["measure_verify_cost", "measure_round_cost", "measure_prefill_cost", "cached_verify_cost",
+           "cached_draft_cost", "probe_key",
            "PROBE_SIZES", "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
 
 PROBE_SIZES = tuple(range(1, 17))
@@ -41,6 +42,10 @@ ROUND_BATCHES = (1, 2, 4)  # larger batches: extrapolated linearly in rows by th
 ROUND_PASSES = 3
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LONG_CONTEXT_TOKENS = 512
+# A STANDALONE draft's first step prefills the request's prompt (plus its first token): the draft's cost curve also
+# times prefills of these lengths (`measure_prefill_cost`). Bump DRAFT_PROBE_VERSION when the draft's curve changes.
+DRAFT_PREFILL_TOKENS = (64, 256)
+DRAFT_PROBE_VERSION = 2
 
 
 def measure_verify_cost(runner: ModelRunner, budget_s: float, sizes: tuple[int, ...] = PROBE_SIZES,
@@ -204,23 +209,39 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
     return {**curve, "source": "measured", "measured_at": entry["measured_at"]}
 
 
+def measure_prefill_cost(runner: ModelRunner, sizes: tuple[int, ...] = DRAFT_PREFILL_TOKENS,
+                         passes: int = ROUND_PASSES) -> dict:
+    """One prefill of each of `sizes` tokens into an empty cache, with the last row's logits: the fastest of
+    `passes`, milliseconds (`prefill_tokens`, `prefill_ms`)."""
+    gen = torch.Generator().manual_seed(2)
+    best: dict[int, float] = {}
+    for _ in range(max(1, passes)):
+        for n in sizes:
+            tokens = torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            runner.logits(runner.prefill(runner.new_cache(), tokens))
+            best[n] = min(best.get(n, float("inf")), (time.perf_counter() - t0) * 1000.0)
+    return {"prefill_tokens": list(sizes), "prefill_ms": [round(best[n], 3) for n in sizes]}
+
+
 def cached_draft_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_s: float,
                       sizes: tuple[int, ...] = STARTUP_PROBE_SIZES, refresh: bool = False) -> dict:
     """A STANDALONE draft model's step: the curve of `measure_verify_cost` on the draft runner (one forward of N
-    query tokens after a 128-token context plus their logits, N = a catch-up or a frontier of topk nodes), cached
-    like the target's curve under its own key. The CPU engine reports it as `verify_cost.draft_cost` and the draft
+    query tokens after a 128-token context plus their logits, N = a catch-up or a frontier of topk nodes) and its
+    prefill (`measure_prefill_cost`: a request's first draft step), cached like the target's curve under its own key. The CPU engine reports it as `verify_cost.draft_cost` and the draft
     replay (`draft_replay`) hands it to the pipeline's step-cost model, so a STANDALONE round's predicted time
     includes the draft's own forwards."""
     choice = runner.weights
     key = {**probe_key(model_dir, dtype, runner.backend, sizes,
-                       choice.mode + (f"-{choice.isa}" if choice.isa else "")), "role": "draft"}
+                       choice.mode + (f"-{choice.isa}" if choice.isa else "")), "role": "draft",
+           "draft_probe_version": DRAFT_PROBE_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_root() / "probe" / f"draft-{digest}.json"
     if not refresh:
         stored = _read(path)
         if stored is not None and stored.get("key") == key:
             return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
-    curve = measure_verify_cost(runner, budget_s, sizes)
+    curve = {**measure_verify_cost(runner, budget_s, sizes), **measure_prefill_cost(runner)}
     entry = {"key": key, "curve": curve, "measured_at": round(time.time(), 3)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
