@@ -55,8 +55,8 @@ def test_the_draft_replay_predicts_and_only_the_best_is_launched(standalone_stud
     client = tracker.client()
     summary = json.loads(Path(client.download_artifacts(parent.info.run_id, "simulate/predictions.json",
                                                         str(out))).read_text())
-    # 9 STANDALONE points: steps 1-3 x topk 1 (one draft size each) and topk 2 (two each)
-    assert summary["fallback"] is None and summary["explored"].startswith("simulated 9 config(s) (every point)")
+    # 12 STANDALONE points: steps 1-3 at topk 1 (draft = steps + 1) and at topk 2 (draft steps + 1 .. 2 steps + 1)
+    assert summary["fallback"] is None and summary["explored"].startswith("simulated 12 config(s) (every point)")
     assert f"draft replay of {DRAFT}" in summary["explored"]
     replayed = json.loads(Path(client.download_artifacts(parent.info.run_id, "simulate/draft_replay.json",
                                                          str(out))).read_text())
