@@ -3,8 +3,10 @@
 
 1. The first suggestion is the enqueued baseline (as in every study). Nothing else is suggested until it has ended.
 2. When it completed: its requests (all phases: warm-up, measurement and `reference`, the rest of the warm-up split)
-   and `/server_info` are read from its MLflow run; the simulator (pipeline/simulate) is built on its answers, the
-   cost model fitted to it, and the space explored on the predictions (`simulated.explore`), printed in one line.
+   and `/server_info` are read from its MLflow run; a space with STANDALONE points has its draft model replayed over
+   the measured answers (`draft_replay`, its time on the study run as `simulate_draft_replay_s`); the simulator
+   (pipeline/simulate) is built on its answers, the cost model fitted to it, and the space explored on the
+   predictions (`simulated.explore`), printed in one line.
    If the baseline failed, or its records cannot be replayed, the rest of the study is today's search (TPE), said so.
 3. Each further suggestion is the best predicted config not yet launched, kept apart from the launched ones
    (`simulated.pick`), enqueued in the Optuna study with its prediction as a user attribute.
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.measure.summary import RequestRecord, to_records
+from pipeline.search.draft_replay import draft_tables
 from pipeline.search.pruning import baseline_run
 from pipeline.search.simulated import Explored, Predicted, explore, misses, pick, point_key, rank
 from pipeline.search.space import SearchSpace, baseline_point, resolve
@@ -212,9 +215,14 @@ class SimulateFirstPlan:
             raise ValueError("no COMPLETE baseline run in MLflow")
         records = _all_records(ctx.tracker, run.info.run_id)
         server_info = _server_info(ctx.tracker, run.info.run_id)
-        simulator = Simulator(answers_of(records), ctx.warmup, ctx.measure, arrival=study.workload.arrival,
-                              seed=study.seed, corpora=self._corpora, lag=study.search.simulate.lag_rounds)
+        answers = answers_of(records)
+        drafts, curve, draft_note = draft_tables(ctx, self.space, answers)
+        simulator = Simulator(answers, ctx.warmup, ctx.measure, arrival=study.workload.arrival,
+                              seed=study.seed, corpora=self._corpora, lag=study.search.simulate.lag_rounds,
+                              drafts=drafts)
         base = base_cost(records, server_info.get("verify_cost"), study.search_concurrency)
+        if curve is not None:
+            base = base.model_copy(update={"draft": curve})
         baseline_config = resolve(self.space, {"algorithm": "none", **baseline_point(self.space)}, study).config
         launched = [(baseline_config, records)]
         self._cache.update(simulator=simulator, base=base, launched=launched)
@@ -225,7 +233,7 @@ class SimulateFirstPlan:
         explored = explore(self.space, study, self._predict, points=settings.points, seconds=settings.seconds)
         self._cache["explored"] = explored
         self._cache["ranked"] = rank(explored.predicted, study)
-        self.explored_note = _explored_line(explored, self._cache["cost"])
+        self.explored_note = _explored_line(explored, self._cache["cost"]) + draft_note
         print(f"[simulate-first] {self.explored_note}", flush=True)
 
     def _at_levels(self, launch: Predicted) -> dict[str, float]:

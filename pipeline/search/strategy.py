@@ -1,6 +1,9 @@
-"""Which search a study runs (`search.strategy`, pipeline/config/search.py): `tpe` over launches, `simulate-first`
-where the acceptance simulator can model every config of the space, or `grid` (every point of a small space, in
-order). Pure apart from `enqueue_grid`, which tells the Optuna study."""
+"""Which search a study runs (`search.strategy`, pipeline/config/search.py): `tpe` over launches, `grid` (every point
+of a small space, in order), or `simulate-first` where the acceptance simulator can model every config of the space:
+NGRAM always (its trie is replayed), STANDALONE where the engine can replay its draft model on the baseline's tokens
+(the CPU engine). Never EAGLE/EAGLE3 (a draft head reads the target's hidden states, which only a launch computes)
+nor temperature > 0 (sampled tokens differ from the baseline's). Pure apart from `enqueue_grid`, which tells the
+Optuna study."""
 
 from __future__ import annotations
 
@@ -10,12 +13,14 @@ from typing import Any
 from pipeline.config import StudyConfig
 from pipeline.search.space import SearchSpace, grid_points
 from pipeline.simulate.predict import PREDICTABLE_METRICS
-from serve.engines import algorithms_of
+from serve.engines import algorithms_of, replays_drafts
 
 __all__ = ["SIMULATED_ALGORITHMS", "Strategy", "enqueue_grid", "resolve_strategy"]
 
 # draft-free algorithms the simulator replays (NGRAM with SGLang 0.5.23's trie, schedule and external corpus)
 SIMULATED_ALGORITHMS = frozenset({"none", "ngram"})
+# draft-model algorithms it replays where the engine kind can run its draft model over recorded tokens
+DRAFT_REPLAYED_ALGORITHMS = frozenset({"standalone"})
 
 
 @dataclass(frozen=True)
@@ -33,11 +38,16 @@ class Strategy:
 
 
 def _unsimulable(study: StudyConfig, space: SearchSpace) -> str | None:
-    others = sorted(set(space.algorithms) - SIMULATED_ALGORITHMS)
+    replayed = DRAFT_REPLAYED_ALGORITHMS if replays_drafts(study.engine.kind) else frozenset()
+    others = sorted(set(space.algorithms) - SIMULATED_ALGORITHMS - replayed)
+    heads = [a for a in others if a in ("eagle", "eagle3")]
+    if heads:
+        return (f"the space has {heads}: an EAGLE head drafts from the target's hidden states, which only a launch "
+                "of the target computes")
     if others:
-        return (f"the space has {others}: the simulator models draft-free NGRAM only (a draft model's proposals "
-                "need the draft model)")
-    if "ngram" not in algorithms_of(study.engine.kind):
+        return (f"the space has {others}: on engine {study.engine.kind} the simulator models NGRAM only (a draft "
+                "model's trees are replayed on the CPU engine)")
+    if "ngram" in space.algorithms and "ngram" not in algorithms_of(study.engine.kind):
         return f"engine {study.engine.kind} has no SGLang NGRAM (its n-gram types are its own algorithms)"
     if study.workload.temperature > 0:
         return (f"workload.temperature={study.workload.temperature}: sampled outputs differ from the baseline's, "
@@ -65,7 +75,7 @@ def resolve_strategy(study: StudyConfig, space: SearchSpace) -> Strategy:
     settings = study.search.simulate
     launches = min(settings.launches + 1, study.budget.max_trials)
     return Strategy("simulate-first", (
-        f"{'search.strategy is simulate-first' if wanted == 'simulate-first' else 'auto: the space is NGRAM-only'}"
+        f"{'search.strategy is simulate-first' if wanted == 'simulate-first' else 'auto: every config is simulable'}"
         f", greedy: the baseline is launched and answers the warm-up split, the simulator predicts every config "
         f"(up to {settings.points} points, {settings.seconds:g} s), then {launches - 1} predicted config(s) are "
         f"launched ({launches} of budget.max_trials={study.budget.max_trials} with the baseline; more, by "

@@ -20,6 +20,8 @@ tokens each (w = num_draft_tokens, 1 for plain decoding) in one forward. Its tim
   (the baseline) fixes the scale: with a measured shape, k = 1 and o absorbs the rest; with the prior, o = 0 and k is
   the baseline's step. Two launches whose rounds differ in shape (the baseline and any NGRAM config) fit both, by
   non-negative least squares on relative errors; every further launch refines them.
+- a STANDALONE round also runs the draft model (`Round.drafts`: the rows of each draft forward); with a measured
+  shape, `draft` (the draft's measured curve, pipeline.simulate.drafts) adds its milliseconds to the shape.
 - `prefill(n) = p0 + p1 * n` from the launches' TTFTs (the prefill plus the request's way in and its first chunk's
   way out; the same for every config, so every launch refits it on all of them); `gap_s`: what a closed-loop client
   spends between a reply and its next request, from the baseline's window and e2e times.
@@ -36,6 +38,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from pipeline.simulate.drafts import DraftCurve
 from pipeline.simulate.replay import Round
 from serve.spec import FrozenModel
 
@@ -124,6 +127,7 @@ class CostModel(FrozenModel):
     p1_ms: float = Field(0.0, ge=0)
     gap_s: float = Field(0.0, ge=0)
     launches: int = 0
+    draft: DraftCurve | None = None  # a STANDALONE draft model's forward by rows (ms), with a measured shape
 
     def shape_of(self, r: Round) -> float:
         """The round's verify shape (0 without a verify step)."""
@@ -131,7 +135,8 @@ class CostModel(FrozenModel):
             return 0.0
         if self.table is not None:
             context = sum(r.contexts) / r.batch
-            return self.table.verify_ms(r.batch, r.width, r.batch + sum(r.trees), context)
+            drafted = sum(self.draft.forward_ms(rows) for rows in r.drafts) if self.draft is not None else 0.0
+            return self.table.verify_ms(r.batch, r.width, r.batch + sum(r.trees), context) + drafted
         return 1.0 + self.alpha * (r.batch * r.width - 1)
 
     def prefill_ms(self, r: Round) -> float:

@@ -14,6 +14,9 @@ trie, as a trial sends them. Who joins which round is the admission's business:
   at concurrency 1 the lag changes nothing).
 - `OpenLoop(offsets_s)`: request i arrives at offsets_s[i] seconds after the phase starts; needs a round cost.
 
+A STANDALONE config (a draft model) is replayed the same way from the draft replay's tables (`drafts`,
+pipeline.simulate.drafts): its accepted drafts per round, and the draft forwards each round ran (`Round.drafts`).
+
 With a `RoundCost` (pipeline.simulate.cost) every round gets a duration and every request its start, first-token
 and finish times; without one only the rounds' order is known (enough for accept lengths in a closed loop).
 Pure: no I/O, no engine.
@@ -22,14 +25,16 @@ Pure: no I/O, no engine.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pipeline.simulate.drafts import DraftTables, StandaloneSteps
 from serve.ngram.drafttree import DraftTree
 from serve.ngram.sam import SuffixAutomaton
 from serve.ngram.schedule import DraftState, NgramDrafter
 from serve.ngram.trie import NgramCache
-from serve.spec import NgramSpec, NoSpec
+from serve.spec import NgramSpec, NoSpec, StandaloneSpec
 
 __all__ = ["Answer", "ClosedLoop", "OpenLoop", "Phase", "Replay", "RequestReplay", "Round", "Step", "accepted_drafts",
            "replay"]
@@ -121,6 +126,7 @@ class Round:
     contexts: tuple[int, ...]
     start_s: float = 0.0
     end_s: float = 0.0
+    drafts: tuple[int, ...] = ()  # STANDALONE: query rows of each draft-model forward the round ran
 
     @property
     def batch(self) -> int:
@@ -163,6 +169,7 @@ class _Live:
     emitted: int = 0  # output tokens out so far
     state: DraftState = field(default_factory=DraftState)
     client: int = 0
+    previous: int | None = None  # STANDALONE: accepted drafts of its previous verify step
 
 
 def _drafter(spec: NgramSpec | NoSpec, sams: Sequence[SuffixAutomaton]) -> NgramDrafter | None:
@@ -176,26 +183,36 @@ def _drafter(spec: NgramSpec | NoSpec, sams: Sequence[SuffixAutomaton]) -> Ngram
     return NgramDrafter(cache, spec.external_sam_budget if loaded else 0, (lambda: loaded) if loaded else None)
 
 
-def replay(spec: NgramSpec | NoSpec, phases: Sequence[Phase], *, sams: Sequence[SuffixAutomaton] = (),
-           max_running: int | None = None, cost: RoundCost | None = None) -> Replay:
+def replay(spec: NgramSpec | NoSpec | StandaloneSpec, phases: Sequence[Phase], *,
+           sams: Sequence[SuffixAutomaton] = (), max_running: int | None = None, cost: RoundCost | None = None,
+           drafts: DraftTables | None = None) -> Replay:
     """Run `phases` through the engine's schedule with `spec`'s drafting (NoSpec: plain decoding, one token a step).
-    `sams`: the external corpora the engine would have loaded (used when spec.external_sam_budget > 0)."""
+    `sams`: the external corpora the engine would have loaded (used when spec.external_sam_budget > 0); `drafts`:
+    the draft replay of a STANDALONE spec's draft model."""
     if max_running is not None and max_running < 1:
         raise ValueError(f"simulate: max_running must be >= 1 or None, got {max_running}")
-    drafter = _drafter(spec, sams)
-    width = spec.num_draft_tokens if isinstance(spec, NgramSpec) else 1
+    standalone: StandaloneSteps | None = None
+    if isinstance(spec, StandaloneSpec):
+        if drafts is None:
+            raise ValueError("simulate: a STANDALONE config needs the draft replay of its draft model")
+        standalone = StandaloneSteps(spec, drafts)
+        drafter = None
+    else:
+        drafter = _drafter(spec, sams)
+    width = spec.num_draft_tokens if isinstance(spec, (NgramSpec, StandaloneSpec)) and spec.num_draft_tokens else 1
     records: list[RequestReplay] = []
     rounds: list[Round] = []
     now = 0.0
     for phase in phases:
         if isinstance(phase.admission, OpenLoop) and cost is None:
             raise ValueError("simulate: open-loop arrivals need a round cost (arrival times are in seconds)")
-        now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now)
+        now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now, standalone)
     return Replay(tuple(records), tuple(rounds))
 
 
 def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_running: int | None,
-               cost: RoundCost | None, records: list[RequestReplay], rounds: list[Round], start: float) -> float:
+               cost: RoundCost | None, records: list[RequestReplay], rounds: list[Round], start: float,
+               standalone: StandaloneSteps | None = None) -> float:
     admission = phase.admission
     # open loop: requests whose arrival fell past the window are never sent (pipeline.measure.openloop)
     answers = phase.answers[:len(admission.offsets_s)] if isinstance(admission, OpenLoop) else phase.answers
@@ -245,6 +262,7 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
         prefills: list[int] = []
         trees: list[int] = []
         contexts: list[int] = []
+        forwards: list[int] = []
         stepped: list[tuple[_Live, bool]] = []
         for live in running:
             answer = live.answer
@@ -258,6 +276,11 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
             if drafter is not None:
                 tree = drafter.propose(live.state, live.tokens)
                 drafts, real = accepted_drafts(tree, answer.output_ids[live.emitted:]), tree.num_real
+            elif standalone is not None:
+                drafts, real, rows = standalone.step(phase.name, answer.prompt_ids, answer.output_ids, live.emitted,
+                                                     live.previous)
+                live.previous = drafts
+                forwards.extend(rows)
             else:
                 drafts, real = 0, 0
             kept = min(drafts + 1, remaining)
@@ -267,10 +290,10 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
             live.tokens.extend(answer.output_ids[live.emitted:live.emitted + kept])
             live.emitted += kept
             stepped.append((live, True))
-        this = Round(tuple(prefills), width, tuple(trees), tuple(contexts))
+        this = Round(tuple(prefills), width, tuple(trees), tuple(contexts), drafts=tuple(forwards))
         if cost is not None:
             end = now + cost(this)
-            this = Round(this.prefills, width, this.trees, this.contexts, now, end)
+            this = dataclasses.replace(this, start_s=now, end_s=end)
             now = end
         rounds.append(this)
         still: list[_Live] = []

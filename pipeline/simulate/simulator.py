@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.measure.summary import RequestRecord
 from pipeline.simulate.cost import CostModel, Launch, fit_cost, prefill_fit, round_table
+from pipeline.simulate.drafts import DraftTables
 from pipeline.simulate.predict import decode_rounds, predicted_metrics, timed
 from pipeline.simulate.replay import Answer, Replay, Round, replay
 from pipeline.simulate.workload import phases_for
 from serve.ngram.sam import SuffixAutomaton
-from serve.spec import NgramSpec
+from serve.spec import NgramSpec, StandaloneSpec
 
 __all__ = ["Simulator", "base_cost", "relative_error"]
 
@@ -44,10 +45,12 @@ def base_cost(baseline: Sequence[RequestRecord], verify_cost: Any, concurrency: 
 class Simulator:
     """`answers`: prompt index -> the baseline's Answer; `warmup`/`measure`: the study's LoadRequests in order;
     `arrival`: the study's workload.arrival; `corpora`: the external corpora of a config (None: no corpus); `lag`:
-    closed-loop rounds between a reply and its successor joining the engine's batch."""
+    closed-loop rounds between a reply and its successor joining the engine's batch; `drafts`: draft model -> its
+    draft replay (pipeline.search.draft_replay), for STANDALONE configs."""
 
     def __init__(self, answers: dict[int, Answer], warmup: Sequence[Any], measure: Sequence[Any], *,
-                 arrival: Any = None, seed: int = 0, corpora: Corpora | None = None, lag: int = 0) -> None:
+                 arrival: Any = None, seed: int = 0, corpora: Corpora | None = None, lag: int = 0,
+                 drafts: Mapping[str, DraftTables] | None = None) -> None:
         self.answers = answers
         self.warmup = tuple(warmup)
         self.measure = tuple(measure)
@@ -55,6 +58,7 @@ class Simulator:
         self.seed = seed
         self.corpora = corpora
         self.lag = lag
+        self.drafts = dict(drafts or {})
         self._replays: dict[str, Replay] = {}
         self._signatures: dict[str, str] = {}  # config -> its replay's signature
         # Pricing memo, valid for one cost model (`_cost`): a refit changes the cost, never a closed-loop replay, so
@@ -81,8 +85,10 @@ class Simulator:
             return self._replays[key]
         phases = phases_for(trial, self.warmup, self.measure, self.answers, arrival=self.arrival, seed=self.seed,
                             lag=self.lag)
-        result = replay(trial.spec, phases, sams=self._sams(trial), max_running=trial.max_running_requests,
-                        cost=cost.seconds if cost is not None and self.open_loop else None)
+        spec = trial.spec
+        tables = self.drafts.get(spec.draft_model or "") if isinstance(spec, StandaloneSpec) else None
+        result = replay(spec, phases, sams=self._sams(trial), max_running=trial.max_running_requests,
+                        cost=cost.seconds if cost is not None and self.open_loop else None, drafts=tables)
         if cost is None or not self.open_loop:
             self._replays[key] = result
         return result

@@ -90,6 +90,11 @@ def algorithms_of(kind: str) -> frozenset[str]:
     return engine_for(kind).algorithms
 
 
+def replays_drafts(kind: str) -> bool:
+    """Whether an engine kind's STANDALONE drafting can be replayed on recorded tokens (`Engine.replays_drafts`)."""
+    return engine_for(kind).replays_drafts
+
+
 def tokenizer_for(model: str) -> Any:
     """The tokenizer an engine loads for `model` (clients render chat templates with it: `pipeline.measure.load`): a CPU-engine
     id, .gguf or HF dir through the CPU engine's own resolution (the same files), else an HF hub id via transformers

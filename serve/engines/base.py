@@ -215,6 +215,17 @@ class Engine:
         and measures throughput without them). [] = it is batch-invariant as it is; None = it has no such mode."""
         return None
 
+    # Whether `draft_replay_argv` gives a command: the engine's STANDALONE drafting can be replayed on a baseline's
+    # recorded tokens (pipeline.search.draft_replay), so simulate-first predicts its draft-model configs.
+    replays_drafts: ClassVar[bool] = False
+
+    def draft_replay_argv(self, draft_model: str, dtype: str, weights: str, threads: int | None) -> list[str]:
+        """The command that runs this engine's STANDALONE drafting (the draft model only) over recorded tokens on
+        this machine; the caller appends `--input IN.json --output OUT.json` (serve.engines.cpu.draft_replay's
+        format). Only where `replays_drafts`."""
+        raise NotImplementedError(f"{self.label} cannot replay a draft model's trees: its STANDALONE configs are "
+                                  "launched")
+
     @staticmethod
     def server_accept_length(server_info: dict[str, Any]) -> float | None:
         """The engine's own cumulative accept length, when it reports one. Optional by contract: SGLang adds

@@ -166,7 +166,11 @@ def sglang_args(config: ReplicaConfig, host: str, port: int, available: Iterable
     version = installed_version(str(cpu_python)) if cpu_python else installed_version()
     name = f"the installed SGLang ({version or 'unknown version'})"
     cap = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-    return args + render_spec(config.spec, cap, available, name) + list(config.extra_flags)
+    spec = config.spec
+    draft = getattr(spec, "draft_model", None)
+    if draft:  # a draft of the CPU engine's store reads from the same converted folder as a target would
+        spec = spec.model_copy(update={"draft_model": cpu_launch.model_folder(draft)})
+    return args + render_spec(spec, cap, available, name) + list(config.extra_flags)
 
 
 def sglang_argv(config: ReplicaConfig, host: str, port: int, available: Iterable[str] | None = None,

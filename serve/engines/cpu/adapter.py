@@ -27,6 +27,14 @@ class CpuEngine(Engine):
             argv += ["--threads", str(config.threads)]
         return argv + render_spec(config.spec, config.max_running_requests) + list(config.extra_flags)
 
+    replays_drafts = True
+
+    def draft_replay_argv(self, draft_model: str, dtype: str, weights: str, threads: int | None) -> list[str]:
+        # the engine's own forward, weights mode and thread count: the draft's trees are the engine's
+        argv = python_module_argv("serve.engines.cpu.draft_replay") + [
+            "--draft", draft_model, "--dtype", dtype, "--weights", weights]
+        return argv + (["--threads", str(threads)] if threads is not None else [])
+
     def start_env(self, config: ReplicaConfig) -> dict[str, str]:
         """The base environment, less the replica's `OMP_NUM_THREADS` when `threads` is unset: Ray sets it to 1 in an
         actor with a fractional CPU (this replica's 0.1), and passed on it would pin the engine to one thread where

@@ -17,7 +17,7 @@ from serve.engines.cpu.decode import Decoder, Speculator
 from serve.engines.cpu.models import resolve_model
 from serve.ngram.trie import NgramCache
 from serve.engines.cpu.params import RequestFactory
-from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, cached_verify_cost
+from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, cached_draft_cost, cached_verify_cost
 from serve.engines.cpu.runner import ModelRunner
 from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
@@ -169,6 +169,12 @@ def build_engine(config: EngineConfig) -> Engine:
         verify_cost = cached_verify_cost(runner, model_dir, config.dtype, config.verify_probe_seconds,
                                          STARTUP_PROBE_SIZES, refresh=config.verify_probe_refresh)
         timings["verify_cost_probe"] = time.monotonic() - t0
+        if draft_runner is not None and draft_dir is not None:
+            t0 = time.monotonic()
+            verify_cost["draft_cost"] = cached_draft_cost(draft_runner, draft_dir, config.dtype,
+                                                          config.verify_probe_seconds, STARTUP_PROBE_SIZES,
+                                                          refresh=config.verify_probe_refresh)
+            timings["draft_cost_probe"] = time.monotonic() - t0
     # SGLang loads a start-up corpus inside its scheduler's start and reports no time of its own for it, so neither
     # does this engine: a trial times the corpus it loads through `POST /add_external_corpus` (serve/replica/deployment.py).
     speculator = make_speculator(config, draft_runner, tokenizer)

@@ -36,9 +36,9 @@ from serve.replica.usage import Usage, read_usage
 
 log = logging.getLogger("serve.engines.cpu")
 
-__all__ = ["measure_verify_cost", "measure_round_cost", "cached_verify_cost", "disturbance_problem",
-           "probe_disturbance", "probe_key", "shape_problem", "table_problem", "PROBE_SIZES", "STARTUP_PROBE_SIZES",
-           "ROUND_BATCHES"]
+__all__ = ["measure_verify_cost", "measure_round_cost", "measure_prefill_cost", "cached_verify_cost",
+           "cached_draft_cost", "disturbance_problem", "probe_disturbance", "probe_key", "shape_problem",
+           "table_problem", "PROBE_SIZES", "STARTUP_PROBE_SIZES", "ROUND_BATCHES"]
 
 PROBE_SIZES = tuple(range(1, 17))
 # At engine start-up: the curve's shape at a third of the cost (~2 s instead of ~4.5 s for a 135M model on 2 cores).
@@ -57,6 +57,10 @@ PROBE_WAIT_LIMIT = 0.15  # the share of the probe's runnable time spent waiting 
 PROBE_STEAL_LIMIT = 0.05
 MONOTONE_SLACK = 0.85  # a cell below this share of a narrower or smaller one (and by more than MONOTONE_SLACK_MS)
 MONOTONE_SLACK_MS = 1.0  # is not the noise of a quiet machine
+# A STANDALONE draft's first step prefills the request's prompt (plus its first token): the draft's cost curve also
+# times prefills of these lengths (`measure_prefill_cost`). Bump DRAFT_PROBE_VERSION when the draft's curve changes.
+DRAFT_PREFILL_TOKENS = (64, 256)
+DRAFT_PROBE_VERSION = 2
 
 
 def measure_verify_cost(runner: ModelRunner, budget_s: float, sizes: tuple[int, ...] = PROBE_SIZES,
@@ -314,6 +318,47 @@ def shape_problem(curve: dict) -> str | None:
                 return (f"not monotone: {batches[i]} requests x width {widths[j]} measured {cell:.1f} ms, below "
                         f"a smaller batch's {smaller:.1f} ms")
     return None
+
+
+def measure_prefill_cost(runner: ModelRunner, sizes: tuple[int, ...] = DRAFT_PREFILL_TOKENS,
+                         passes: int = ROUND_PASSES) -> dict:
+    """One prefill of each of `sizes` tokens into an empty cache, with the last row's logits: the fastest of
+    `passes`, milliseconds (`prefill_tokens`, `prefill_ms`)."""
+    gen = torch.Generator().manual_seed(2)
+    best: dict[int, float] = {}
+    for _ in range(max(1, passes)):
+        for n in sizes:
+            tokens = torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            runner.logits(runner.prefill(runner.new_cache(), tokens))
+            best[n] = min(best.get(n, float("inf")), (time.perf_counter() - t0) * 1000.0)
+    return {"prefill_tokens": list(sizes), "prefill_ms": [round(best[n], 3) for n in sizes]}
+
+
+def cached_draft_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_s: float,
+                      sizes: tuple[int, ...] = STARTUP_PROBE_SIZES, refresh: bool = False) -> dict:
+    """A STANDALONE draft model's step: the curve of `measure_verify_cost` on the draft runner (one forward of N
+    query tokens after a 128-token context plus their logits, N = a catch-up or a frontier of topk nodes) and its
+    prefill (`measure_prefill_cost`: a request's first draft step), cached like the target's curve under its own key. The CPU engine reports it as `verify_cost.draft_cost` and the draft
+    replay (`draft_replay`) hands it to the pipeline's step-cost model, so a STANDALONE round's predicted time
+    includes the draft's own forwards."""
+    choice = runner.weights
+    key = {**probe_key(model_dir, dtype, runner.backend, sizes,
+                       choice.mode + (f"-{choice.isa}" if choice.isa else "")), "role": "draft",
+           "draft_probe_version": DRAFT_PROBE_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_root() / "probe" / f"draft-{digest}.json"
+    if not refresh:
+        stored = _read(path)
+        if stored is not None and stored.get("key") == key:
+            return {**stored["curve"], "source": "cache", "measured_at": stored["measured_at"]}
+    curve = {**measure_verify_cost(runner, budget_s, sizes), **measure_prefill_cost(runner)}
+    entry = {"key": key, "curve": curve, "measured_at": round(time.time(), 3)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entry, indent=1) + "\n")
+    os.replace(tmp, path)
+    return {**curve, "source": "measured", "measured_at": entry["measured_at"]}
 
 
 def _read(path: Path) -> dict | None:

@@ -12,15 +12,16 @@
   - each request keeps a `MatchState` between its steps (its anchors are advanced, not recomputed).
   - with external corpora (`corpus.ExternalCorpora`) and `external_sam_budget` > 0, the corpora draft beside the trie
     within that budget (`corpus.draft_with_corpora`).
-- `StandaloneSpeculator`: SGLang STANDALONE. A smaller model with the same tokenizer drafts an EAGLE-style tree:
-  step 1 takes the top-k tokens after the root; each later step forwards the k best frontier nodes in one tree forward
-  and offers their top-k children; every offered node is a candidate with its cumulative draft log-prob, and the best
-  `num_draft_tokens - 1` candidates form the tree (SGLang `organize_draft_results`). topk=1 is a chain of num_steps.
+- `StandaloneSpeculator`: SGLang STANDALONE. A smaller model with the same tokenizer drafts an EAGLE-style tree
+  (`serve.draft.tree`, the construction the pipeline's draft replay shares): step 1 takes the top-k tokens after the
+  root; each later step forwards the k best frontier nodes in one tree forward and offers their top-k children; the
+  best `num_draft_tokens - 1` candidates by cumulative draft log-prob form the tree. topk=1 is a chain of num_steps.
   The draft model keeps its own KV cache per request, pruned to the accepted path after verification.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +30,27 @@ from serve.ngram.corpus import ExternalCorpora
 from serve.engines.cpu.decode import Request
 from serve.ngram.trie import DraftTree, NgramCache
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
+from serve.draft.tree import Expansion, TreeBuild
 from serve.ngram.schedule import DraftState, NgramDrafter
 
-__all__ = ["NgramSpeculator", "StandaloneSpeculator"]
+__all__ = ["NgramSpeculator", "StandaloneSpeculator", "log_probs", "top_expansions", "top_of"]
+
+
+def top_expansions(runner: ModelRunner, hidden: torch.Tensor, k: int) -> list[Expansion]:
+    """Each row's top-k (token, log-prob), best first, from hidden states [n, d]: what a STANDALONE step offers.
+    The draft replay (`draft_replay`) uses the same two steps, so both rank a row's tokens with the same float ops."""
+    return top_of(log_probs(runner, hidden), k)
+
+
+def log_probs(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """The draft's next-token log-probs [n, V] after hidden states [n, d]."""
+    return torch.log_softmax(runner.logits(hidden), dim=-1)
+
+
+def top_of(logp: torch.Tensor, k: int) -> list[Expansion]:
+    """Each row's k best (token, log-prob) of log-probs [n, V], best first."""
+    top = torch.topk(logp, k, dim=-1)
+    return [list(zip(tokens, values)) for tokens, values in zip(top.indices.tolist(), top.values.tolist())]
 
 
 class NgramSpeculator:
@@ -93,43 +112,22 @@ class StandaloneSpeculator:
         req.draft_state = None
 
     def propose(self, req: Request) -> DraftTree:
-        runner, k = self.runner, self.topk
+        runner = self.runner
         state: _DraftState = req.draft_state or _DraftState(cache=runner.new_cache())
         req.draft_state = state
         hidden = self._catch_up(state, req.tokens)
         base = state.base = state.cached
-        root_pos = base - 1
-        # candidates: (token, parent candidate or -1, cumulative log-prob, depth); index order is topological.
-        cand_tokens: list[int] = []
-        cand_parent: list[int] = []
-        cand_score: list[float] = []
-        cand_depth: list[int] = []
+        build = TreeBuild(self.topk)
         column_of: dict[int, int] = {}  # candidate -> draft cache column, for forwarded candidates
-        frontier = [-1]
-        frontier_hidden = hidden
-        for depth in range(1, self.num_steps + 1):
-            logp = torch.log_softmax(runner.logits(frontier_hidden), dim=-1)
-            top = torch.topk(logp, k, dim=-1)
-            offered = []
-            for row, parent in enumerate(frontier):
-                parent_score = cand_score[parent] if parent >= 0 else 0.0
-                for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
-                    offered.append(len(cand_tokens))
-                    cand_tokens.append(tok)
-                    cand_parent.append(parent)
-                    cand_score.append(parent_score + lp)
-                    cand_depth.append(depth)
-            if depth == self.num_steps:
-                break
-            frontier = sorted(offered, key=lambda c: (-cand_score[c], c))[:k]
-            frontier.sort()
-            frontier_hidden = self._forward_frontier(state, frontier, cand_tokens, cand_parent, cand_depth,
-                                                     column_of, root_pos)
-        keep = sorted(sorted(range(len(cand_tokens)), key=lambda c: (-cand_score[c], c))[: self.num_draft_tokens - 1])
+        build.offer(top_expansions(runner, hidden, self.topk))
+        for _ in range(1, self.num_steps):
+            frontier = build.advance()
+            frontier_hidden = self._forward_frontier(state, frontier, build, column_of, base - 1)
+            build.offer(top_expansions(runner, frontier_hidden, self.topk))
+        tree, keep = build.prune(self.num_draft_tokens)
         position = {c: i for i, c in enumerate(keep)}
-        parents = tuple(position[cand_parent[c]] if cand_parent[c] >= 0 else -1 for c in keep)
         state.columns = {position[c]: col for c, col in column_of.items() if c in position}
-        return DraftTree(tokens=tuple(cand_tokens[c] for c in keep), parents=parents, num_real=len(keep))
+        return tree
 
     def observe(self, req: Request, accepted: list[int]) -> None:
         """Keep the committed prefix plus the accepted nodes the draft already forwarded (a leading run of the path)."""
@@ -156,22 +154,25 @@ class StandaloneSpeculator:
         state.cached = len(tokens)
         return hidden
 
-    def _forward_frontier(self, state, frontier, cand_tokens, cand_parent, cand_depth, column_of, root_pos):
+    def _forward_frontier(self, state: _DraftState, frontier: Sequence[int], build: TreeBuild,
+                          column_of: dict[int, int], root_pos: int) -> torch.Tensor:
+        """The frontier nodes in one forward: each sees the committed prefix, its forwarded ancestors and itself."""
         cache_len = self.runner.cache_len(state.cache)
         n = len(frontier)
         visible = torch.zeros(n, cache_len + n, dtype=torch.bool)
         visible[:, : state.base] = True
         key_positions = torch.arange(cache_len)
         for col_cand, col in column_of.items():
-            key_positions[col] = root_pos + cand_depth[col_cand]
+            key_positions[col] = root_pos + build.depths[col_cand]
         for row, cand in enumerate(frontier):
             visible[row, cache_len + row] = True
-            ancestor = cand_parent[cand]
+            ancestor = build.parents[cand]
             while ancestor >= 0:
                 visible[row, column_of[ancestor]] = True  # every ancestor of a frontier node was forwarded
-                ancestor = cand_parent[ancestor]
-        positions = [root_pos + cand_depth[c] for c in frontier]
-        hidden = self.runner.forward(state.cache, [cand_tokens[c] for c in frontier], positions, visible, key_positions)
+                ancestor = build.parents[ancestor]
+        positions = [root_pos + build.depths[c] for c in frontier]
+        hidden = self.runner.forward(state.cache, [build.tokens[c] for c in frontier], positions, visible,
+                                     key_positions)
         for row, cand in enumerate(frontier):
             column_of[cand] = cache_len + row
         return hidden
