@@ -18,6 +18,7 @@ Each --runs times, alternating; prints medians and ranges. The draft replay's an
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import threading
@@ -60,7 +61,7 @@ def measure_phase(study, prompts: list[list[int]], max_new_tokens: list[int]) ->
     def send(i: int) -> None:
         request = Request(rid=str(i), prompt_ids=list(prompts[i]), sampling=Sampling(temperature=0.0),
                           rules=StopRules(max_new_tokens=max_new_tokens[i], eos_ids=eos), seed=0)
-        scheduler.submit(request, lambda req, error, i=i: finished(i, req, error))
+        scheduler.submit(request, functools.partial(finished, i))
 
     def finished(i: int, req, error) -> None:
         if error is not None or req.finished:

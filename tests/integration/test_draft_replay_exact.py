@@ -42,6 +42,7 @@ def runner(smol):
 
 def first_layers(runner: ModelRunner, layers: int) -> ModelRunner:
     """A draft made of the model's first `layers` layers, its final norm and its head (the same weights)."""
+    assert runner.fast is not None, "the draft is cut from the fast forward's layers"
     fast = copy.copy(runner.fast)
     fast.layers = fast.layers[:layers]
     fast.shape = dataclasses.replace(fast.shape, num_layers=layers)

@@ -30,7 +30,7 @@ from serve.engines.cpu.runner import ModelRunner
 from serve.spec import NoSpec, StandaloneSpec
 from tests.sglang_servers import needs_sglang_cpu, owned_engine
 
-pytestmark = [pytest.mark.integration, needs_sglang_cpu]
+pytestmark = [pytest.mark.integration, pytest.mark.engines, needs_sglang_cpu]
 
 MODEL = "smollm2-135m"
 SPEC = StandaloneSpec(draft_model=MODEL, num_steps=3, topk=2, num_draft_tokens=5)
@@ -49,7 +49,7 @@ def draft_backend_tables(python: Path) -> str:
         if isinstance(node, ast.FunctionDef) and node.name in ("create_decode_backend", "create_draft_extend_backend"):
             for item in ast.walk(node):
                 if isinstance(item, ast.Dict) and item.keys:
-                    keys = [k.value for k in item.keys if isinstance(k, ast.Constant)]
+                    keys = [str(k.value) for k in item.keys if isinstance(k, ast.Constant)]
                     lines.append(f"{path}:{item.lineno}-{item.end_lineno} ({node.name}: {', '.join(keys)})")
     return "; ".join(lines)
 
