@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 # small and fast: two measured prompts of 8 tokens, no re-runs, every trial a launch
 QUICK = ["--trials", "2", "--set", "workload.warmup_prompts=1", "--set", "workload.measure_prompts=2",
          "--set", "workload.max_new_tokens=8", "--set", "promotion.finalists=0", "--set", "search.strategy=tpe",
-         "--set", "engine.threads=1"]
+         "--set", "engine.threads=1",
+         "--set", "workload.remeasure=0"]
 
 
 def clean_env(home: Path) -> dict[str, str]:

@@ -29,7 +29,7 @@ def study_of(tmp_path: Path, name: str, trials: int):
     return load_study(None, {
         "name": name, "output_dir": str(tmp_path), "search_space": str(space), "seed": 0,
         "search.strategy": "tpe", "budget.max_trials": trials, "promotion.finalists": 0,
-        "workload.warmup_prompts": 1, "workload.measure_prompts": 2, "workload.max_new_tokens": 8,
+        "workload.warmup_prompts": 1, "workload.measure_prompts": 2, "workload.max_new_tokens": 8, "workload.remeasure": 0,
         "engine.start_timeout_s": 60, "engine.threads": TEST_THREADS,
         "engine.env": {"SPECDEC_TEST_FAULT_STATE": str(tmp_path / "fault-state")},
         "engine.extra_flags": ["--verify-probe-seconds", "0", "--test-fault", "hang-at-start=1@baseline"]})

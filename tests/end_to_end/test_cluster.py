@@ -73,7 +73,7 @@ def test_trial_and_replica_run_on_different_nodes_and_the_study_decides(tmp_path
     # the host's cores whatever Ray accounts.
     study_file.write_text(
         f"name: cluster\nsearch_space: {space}\nray: {{address: '{address}'}}\nbudget: {{max_trials: 2}}\n"
-        "workload: {warmup_prompts: 2, measure_prompts: 2, max_new_tokens: 12}\n"
+        "workload: {warmup_prompts: 2, measure_prompts: 2, max_new_tokens: 12, remeasure: 0}\n"
         f"engine: {{start_timeout_s: 300, replica_cpus: 0, replica_resources: {{{ENGINE_RESOURCE}: 1}}}}\n"
         # Placement is what this test checks: the search's trials show it; the promotion's re-runs (6 more fresh
         # replicas on the same path) would add minutes and no assertion.

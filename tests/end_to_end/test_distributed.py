@@ -88,7 +88,7 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     # makes the margin large anyway.
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
               f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
-              "workload: {warmup_prompts: 2, measure_prompts: 4, max_new_tokens: 12}\n"
+              "workload: {warmup_prompts: 2, measure_prompts: 4, max_new_tokens: 12, remeasure: 0}\n"
               "search: {strategy: tpe}\n"  # a search over launches resumed across drivers
               "engine: {start_timeout_s: 300, extra_flags: ['--test-fault', 'slow-steps=4@baseline']}\n")
     # The first driver only searches (finalists 0: no re-runs); the promotion policy may change on resume

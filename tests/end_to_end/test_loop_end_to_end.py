@@ -68,7 +68,8 @@ def study_file(folder: Path, uri: str, name: str, flags: list[str], finalists: i
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps({
         "name": name, "search_space": str(folder / "space.yaml"), "seed": 0, "output_dir": str(folder / name),
-        "workload": {"source": "templated", "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 16},
+        "workload": {"source": "templated", "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 16,
+                     "remeasure": 0},
         "budget": {"max_trials": 2, "early_stopping": False}, "search": {"strategy": "tpe"},
         "promotion": {"finalists": finalists},
         "engine": {"threads": 1, "start_timeout_s": 300, "extra_flags": FAST + flags},

@@ -49,7 +49,8 @@ def test_retune_on_a_capture_registers_a_candidate_and_leaves_production(tmp_pat
         tracking_uri=uri, registered_model=NAME, capture=str(tmp_path / "parts"), output=str(tmp_path / "retune"),
         trials=2, measure_prompts=2, warmup_prompts=2, seed=0,
         overrides={"search_space": str(space), "promotion.finalists": 0, "engine.start_timeout_s": 300,
-                   "budget.early_stopping": False})
+                   "budget.early_stopping": False,
+                   "workload.remeasure": 0})
     result = retune(options)
     # a loop that died after the study finished resumes to the same result, registering nothing again
     assert retune(options.model_copy(update={"resume": True})) == result

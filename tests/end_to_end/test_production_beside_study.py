@@ -62,7 +62,7 @@ def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(tmp_path):
         space.write_text("algorithms: [none, ngram]\nbranches:\n  ngram:\n    num_draft_tokens: {type: fixed, value: 4}\n")
         study = tmp_path / "study.yaml"
         study.write_text(f"name: beside\nsearch_space: {space}\nbudget: {{max_trials: 1}}\n"
-                         "workload: {warmup_prompts: 1, measure_prompts: 2, max_new_tokens: 4}\n"
+                         "workload: {warmup_prompts: 1, measure_prompts: 2, max_new_tokens: 4, remeasure: 0}\n"
                          "engine: {threads: 1, start_timeout_s: 300}\npromotion: {finalists: 0}\n")
         done = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study", str(study), "--output",
                                str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,

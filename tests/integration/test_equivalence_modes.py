@@ -35,7 +35,8 @@ LOSSLESS = NgramSpec(num_draft_tokens=4, max_bfs_breadth=1)
 STUDY = {"name": NAME, "model": {"target": SMOL}, "concurrency": [4], "budget": {"early_stopping": False},
          "engine": {"threads": TEST_THREADS, "start_timeout_s": 300,
                     "extra_flags": ["--verify-probe-seconds", "0", "--test-fault", NOISE]},
-         "workload": {"source": "free-text", "warmup_prompts": 1, "measure_prompts": 12, "max_new_tokens": 10},
+         "workload": {"source": "free-text", "warmup_prompts": 1, "measure_prompts": 12, "max_new_tokens": 10,
+                      "remeasure": 0},
          "promotion": {"equivalence": "baseline-noise", "equivalence_alpha": 0.001}}
 
 

@@ -17,13 +17,12 @@ import pytest
 
 from pipeline.config import load_study
 from pipeline.search.draft_replay import run_draft_replay
-from pipeline.search.simulated import misses
 from pipeline.search.space import BASELINE_ATTR, load_space, resolve
 from pipeline.simulate.predict import PREDICTION_ATTR
 from pipeline.simulate.simulator import Simulator
 from pipeline.simulate.workload import answers_of
 from pipeline.study.driver import run_study, workload_requests
-from tests.integration.test_simulate_study import requests_of_run, runs_of
+from tests.integration.test_simulate_study import JUDGED, requests_of_run, runs_of, widening_of
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +40,7 @@ def standalone_study(tmp_path_factory):
     study = load_study(None, {"name": "it-simulate-standalone", "output_dir": str(out), "search_space": str(space),
                               "seed": 0, "model.drafts": {"standalone": DRAFT}, "workload.warmup_prompts": 3,
                               "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
-                              "promotion.finalists": 0, "engine.start_timeout_s": 300})
+                              "promotion.finalists": 0, "engine.start_timeout_s": 300, **JUDGED})
     assert study.search.strategy == "auto"
     code = run_study(study, load_space(space))
     return study, load_space(space), out, code
@@ -67,9 +66,8 @@ def test_the_draft_replay_predicts_and_only_the_best_is_launched(standalone_stud
     trials = optuna.load_study(study_name=study.name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
     assert len(trials) == 2 + summary["widened"] <= study.budget.max_trials
     assert trials[0].user_attrs.get(BASELINE_ATTR) and PREDICTION_ATTR not in trials[0].user_attrs
-    errors = [row.get("error") for row in summary["launches"]]
-    missed_after = [misses(errors[:k], study.search.simulate.error_threshold)[1] for k in range(1, len(errors) + 1)]
-    assert summary["widened"] == min(sum(missed_after), study.budget.max_trials - 2)
+    assert summary["widened"] == min(widening_of(summary, study.search.simulate.error_threshold),
+                                     study.budget.max_trials - 2)
     launched = [r for r in runs if r.data.tags.get("specdec.kind") == "trial"
                 and r.data.params["spec.algorithm"] == "standalone"]
     assert len(launched) == len(trials) - 1

@@ -47,10 +47,33 @@ def simulated_study(tmp_path_factory):
     study = load_study(None, {"name": "it-simulate", "output_dir": str(out), "search_space": str(space), "seed": 0,
                               "workload.warmup_prompts": 3, "workload.measure_prompts": 2,
                               "workload.max_new_tokens": 12, "promotion.finalists": 0,
-                              "engine.start_timeout_s": 300})
+                              "engine.start_timeout_s": 300, **JUDGED})
     assert study.budget.max_trials == 8 and study.search.strategy == "auto"  # today's defaults
     code = run_study(study, load_space(space))
     return study, load_space(space), out, code
+
+
+# The judge is what these studies test: a window counts as disturbed only when the engine waited for a core nearly
+# all the time (two test workers share 2 cores, so at 15% most windows would be, and a disturbed launch neither
+# judges nor refits: tests/unit/test_simulate_plan.py), and is recorded as it is.
+JUDGED = {"workload.wait_limit": 0.95, "workload.remeasure": 0}
+
+
+def widening_of(summary: dict, threshold: float) -> int:
+    """The launches simulate-first adds: one after each judged launch (measured, not disturbed) that leaves the
+    median error of the launches judged so far, beyond their own noise, above the threshold."""
+    judged: list[dict] = []
+    count = 0
+    for row in summary["launches"]:
+        if row.get("error") is None or row.get("disturbed"):
+            continue
+        judged.append(row)
+        count += misses([r["error"] for r in judged], threshold, [r.get("noise") for r in judged])[1]
+    return count
+
+
+def judged_median(summary: dict) -> float | None:
+    return misses([r.get("error") for r in summary["launches"] if not r.get("disturbed")], 1.0)[0]
 
 
 def runs_of(study, out: Path):
@@ -79,10 +102,8 @@ def test_only_the_predicted_best_is_launched_and_its_prediction_is_logged(simula
     assert trials[0].user_attrs.get(BASELINE_ATTR) and PREDICTION_ATTR not in trials[0].user_attrs
     # one launch more after each launch that left the running median error above the threshold, while there is room
     # (a later launch may bring the median back under it: `missed` is the end state, not the history)
-    errors = [row.get("error") for row in summary["launches"]]
     threshold = study.search.simulate.error_threshold
-    missed_after = [misses(errors[:k], threshold)[1] for k in range(1, len(errors) + 1)]
-    assert summary["widened"] == min(sum(missed_after), study.budget.max_trials - 2)
+    assert summary["widened"] == min(widening_of(summary, threshold), study.budget.max_trials - 2)
     launched = [r for r in runs if r.data.tags.get("specdec.kind") == "trial" and r.data.params["spec.algorithm"]
                 == "ngram"]
     assert len(launched) == len(trials) - 1
@@ -92,7 +113,9 @@ def test_only_the_predicted_best_is_launched_and_its_prediction_is_logged(simula
     assert metrics["predicted_tput_tok_s"] > 0 and "prediction_error" in metrics
     assert metrics["prediction_error"] == pytest.approx(
         abs(metrics["predicted_tput_tok_s"] - metrics["tput_tok_s"]) / metrics["tput_tok_s"])
-    assert summary["median_error"] == pytest.approx(metrics["prediction_error"]) or len(launched) > 1
+    assert summary["median_error"] == pytest.approx(judged_median(summary))
+    assert summary["median_error"] == pytest.approx(metrics["prediction_error"]) or len(launched) > 1 or (
+        summary["launches"][0].get("disturbed"))
     assert parent.data.metrics["simulate_median_error"] == pytest.approx(summary["median_error"])
     # the best predicted point is what ran first
     assert trials[1].user_attrs[PREDICTION_ATTR]["tput_tok_s"] == pytest.approx(metrics["predicted_tput_tok_s"])
