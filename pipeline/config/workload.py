@@ -67,6 +67,8 @@ class WorkloadSettings(FrozenModel):
                            "flush and the same warm-up; 0 = record it as it is, flagged")
     wait_limit: float = Field(0.15, gt=0, lt=1, description="a window is disturbed when the engine's threads waited "
                               "for a core more than this share of their runnable time")
+    steal_limit: float = Field(0.05, gt=0, lt=1, description="a window is disturbed when the hypervisor took more than "
+                               "this share of the node's CPU time (steal); raise it on a VM whose steal never drops")
 
     @field_validator("max_new_tokens")
     @classmethod

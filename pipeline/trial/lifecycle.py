@@ -298,7 +298,8 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
                                          arrival=study.workload.arrival, seed=study.seed)
         window = judge_window(before, usage(url), [r for r in measured if r.phase == "measure"],
-                              wait_limit=study.workload.wait_limit)
+                              wait_limit=study.workload.wait_limit,
+                              steal_limit=study.workload.steal_limit)
         out.windows.append(window)
         out.timings["measure_s"] = time.monotonic() - phase_start
         out.records = warmed + measured

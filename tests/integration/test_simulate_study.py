@@ -53,10 +53,11 @@ def simulated_study(tmp_path_factory):
     return study, load_space(space), out, code
 
 
-# The judge is what these studies test: a window counts as disturbed only when the engine waited for a core nearly
-# all the time (two test workers share 2 cores, so at 15% most windows would be, and a disturbed launch neither
-# judges nor refits: tests/unit/test_simulate_plan.py), and is recorded as it is.
-JUDGED = {"workload.wait_limit": 0.95, "workload.remeasure": 0}
+# The judge is what these studies test: a window counts as disturbed only when the engine waited for a core, or the
+# hypervisor took the CPU, nearly all the time (two test workers share 2 cores, so at the default limits most windows
+# would be, and a disturbed launch neither judges nor refits: tests/unit/test_simulate_plan.py); it is recorded as
+# it is.
+JUDGED = {"workload.wait_limit": 0.95, "workload.steal_limit": 0.95, "workload.remeasure": 0}
 
 
 def widening_of(summary: dict, threshold: float) -> int:
@@ -116,7 +117,8 @@ def test_only_the_predicted_best_is_launched_and_its_prediction_is_logged(simula
     assert summary["median_error"] == pytest.approx(judged_median(summary))
     assert summary["median_error"] == pytest.approx(metrics["prediction_error"]) or len(launched) > 1 or (
         summary["launches"][0].get("disturbed"))
-    assert parent.data.metrics["simulate_median_error"] == pytest.approx(summary["median_error"])
+    assert parent.data.metrics.get("simulate_median_error") == (
+        pytest.approx(summary["median_error"]) if summary["median_error"] is not None else None)
     # the best predicted point is what ran first
     assert trials[1].user_attrs[PREDICTION_ATTR]["tput_tok_s"] == pytest.approx(metrics["predicted_tput_tok_s"])
     # a decision on measured trials (no finalist re-measured: the baseline is kept); the report plots predicted vs
