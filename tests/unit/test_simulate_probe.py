@@ -91,3 +91,25 @@ def test_a_probe_measured_under_load_is_kept_only_until_a_quieter_one(tiny_dir, 
     monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", 1.0)  # a quiet machine: the kept table is clean now
     quiet = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
     assert quiet["source"] == "cache" and "disturbed" not in quiet
+
+
+def test_a_machine_that_stays_busy_stops_paying_a_probe_every_start(tiny_dir, monkeypatch):
+    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", -1.0)  # every measurement reads as disturbed
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    first = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
+    assert first["source"] == "measured"
+    tries = [probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
+             for _ in range(probe.PROBE_LATER_ATTEMPTS + 2)]
+    # each of the next PROBE_LATER_ATTEMPTS starts measured once more (a new time, or the old table kept as the
+    # quieter); after them the kept table is used as it is, still flagged, and no start measures it again
+    (entry_path,) = (tiny_dir.parent / "cache" / "probe").glob("*.json")
+    import json
+
+    assert json.loads(entry_path.read_text())["later_attempts"] == probe.PROBE_LATER_ATTEMPTS
+    settled = tries[probe.PROBE_LATER_ATTEMPTS:]
+    assert all(t["source"] == "cache" and "waited for a core" in t["disturbed"] for t in settled)
+    assert settled[0]["measured_at"] == settled[1]["measured_at"]
+    measured = [t for t in tries if t["source"] == "measured"]
+    assert len(measured) <= probe.PROBE_LATER_ATTEMPTS
+    # a forced refresh measures again
+    assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2), refresh=True)["source"] == "measured"
