@@ -45,6 +45,7 @@ import httpx
 
 from pipeline.measure.window import Window, judge_window
 from serve.engines import engine_for
+from serve.engines.round_table import first_dip
 from serve.replica.usage import Usage
 
 __all__ = ["Attempt", "BATCHES", "CONTEXT_TOKENS", "Call", "DECODE_TOKENS", "LONG_CONTEXT_TOKENS", "PASSES", "Plan",
@@ -58,8 +59,6 @@ BATCHES = (1, 2, 4)
 DECODE_TOKENS = 9  # generated tokens of the long call of a step pair: 8 decode steps in the difference
 PASSES = 3
 TOKENS = (1000, 8000)  # prompt token ids: ordinary ids of any real vocabulary, none special
-MONOTONE_SLACK = 0.85  # as the CPU engine's check: a cell below this share of a narrower or smaller one
-MONOTONE_SLACK_MS = 1.0  # (and by more than this) is a dip, not noise
 SGLANG, LLAMA = "generate", "completion"  # `Engine.extend_api`: the dialects
 
 
@@ -184,19 +183,7 @@ def dips(table: dict[str, Any]) -> str | None:
     """The first cell clearly below a narrower or smaller one, in words; None when there is none. Not a reason to
     measure again: on a CPU such dips reproduce (torch's fp32 GEMM on 2 or 3 rows is slower than on 4), so the table
     is read as measured (`as_measured`); what other work bends, the window check catches. Pure."""
-    ms, widths, batches = table["ms"], table["widths"], table["batches"]
-    for i, row in enumerate(ms):
-        for j in range(1, len(row)):
-            if row[j] < MONOTONE_SLACK * max(row[:j]) and max(row[:j]) - row[j] > MONOTONE_SLACK_MS:
-                return (f"not monotone: {batches[i]} request(s) x width {widths[j]} measured {row[j]:.1f} ms, below "
-                        f"a narrower width's {max(row[:j]):.1f} ms")
-    for i in range(1, len(ms)):
-        for j, cell in enumerate(ms[i]):
-            smaller = max(row[j] for row in ms[:i])
-            if cell < MONOTONE_SLACK * smaller and smaller - cell > MONOTONE_SLACK_MS:
-                return (f"not monotone: {batches[i]} requests x width {widths[j]} measured {cell:.1f} ms, below a "
-                        f"smaller batch's {smaller:.1f} ms")
-    return None
+    return first_dip(table)
 
 
 @dataclass

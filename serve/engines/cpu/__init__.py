@@ -11,7 +11,7 @@ Modules (torch is imported lazily, only by the ones that run a model):
 - `speculators`: draft sources producing `ngram.DraftTree`s (the shared n-gram trie, a standalone draft model).
 - `decode`: one request's state machine (prefill, draft+verify steps, stop rules, SGLang meta_info counters).
 - `scheduler`: the FIFO queue and the worker thread that steps the running requests together (one batched forward).
-- `config`: the command line (SGLang flag names) and the resolved engine config.
+- `command_line`: the command line (SGLang flag names) and the resolved engine config.
 - `server`, `openai_api`: the HTTP surface (`python -m serve.engines.cpu`); `streaming`: what both share (a request
   seen from the event loop, cancel on disconnect, SSE and error bodies).
 - `probe`: the verify-cost curve, measured once per model/dtype/threads/machine and cached on disk.

@@ -33,6 +33,7 @@ import torch
 from serve.engines.cpu.llama import FORWARD_VERSION
 from serve.engines.cpu.models import cache_root
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
+from serve.engines.round_table import first_dip
 from serve.replica.usage import Usage, read_usage
 
 log = logging.getLogger("serve.engines.cpu")
@@ -57,8 +58,6 @@ PROBE_ATTEMPTS = 2
 PROBE_LATER_ATTEMPTS = 3  # later engine starts that measure a disturbed cached table once more, before it is used as is
 PROBE_WAIT_LIMIT = 0.15  # the share of the probe's runnable time spent waiting for a core above which it is disturbed
 PROBE_STEAL_LIMIT = 0.05
-MONOTONE_SLACK = 0.85  # a cell below this share of a narrower or smaller one (and by more than MONOTONE_SLACK_MS)
-MONOTONE_SLACK_MS = 1.0  # is not the noise of a quiet machine
 # A STANDALONE draft's first step prefills the request's prompt (plus its first token): the draft's cost curve also
 # times prefills of these lengths (`measure_prefill_cost`). Bump DRAFT_PROBE_VERSION when the draft's curve changes.
 DRAFT_PREFILL_TOKENS = (64, 256)
@@ -318,19 +317,7 @@ def shape_problem(curve: dict) -> str | None:
     table = curve.get("round_cost")
     if not isinstance(table, dict):
         return "it has no round table"
-    ms, widths, batches = table.get("ms") or [], table.get("widths") or [], table.get("batches") or []
-    for i, row in enumerate(ms):
-        for j in range(1, len(row)):
-            if row[j] < MONOTONE_SLACK * max(row[:j]) and max(row[:j]) - row[j] > MONOTONE_SLACK_MS:
-                return (f"not monotone: {batches[i]} request(s) x width {widths[j]} measured {row[j]:.1f} ms, below "
-                        f"a narrower width's {max(row[:j]):.1f} ms")
-    for i in range(1, len(ms)):
-        for j, cell in enumerate(ms[i]):
-            smaller = max(row[j] for row in ms[:i])
-            if cell < MONOTONE_SLACK * smaller and smaller - cell > MONOTONE_SLACK_MS:
-                return (f"not monotone: {batches[i]} requests x width {widths[j]} measured {cell:.1f} ms, below "
-                        f"a smaller batch's {smaller:.1f} ms")
-    return None
+    return first_dip(table)
 
 
 def measure_prefill_cost(runner: ModelRunner, sizes: tuple[int, ...] = DRAFT_PREFILL_TOKENS,
