@@ -31,7 +31,8 @@ def context(tracker, parent: str, folder) -> TrialContext:
                         tracker=tracker, parent_run_id=parent, warmup=(), measure=())
 
 
-def log_baseline(tracker, parent: str, records: list[RequestRecord], outcome: str = "COMPLETE") -> str:
+def log_baseline(tracker, parent: str, records: list[RequestRecord],
+                 outcome: Outcome = Outcome.COMPLETE) -> str:
     return tracker.log_trial(parent, study_name="s", run_name="trial-0", kind="trial",
                              config=TrialConfig().model_dump(mode="json"), outcome=outcome, reason="",
                              metrics={}, requests=to_table(records), texts={})
