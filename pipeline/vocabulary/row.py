@@ -1,5 +1,5 @@
 """A recorded trial as the study's tables, plots and decision read it: `TrialRow`, built once from its MLflow run
-(`pipeline.records.rows.row_from_run`), frozen. What the study learns later (the ratio to the baseline, the SLA
+(`pipeline.records.trial_runs.row_from_run`), frozen. What the study learns later (the ratio to the baseline, the SLA
 verdicts at the search level) comes as a new row (`dataclasses.replace`)."""
 
 from __future__ import annotations
