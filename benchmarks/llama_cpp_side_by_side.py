@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.vocabulary.outcome import Outcome
 from pipeline.vocabulary.row import TrialRow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +91,8 @@ def table(results: dict[str, dict[str, Any]], walls: dict[str, float]) -> str:
 
     got = [results[k] for k in labels]
     row("plain decode (baseline trial)", [f"{cell(r['base'] and r['base'].tput_tok_s, '.2f')} tok/s" for r in got])
-    row("best trial", [f"{r['best'].tput_tok_s:.2f} tok/s ({settings(r['best'])})" if r["best"] else "none COMPLETE"
-                       for r in got])
+    row("best trial", [f"{r['best'].tput_tok_s:.2f} tok/s ({settings(r['best'])})" if r["best"]
+                       else f"none {Outcome.COMPLETE.value}" for r in got])
     row("speed-up of the best trial", [f"{cell(r['best'] and r['best'].vs_baseline, '.2f')}x" for r in got])
     row("accept length of the best trial", [cell(r["best"] and r["best"].accept_len, ".2f") for r in got])
     decisions = []

@@ -38,7 +38,7 @@ from pipeline.simulate.predict import PREDICTION_ATTR
 from pipeline.simulate.simulator import Simulator, base_cost, relative_error
 from pipeline.simulate.workload import Unsimulable, answers_of, corpus_automaton
 from pipeline.vocabulary.context import TrialContext
-from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.outcome import NO_REPORT, Outcome
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec
 
@@ -118,8 +118,8 @@ class SimulateFirstPlan:
 
     def on_complete(self, trial_id: str, result: dict[str, Any] | None) -> None:
         result = result or {}
-        # what the trial's report says (an error leaves none: "FAILED", never an Outcome), kept as the record says it
-        said, run_id = str(result.get("outcome", "FAILED")), str(result.get("mlflow_run_id") or "")
+        # what the trial's report says (an error leaves none: NO_REPORT), kept as the record says it
+        said, run_id = str(result.get("outcome", NO_REPORT)), str(result.get("mlflow_run_id") or "")
         outcome = Outcome.read(said)
         metric = self.ctx.study.objective.metrics[0]
         entry: dict[str, Any] = {"outcome": said, "run_id": run_id, "measured": result.get(metric)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["MEASURING", "Outcome", "TrialFailure"]
+__all__ = ["MEASURING", "NO_REPORT", "Outcome", "TrialFailure"]
 
 # The `outcome` of an intermediate Tune report (early stopping reports after each measured chunk): the trial is still
 # measuring. Never an ending: a trial whose last report says it ended without its final report (a FAIL to Optuna).
 MEASURING = "MEASURING"
+# What a record shows as the outcome of a trial that ended without any report (its function raised): Tune's word for
+# that trial, never an `Outcome` (`Outcome.read` gives None).
+NO_REPORT = "FAILED"
 
 
 class Outcome(str, enum.Enum):
