@@ -205,8 +205,8 @@ def plot_pareto(ax: Any, rows: Sequence[TrialRow], metrics: list[str], modes: li
             label="Pareto front")
     star = [r for r in done if promoted is not None and r.name == promoted]
     if star:
-        ax.scatter([star[0].figures[mx]], [star[0].figures[my]], marker="*", s=260, color=SERVED_COLOR, edgecolor="black", zorder=5,
-                   label=f"promoted: {promoted}")
+        ax.scatter([star[0].figures[mx]], [star[0].figures[my]], marker="*", s=260, color=SERVED_COLOR,
+                   edgecolor="black", zorder=5, label=f"promoted: {promoted}")
     ax.set_xlabel(mx)
     ax.set_ylabel(my)
     ax.legend(fontsize=8)

@@ -34,8 +34,8 @@ def row_from_run(run: Any) -> TrialRow:
 
 
 def rows_from_runs(runs: Sequence[Any], kind: str | None = "trial") -> list[TrialRow]:
-    """The runs of `kind` (tag `specdec.kind`: trial, finalist; None: every kind) as rows, ordered (`order_rows`), each with its ratio
-    to the baseline; a config the sampler proposed twice gets ` #<trial id>` on its slower rows' names. Pure over
+    """The runs of `kind` (tag `specdec.kind`: trial, finalist; None: every kind) as rows, ordered (`order_rows`),
+    each with its ratio to the baseline; a config the sampler proposed twice gets ` #<trial id>` on its slower rows' names. Pure over
     run objects."""
     ordered = order_rows([row_from_run(run) for run in runs if kind is None or run.data.tags.get(KIND_TAG) == kind])
     base = next((r.tput_tok_s for r in ordered if r.baseline and r.complete), None)

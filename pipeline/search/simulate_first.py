@@ -133,7 +133,8 @@ class SimulateFirstPlan:
         if trial_id not in self.predicted or self.fallback is not None:
             return
         predicted = self.predicted[trial_id]["figures"]
-        if outcome is Outcome.PRUNED:  # stopped early: it provably could not beat the baseline, a prediction that missed
+        # stopped early: it provably could not beat the baseline, a prediction that missed
+        if outcome is Outcome.PRUNED:
             entry["measured"] = result.get(metric)
             entry["error"] = relative_error(predicted.get(metric), entry["measured"])
             self._log_launch(trial_id, predicted, entry)

@@ -75,7 +75,8 @@ def test_the_watcher_reads_phase_files_as_they_grow_and_leaves_a_half_written_li
 
 def test_phase_echo_prints_one_line_per_measured_re_run_and_not_the_old_ones(tmp_path: Path,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    note_phase(tmp_path / "final-baseline-run0", "measured", outcome=Outcome.COMPLETE, tput_tok_s=9.0)  # a resumed study's
+    # a resumed study's earlier run: not echoed
+    note_phase(tmp_path / "final-baseline-run0", "measured", outcome=Outcome.COMPLETE, tput_tok_s=9.0)
     with phase_echo(tmp_path, interval_s=3600):  # lines come from the final poll, not the timer
         note_phase(tmp_path / "final-baseline-run1", "engine", config="none")
         note_phase(tmp_path / "final-baseline-run1", "measured", outcome=Outcome.COMPLETE, tput_tok_s=10.25,
