@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.row import TrialRow
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -52,27 +55,27 @@ def summary(output: Path) -> dict[str, Any]:
     """Baseline, best COMPLETE speculative trial, and the decision, read back from the study's MLflow."""
     import yaml
 
-    from pipeline.compare import rows_from_runs
     from pipeline.records.tracking import Tracker
+    from pipeline.records.trial_runs import rows_from_runs
 
     tracker = Tracker(f"sqlite:///{output / 'mlflow.db'}", output.name)
-    rows = rows_from_runs(tracker.client().search_runs([tracker.experiment_id()], max_results=1000))
-    base = next((r for r in rows if r["baseline"] and r["outcome"] == "COMPLETE"), None)
-    best = next((r for r in rows if not r["baseline"] and r["outcome"] == "COMPLETE"), None)
+    rows = rows_from_runs(tracker.all_runs())
+    base = next((r for r in rows if r.baseline and r.complete), None)
+    best = next((r for r in rows if not r.baseline and r.complete), None)
     provenance = yaml.safe_load((output / "promoted.yaml").read_text())["provenance"]
     # the finalists' fresh re-runs (`final-<id>-run<k>`, baseline `final-baseline-run<k>`): median per config
     runs: dict[str, list[float]] = {}
-    for r in rows_from_runs(tracker.client().search_runs([tracker.experiment_id()], max_results=1000), "finalist"):
-        runs.setdefault(r["name"].rsplit("-run", 1)[0], []).append(r["tput_tok_s"] or 0.0)
+    for r in rows_from_runs(tracker.all_runs(), "finalist"):
+        runs.setdefault(r.name.rsplit("-run", 1)[0], []).append(r.tput_tok_s or 0.0)
     medians = {name: statistics.median(values) for name, values in runs.items()}
     return {"base": base, "best": best, "decision": provenance["decision"], "source": provenance["source"],
             "remeasured": medians, "trials": len(rows)}
 
 
-def settings(row: dict[str, Any]) -> str:
-    shown = {k.split(".", 1)[1]: v for k, v in row["params"].items()
+def settings(row: TrialRow) -> str:
+    shown = {k.split(".", 1)[1]: v for k, v in row.params.items()
              if k.startswith("spec.") or k == "trial.warmup_requests"}
-    return f"{row['algorithm']} " + ", ".join(f"{k}={v}" for k, v in shown.items())
+    return f"{row.algorithm} " + ", ".join(f"{k}={v}" for k, v in shown.items())
 
 
 def cell(value: float | None, fmt: str) -> str:
@@ -87,11 +90,11 @@ def table(results: dict[str, dict[str, Any]], walls: dict[str, float]) -> str:
         lines.append(f"| {name} | " + " | ".join(values) + " |")
 
     got = [results[k] for k in labels]
-    row("plain decode (baseline trial)", [f"{cell(r['base'] and r['base']['tput_tok_s'], '.2f')} tok/s" for r in got])
-    row("best trial", [f"{r['best']['tput_tok_s']:.2f} tok/s ({settings(r['best'])})" if r["best"] else "none COMPLETE"
-                       for r in got])
-    row("speed-up of the best trial", [f"{cell(r['best'] and r['best']['vs_baseline'], '.2f')}x" for r in got])
-    row("accept length of the best trial", [cell(r["best"] and r["best"]["accept_len"], ".2f") for r in got])
+    row("plain decode (baseline trial)", [f"{cell(r['base'] and r['base'].tput_tok_s, '.2f')} tok/s" for r in got])
+    row("best trial", [f"{r['best'].tput_tok_s:.2f} tok/s ({settings(r['best'])})" if r["best"]
+                       else f"none {Outcome.COMPLETE.value}" for r in got])
+    row("speed-up of the best trial", [f"{cell(r['best'] and r['best'].vs_baseline, '.2f')}x" for r in got])
+    row("accept length of the best trial", [cell(r["best"] and r["best"].accept_len, ".2f") for r in got])
     decisions = []
     for r in got:
         medians = dict(r["remeasured"])

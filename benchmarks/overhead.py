@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.vocabulary.outcome import Outcome
+
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("engine_start_s", "warmup_s", "measure_s")
 
@@ -80,7 +82,8 @@ def trial_rows(study_dir: Path) -> list[dict[str, Any]]:
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    complete = [r for r in rows if r["outcome"] == "COMPLETE" and r["engine_start_s"] == r["engine_start_s"]]
+    complete = [r for r in rows
+                if r["outcome"] == Outcome.COMPLETE.value and r["engine_start_s"] == r["engine_start_s"]]
     cols = ("cycle_s", "engine_start_s", "warmup_s", "measure_s", "other_s", "serve_deploy_s",
             "readback_teardown_s", "logging_tune_s")
     lines = ["| trial | algorithm | outcome | replica | " + " | ".join(c[:-2].replace("_", " ") + " s" for c in cols)

@@ -98,6 +98,7 @@ def main() -> None:
     from pipeline.study.driver import build_context, connect_ray
     from pipeline.trial.lifecycle import run_trial
     from pipeline.trial.replicas import launch_fresh, live_app
+    from pipeline.vocabulary.outcome import Outcome
 
     cpus = sorted(os.sched_getaffinity(0))
     base = load_study(None, {"name": "repeat", "workload.remeasure": 0})
@@ -144,7 +145,7 @@ def main() -> None:
                         if hog is not None:
                             hog.kill()
                             hog.wait()
-                    value = result.summary.tput_tok_s if result.summary and result.outcome.value == "COMPLETE" else None
+                    value = result.summary.tput_tok_s if result.summary and result.outcome is Outcome.COMPLETE else None
                     window = result.windows[-1] if result.windows else None
                     results.setdefault((condition, placement, name), []).append((value, window))
                     print(f"  run {run} {condition:5} {placement:7} {name:8} {result.outcome.value:9} "

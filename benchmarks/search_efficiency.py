@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote,  # noqa: E402
                                       read_grid, run_method, stop_rates, trials_to_reach, warmup_requests)
 from pipeline.search.stopping import StoppingPolicy, VerifyCost  # noqa: E402
+from pipeline.vocabulary.outcome import Outcome  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 # --quick measures with the default study's workload (templated, 4 prompts x 24 tokens); the full record doubles the
@@ -173,11 +174,11 @@ def load_surface(path: Path) -> tuple[Surface, dict[str, str]]:
         by_point.setdefault(key(json.loads(row["params"])), []).append(row)
     mean, complete, drafts, accepts, log_devs = {}, {}, {}, {}, []
     for point, rows in by_point.items():
-        ok = [r["tput_tok_s"] for r in rows if r["outcome"] == "COMPLETE" and r["tput_tok_s"]]
+        ok = [r["tput_tok_s"] for r in rows if r["outcome"] == Outcome.COMPLETE.value and r["tput_tok_s"]]
         complete[point] = len(ok) == len(rows)  # one failed equivalence check disqualifies the point
         mean[point] = statistics.fmean(ok) if ok else 0.0
         drafts[point] = rows[0]["draft_tokens"]
-        accept = [r["accept_len"] for r in rows if r["outcome"] == "COMPLETE" and r.get("accept_len")]
+        accept = [r["accept_len"] for r in rows if r["outcome"] == Outcome.COMPLETE.value and r.get("accept_len")]
         if accept:
             accepts[point] = statistics.fmean(accept)
         if len(ok) >= 2:

@@ -34,6 +34,7 @@ from pipeline.search.space import SearchSpace, resolve
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.simulator import Simulator, base_cost, relative_error
 from pipeline.simulate.workload import answers_of
+from pipeline.vocabulary.outcome import Outcome
 
 __all__ = ["Recorded", "accuracy", "load_recorded", "simulate_first", "spearman"]
 
@@ -70,7 +71,7 @@ def load_recorded(grid: Path, requests: Path) -> Recorded:
         p = json.loads(row["params"])
         point = key(p)
         params[point], index_of[row["point"]] = p, point
-        if row["outcome"] == "COMPLETE" and row["tput_tok_s"]:
+        if row["outcome"] == Outcome.COMPLETE.value and row["tput_tok_s"]:
             measured[point, row["run"]] = row["tput_tok_s"]
         if row.get("time_total_s"):
             costs.setdefault(point, []).append(row["time_total_s"])

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.config import SlaConstraint
+from pipeline.vocabulary.row import TrialRow
 
 # Positive and finite: Optuna rejects NaN, and a huge finite value keeps TPE's feasibility arithmetic sane.
 UNMEASURED_VIOLATION = 1e9
@@ -114,6 +115,6 @@ def constraints_func(constraints: Sequence[SlaConstraint], search_level: int
     return SlaConstraintsFunc(limits) if limits else None
 
 
-def row_verdicts(row: Mapping[str, Any], constraints: Sequence[SlaConstraint], level: int) -> list[Verdict]:
-    """Verdicts for one compare/report row (a search trial measured at `level`; its metrics are row keys)."""
-    return check(constraints, level, {c.metric: row.get(c.metric) for c in limits_at(constraints, level)})
+def row_verdicts(row: TrialRow, constraints: Sequence[SlaConstraint], level: int) -> list[Verdict]:
+    """Verdicts for one trial row (a search trial measured at `level`)."""
+    return check(constraints, level, {c.metric: row.metric(c.metric) for c in limits_at(constraints, level)})

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.vocabulary.outcome import MEASURING, Outcome
+
 PHASES_FILE = "phases.jsonl"
 SLOW_S = 10.0  # a phase open this long gets a line
 EVERY_S = 60.0  # and another one this often while it stays open
@@ -56,19 +58,20 @@ class ProgressBoard:
     def _better(self, value: float) -> bool:
         return self.best is None or (value > self.best[0] if self.mode == "max" else value < self.best[0])
 
-    def line(self, *, label: str, algorithm: str, outcome: str, value: float | None, reason: str = "",
+    def line(self, *, label: str, algorithm: str, outcome: Outcome | None, value: float | None, reason: str = "",
              seconds: float | None = None, spread: float | None = None, flag: str = "",
              remeasured: int = 0) -> str:
         """`spread`: the per-request MAD / median of the measurement; `flag` and `remeasured`: whether other work
-        disturbed its window (pipeline/measure/window.py), shown when it did."""
+        disturbed its window (pipeline/measure/window.py), shown when it did. `outcome` None: the trial's report
+        named none."""
         self.done += 1
-        head = f"[trial {self.done}/{self.total}] {label:<40} {outcome:<14}"
+        head = f"[trial {self.done}/{self.total}] {label:<40} {outcome.value if outcome else '?':<14}"
         took = f"  ({duration(seconds)})" if seconds is not None else ""
         if flag == "disturbed":
             took += f"  [DISTURBED: other work held the CPU in every window, {remeasured} re-measured]"
         elif flag == "re-measured":
             took += f"  [re-measured {remeasured}x: other work held the CPU]"
-        if outcome != "COMPLETE" or value is None:
+        if outcome is not Outcome.COMPLETE or value is None:
             return f"{head} {self.metric}=-{took}" + (f"  -- {reason[:200]}" if reason else "")
         figure = f"{self.metric}={value:.2f}" + (f" ±{spread:.0%}" if spread is not None else "")
         if algorithm == "none" and self.baseline is None:
@@ -243,8 +246,6 @@ def progress_callback(total: int, metric: str, mode: str, trials_dir: Path) -> A
     folders under `trials_dir` report. The trial's final report carries `label` and `reason` (pipeline.study.driver)."""
     from ray import tune
 
-    from pipeline.search.pruning import MEASURING
-
     class Progress(tune.Callback):
         def __init__(self) -> None:
             self.board = ProgressBoard(total=total, metric=metric, mode=mode)
@@ -264,7 +265,7 @@ def progress_callback(total: int, metric: str, mode: str, trials_dir: Path) -> A
             value = result.get(metric)
             print(self.board.line(label=str(result.get("label") or trial.config.get("algorithm", "?")),
                                   algorithm=str(trial.config.get("algorithm", "?")),
-                                  outcome=str(result.get("outcome")),
+                                  outcome=Outcome.read(result.get("outcome")),
                                   value=float(value) if isinstance(value, (int, float)) else None,
                                   reason=str(result.get("reason") or ""), seconds=result.get("time_total_s"),
                                   spread=result.get("tput_spread"), flag=str(result.get("measurement_flag") or ""),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.records.tracking import KIND_TAG, Tracker
+from pipeline.vocabulary.outcome import Outcome
 
 __all__ = ["CYCLE_KIND", "CycleRecorder", "measured_requests"]
 
@@ -93,7 +94,7 @@ def measured_requests(tracker: Tracker, registered_model: str, version: str) -> 
         experiment = client.get_run(mv.run_id).info.experiment_id
         runs = [r for r in client.search_runs(
             [experiment], filter_string=f"tags.mlflow.parentRunId = '{mv.run_id}' and tags.finalist = '{finalist}'",
-            max_results=1000) if r.data.tags.get("outcome") == "COMPLETE"]
+            max_results=1000) if r.data.tags.get("outcome") == Outcome.COMPLETE.value]
     if not runs and prov.trial_run_id:
         runs = [client.get_run(prov.trial_run_id)]
         notes.append(f"no re-runs of {finalist!r}: figures from the search trial {prov.trial_run_id} (one run, the "

@@ -7,9 +7,11 @@ labels (`pipeline.records.labels`), as the rows carry them.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.trial.corpus import corpus_comparison, corpus_label
+from pipeline.vocabulary.row import TrialRow
 
 ALGO_COLORS = {"none": "#555555", "ngram": "#1f77b4", "eagle": "#2ca02c", "eagle3": "#d62728",
                "standalone": "#9467bd"}
@@ -33,63 +35,59 @@ def figure(rows: int = 0, width: float = 9.0) -> tuple[Any, Any]:
     return plt.subplots(figsize=(width, height), dpi=100)
 
 
-def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r["outcome"] == "COMPLETE" and r.get("tput_tok_s") is not None]
+def complete(rows: Sequence[TrialRow]) -> list[TrialRow]:
+    return [r for r in rows if r.complete and r.tput_tok_s is not None]
 
 
-def _num(row: dict[str, Any], key: str) -> float | None:
-    value = row["params"].get(key)
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
+def _tput(row: TrialRow) -> float:
+    return row.tput_tok_s or 0.0  # every row `complete` keeps has one
 
 
-def _baseline(rows: list[dict[str, Any]], metric: str = "tput_tok_s") -> float | None:
-    return next((r.get(metric) for r in complete(rows) if r["algorithm"] == "none"), None)
+def _baseline(rows: Sequence[TrialRow], metric: str = "tput_tok_s") -> float | None:
+    return next((r.metric(metric) for r in complete(rows) if r.baseline), None)
 
 
-def plot_throughput(ax: Any, rows: list[dict[str, Any]]) -> bool:
+def plot_throughput(ax: Any, rows: Sequence[TrialRow]) -> bool:
     """Throughput per config (95% CI), fastest on top, the baseline's as a dashed line; a config that broke an SLA
     limit hatched. Needs two completed trials (one bar compares nothing)."""
-    done = sorted(complete(rows), key=lambda r: r["tput_tok_s"])
+    done = sorted(complete(rows), key=_tput)
     if len(done) < 2:
         return False
-    values = [r["tput_tok_s"] for r in done]
-    low = [max(0.0, v - (r.get("tput_ci_low") or v)) for v, r in zip(values, done)]
-    high = [max(0.0, (r.get("tput_ci_high") or v) - v) for v, r in zip(values, done)]
-    bars = ax.barh(range(len(done)), values, xerr=[low, high], color=[color(r["algorithm"]) for r in done], capsize=3)
+    values = [_tput(r) for r in done]
+    low = [max(0.0, v - (r.tput_ci_low or v)) for v, r in zip(values, done)]
+    high = [max(0.0, (r.tput_ci_high or v) - v) for v, r in zip(values, done)]
+    bars = ax.barh(range(len(done)), values, xerr=[low, high], color=[color(r.algorithm) for r in done], capsize=3)
     for bar, row in zip(bars, done):
-        if row.get("feasible") is False:  # broke an SLA limit: fast, but not an answer
+        if row.feasible is False:  # broke an SLA limit: fast, but not an answer
             bar.set_hatch("xx")
             bar.set_edgecolor("#d62728")
     base = _baseline(rows)
     if base:
         ax.axvline(base, color="black", linestyle="--", linewidth=1, label=f"baseline {base:.1f} tok/s")
         ax.legend(loc="lower right", fontsize=8)
-    ax.set_yticks(range(len(done)), [r["name"] for r in done], fontsize=8)
+    ax.set_yticks(range(len(done)), [r.name for r in done], fontsize=8)
     ax.set_xlabel("output tok/s (95% CI of the search measurement)")
     ax.set_title("Throughput by config")
     return True
 
 
-def plot_accept(ax: Any, rows: list[dict[str, Any]]) -> bool:
+def plot_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
     """Mean accepted length per verify step of each speculative config (1.0 = nothing accepted)."""
-    done = sorted((r for r in complete(rows) if r["algorithm"] != "none" and r.get("accept_len") is not None),
-                  key=lambda r: r["accept_len"])
+    done = sorted((r for r in complete(rows) if not r.baseline and r.accept_len is not None),
+                  key=lambda r: r.accept_len or 0.0)
     if not done:
         return False
-    ax.barh(range(len(done)), [r["accept_len"] for r in done], color=[color(r["algorithm"]) for r in done])
+    ax.barh(range(len(done)), [r.accept_len for r in done], color=[color(r.algorithm) for r in done])
     ax.axvline(1.0, color="black", linestyle=":", linewidth=1, label="1.0: no draft accepted")
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_yticks(range(len(done)), [r["name"] for r in done], fontsize=8)
+    ax.set_yticks(range(len(done)), [r.name for r in done], fontsize=8)
     ax.set_xlabel("accepted tokens per verify step")
     ax.set_title("Accept length by config")
     return True
 
 
-def _versus_draft_tokens(ax: Any, rows: list[dict[str, Any]], metric: str, label: str) -> bool:
-    points = [(r["algorithm"], _num(r, "spec.num_draft_tokens"), r.get(metric)) for r in complete(rows)]
+def _versus_draft_tokens(ax: Any, rows: Sequence[TrialRow], metric: str, label: str) -> bool:
+    points = [(r.algorithm, r.number("spec.num_draft_tokens"), r.metric(metric)) for r in complete(rows)]
     points = [p for p in points if p[1] is not None and p[2] is not None]
     if len({p[1] for p in points}) < 2:  # one draft length: nothing to read a trend from
         return False
@@ -107,18 +105,17 @@ def _versus_draft_tokens(ax: Any, rows: list[dict[str, Any]], metric: str, label
     return True
 
 
-def plot_tput_vs_draft(ax: Any, rows: list[dict[str, Any]]) -> bool:
+def plot_tput_vs_draft(ax: Any, rows: Sequence[TrialRow]) -> bool:
     return _versus_draft_tokens(ax, rows, "tput_tok_s", "output tok/s")
 
 
-def plot_accept_vs_draft(ax: Any, rows: list[dict[str, Any]]) -> bool:
+def plot_accept_vs_draft(ax: Any, rows: Sequence[TrialRow]) -> bool:
     return _versus_draft_tokens(ax, rows, "accept_len", "accept length")
 
 
-def plot_warmup_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> bool:
+def plot_warmup_vs_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
     """NGRAM: warm-up length vs accept length; needs two warm-up lengths."""
-    points = [(_num(r, "trial.warmup_requests"), r.get("accept_len")) for r in complete(rows)
-              if r["algorithm"] == "ngram"]
+    points = [(r.number("trial.warmup_requests"), r.accept_len) for r in complete(rows) if r.algorithm == "ngram"]
     points = [p for p in points if p[0] is not None and p[1] is not None]
     if len({p[0] for p in points}) < 2:
         return False
@@ -129,18 +126,18 @@ def plot_warmup_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> bool:
     return True
 
 
-def plot_corpus_vs_accept(ax: Any, rows: list[dict[str, Any]]) -> bool:
+def plot_corpus_vs_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
     """NGRAM with and without an external corpus: mean accept length (bars) and mean tok/s (labels) per corpus;
     only for a study that searched a corpus (`pipeline.trial.corpus.corpus_comparison`)."""
     if not corpus_comparison(rows):
         return False
-    done = [r for r in complete(rows) if r["algorithm"] == "ngram" and r.get("accept_len") is not None]
-    groups: dict[str, list[dict[str, Any]]] = {}
+    done = [r for r in complete(rows) if r.algorithm == "ngram" and r.accept_len is not None]
+    groups: dict[str, list[TrialRow]] = {}
     for r in done:
-        groups.setdefault(corpus_label(r["params"].get("spec.external_corpus")), []).append(r)
+        groups.setdefault(corpus_label(r.params.get("spec.external_corpus")), []).append(r)
     names = sorted(groups, key=lambda n: (n != "none", n))
-    accept = [sum(r["accept_len"] for r in groups[n]) / len(groups[n]) for n in names]
-    tput = [sum(r["tput_tok_s"] for r in groups[n]) / len(groups[n]) for n in names]
+    accept = [sum(r.accept_len or 0.0 for r in groups[n]) / len(groups[n]) for n in names]
+    tput = [sum(_tput(r) for r in groups[n]) / len(groups[n]) for n in names]
     bars = ax.bar(range(len(names)), accept, color=["#999999" if n == "none" else ALGO_COLORS["ngram"]
                                                     for n in names])
     for bar, t, n in zip(bars, tput, names):
@@ -183,7 +180,7 @@ def plot_optuna(fig: Any, study: Any, kind: str) -> Any:
     return axes.figure
 
 
-def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: list[str],
+def plot_pareto(ax: Any, rows: Sequence[TrialRow], metrics: list[str], modes: list[str],
                 promoted: str | None = None) -> bool:
     """Trials in the plane of the first two objectives; the front (pipeline.decide.pareto, feasible trials only)
     joined; infeasible trials (row `feasible` False) as red crosses; the promoted trial (row `name`) as a star.
@@ -192,23 +189,24 @@ def plot_pareto(ax: Any, rows: list[dict[str, Any]], metrics: list[str], modes: 
 
     if len(metrics) < 2:
         return False
-    done = [r for r in complete(rows) if all(r.get(m) is not None for m in metrics[:2])]
+    done = [r for r in complete(rows) if all(r.metric(m) is not None for m in metrics[:2])]
     if not done:
         return False
     mx, my = metrics[:2]
-    feasible = [r for r in done if r.get("feasible") is not False]
-    infeasible = [r for r in done if r.get("feasible") is False]
+    feasible = [r for r in done if r.feasible is not False]
+    infeasible = [r for r in done if r.feasible is False]
     front = pareto_front(feasible, metrics[:2], modes[:2])
-    ax.scatter([r[mx] for r in feasible], [r[my] for r in feasible], color="#bbbbbb", label="trials")
+    ax.scatter([r.figures[mx] for r in feasible], [r.figures[my] for r in feasible], color="#bbbbbb", label="trials")
     if infeasible:
-        ax.scatter([r[mx] for r in infeasible], [r[my] for r in infeasible], marker="x", color="#d62728",
-                   label="breaks an SLA limit")
-    front = sorted(front, key=lambda r: r[mx])
-    ax.plot([r[mx] for r in front], [r[my] for r in front], "o-", color="#1f77b4", label="Pareto front")
-    star = [r for r in done if promoted is not None and r["name"] == promoted]
+        ax.scatter([r.figures[mx] for r in infeasible], [r.figures[my] for r in infeasible], marker="x",
+                   color="#d62728", label="breaks an SLA limit")
+    front = sorted(front, key=lambda r: r.figures[mx])
+    ax.plot([r.figures[mx] for r in front], [r.figures[my] for r in front], "o-", color="#1f77b4",
+            label="Pareto front")
+    star = [r for r in done if promoted is not None and r.name == promoted]
     if star:
-        ax.scatter([star[0][mx]], [star[0][my]], marker="*", s=260, color=SERVED_COLOR, edgecolor="black", zorder=5,
-                   label=f"promoted: {promoted}")
+        ax.scatter([star[0].figures[mx]], [star[0].figures[my]], marker="*", s=260, color=SERVED_COLOR,
+                   edgecolor="black", zorder=5, label=f"promoted: {promoted}")
     ax.set_xlabel(mx)
     ax.set_ylabel(my)
     ax.legend(fontsize=8)

@@ -21,8 +21,10 @@ from typing import Any
 
 from pipeline.decide.headline import (BASELINE, TABLE_METRICS, Headline, limits_text, row_status, served_at,
                                       speedup_spread)
+from pipeline.decide.levels import LevelsDecision
 from pipeline.records import plots
 from pipeline.trial.corpus import corpus_comparison, format_corpus_table
+from pipeline.vocabulary.row import TrialRow
 
 Draw = Callable[[Any, Any], Any]  # (fig, ax) -> False | True | a Figure
 WIDE = ("throughput", "accept_length")  # full width; the other plots two to a row
@@ -76,7 +78,7 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
 
-def level_table_html(levels: Any) -> str:
+def level_table_html(levels: LevelsDecision) -> str:
     """The per-level decision as an HTML table: per level each config, its median tok/s, speed-up with the runs'
     range, latency medians, whether it is served, and the limits it breaks (figure and limit)."""
     heads = "".join(f"<th class='num'>{_e(label)}</th>" for _, label in TABLE_METRICS)
@@ -107,22 +109,22 @@ def level_table_html(levels: Any) -> str:
             + (f"<p class='muted'>{_e(levels.finalists)}</p>" if levels.finalists else ""))
 
 
-def trials_table_html(rows: list[dict[str, Any]], remeasured: bool = False) -> str:
+def trials_table_html(rows: Sequence[TrialRow], remeasured: bool = False) -> str:
     """The search's trials (baseline first, then by throughput): config label, outcome, figures, and the reason of
     a failed trial or the SLA limits a completed one broke. `remeasured`: the decision rests on re-runs."""
     if not rows:
         return "<p class='muted'>No trials recorded.</p>"
     body = []
     for r in rows:
-        ratio = f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-"
-        accept = f"{r['accept_len']:.2f}" if r.get("accept_len") else "-"
-        notes = ["the baseline"] if r.get("baseline") else []
-        if r["outcome"] != "COMPLETE" and r.get("reason"):
-            notes.append(str(r["reason"])[:300])
-        notes += [t for t in r.get("sla") or [] if t.startswith("BROKEN")]
-        body.append(f"<tr><td class='config'>{_e(r['name'])}</td><td>{_e(r['outcome'])}</td>"
-                    f"<td class='num'>{_tok(r.get('tput_tok_s'))}</td><td class='num'>{ratio}</td>"
-                    f"<td class='num'>{accept}</td><td class='num'>{_ms(r.get('ttft_p50_ms'))}</td>"
+        ratio = f"{r.vs_baseline:.2f}x" if r.vs_baseline else "-"
+        accept = f"{r.accept_len:.2f}" if r.accept_len else "-"
+        notes = ["the baseline"] if r.baseline else []
+        if not r.complete and r.reason:
+            notes.append(r.reason[:300])
+        notes += [t for t in r.sla or () if t.startswith("BROKEN")]
+        body.append(f"<tr><td class='config'>{_e(r.name)}</td><td>{_e(r.outcome_text)}</td>"
+                    f"<td class='num'>{_tok(r.tput_tok_s)}</td><td class='num'>{ratio}</td>"
+                    f"<td class='num'>{accept}</td><td class='num'>{_ms(r.ttft_p50_ms)}</td>"
                     f"<td class='note'>{_e('; '.join(notes))}</td></tr>")
     return ("<table id='trials-table'><thead><tr><th>config</th><th>outcome</th><th class='num'>tok/s</th>"
             "<th class='num'>vs baseline</th><th class='num'>accept length</th><th class='num'>TTFT p50</th>"
@@ -156,9 +158,9 @@ def _figure_html(path: Path, caption: str) -> str:
             f"<figcaption>{_e(caption)}</figcaption></figure>")
 
 
-def write_report(out_dir: Path, *, title: str, rows: list[dict[str, Any]], headline: Headline | None = None,
+def write_report(out_dir: Path, *, title: str, rows: Sequence[TrialRow], headline: Headline | None = None,
                  decision: str = "", ot_study: Any = None, metrics: list[str] | None = None,
-                 modes: list[str] | None = None, promoted: str | None = None, levels: Any = None,
+                 modes: list[str] | None = None, promoted: str | None = None, levels: LevelsDecision | None = None,
                  extra_plots: Sequence[tuple[str, str, Draw]] = ()) -> list[Path]:
     """Write report.html and the PNGs it shows into out_dir; returns every file written (HTML last). `headline`:
     the decision (`decision` as plain text when there is none); `promoted` = the promoted trial's row name

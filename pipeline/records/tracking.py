@@ -19,6 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.vocabulary.outcome import Outcome
+
 STUDY_TAG = "specdec.study"
 KIND_TAG = "specdec.kind"  # "study" | "trial" | "finalist"
 # A trial run is named by its config label (`pipeline.records.labels.config_label`), which two trials of one config
@@ -176,7 +178,7 @@ class Tracker:
     # --- trial (child) runs ------------------------------------------------------------------------------------
 
     def log_trial(self, parent_id: str, *, study_name: str, run_name: str, kind: str, config: dict[str, Any],
-                  outcome: str, reason: str, metrics: dict[str, float], requests: pa.Table | None,
+                  outcome: Outcome, reason: str, metrics: dict[str, float], requests: pa.Table | None,
                   texts: dict[str, str], extra_tags: dict[str, str] | None = None,
                   started_at: float | None = None, trial_id: str | None = None) -> str:
         """One child run with everything about a trial; returns its run id. `started_at` (a time.time()) makes the
@@ -200,7 +202,7 @@ class Tracker:
                                            filter_string=f"{where} and attributes.run_name = '{run_name}'")
             if any(r.info.run_id not in older for r in namesakes):
                 run_name = f"{run_name} #{trial_id}"
-        tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome,
+        tags = {"mlflow.parentRunId": parent_id, KIND_TAG: kind, STUDY_TAG: study_name, "outcome": outcome.value,
                 "reason": reason[:4000], **({TRIAL_ID_TAG: trial_id} if trial_id else {}), **(extra_tags or {})}
         start_ms = int(started_at * 1000) if started_at is not None else None
         run = client.create_run(self.experiment_id(), run_name=run_name, tags=tags, start_time=start_ms)
@@ -221,7 +223,7 @@ class Tracker:
             if requests is not None:
                 pq.write_table(requests, folder / "requests.parquet")
             client.log_artifacts(run_id, str(folder))
-        client.set_terminated(run_id, status="FINISHED" if outcome == "COMPLETE" else "FAILED")
+        client.set_terminated(run_id, status=outcome.run_status)
         for old_id in older:
             client.delete_run(old_id)
         return run_id
@@ -229,4 +231,43 @@ class Tracker:
     def trial_runs(self, parent_id: str) -> list[Any]:
         return self.client().search_runs([self.experiment_id()], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
                                          max_results=5000)
+
+    # --- reading back, adding to a run ------------------------------------------------------------------------------
+
+    def experiment_exists(self) -> bool:
+        """Whether the store holds the study's experiment (`experiment_id()` would create it)."""
+        return self.client().get_experiment_by_name(self.experiment) is not None
+
+    def all_runs(self) -> list[Any]:
+        """Every run of the study's experiment: study, trial and finalist runs."""
+        return self.client().search_runs([self.experiment_id()], max_results=5000)
+
+    def artifact_text(self, run_id: str, path: str) -> str | None:
+        """A run's text artifact, None when the run has none."""
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client().download_artifacts(run_id, path, tmp)
+            except Exception:  # noqa: BLE001 - MLflow raises several types for "no such artifact"
+                return None
+            return Path(local).read_text()
+
+    def requests_table(self, run_id: str) -> pa.Table:
+        """A run's `requests.parquet`; raises what MLflow raises when it has none."""
+        with tempfile.TemporaryDirectory() as tmp:
+            return pq.read_table(self.client().download_artifacts(run_id, "requests.parquet", tmp))
+
+    def log_figures(self, run_id: str, metrics: dict[str, float] | None = None, texts: dict[str, str] | None = None,
+                    tags: dict[str, str] | None = None) -> None:
+        """Add metrics (step 0), text artifacts and tags to a run (the study run's bookkeeping, a launch's
+        prediction)."""
+        client = self.client()
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        if metrics:
+            client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+        for key, value in (tags or {}).items():
+            client.set_tag(run_id, key, value)
+        for path, text in (texts or {}).items():
+            client.log_text(run_id, text, path)
 

@@ -24,6 +24,7 @@ from pipeline.search.space import SearchSpace, grid_points, resolve
 from pipeline.simulate.drafts import DraftCurve, DraftTables, draft_curve
 from pipeline.simulate.replay import Answer
 from pipeline.simulate.workload import Unsimulable
+from pipeline.vocabulary.context import TrialContext
 from serve.engines import engine_for
 from serve.engines.base import child_env
 from serve.spec import StandaloneSpec
@@ -102,9 +103,9 @@ def tables_of(draft_model: str, answers: Sequence[Answer], max_steps: int, resul
                        float(seconds.get("replay", 0.0)))
 
 
-def draft_tables(ctx: Any, space: SearchSpace, answers: Mapping[int, Answer]
+def draft_tables(ctx: TrialContext, space: SearchSpace, answers: Mapping[int, Answer]
                  ) -> tuple[dict[str, DraftTables], DraftCurve | None, str]:
-    """simulate-first's draft replay for the study `ctx` (its TrialContext): (draft model -> tables, the draft's
+    """simulate-first's draft replay for the study `ctx`: (draft model -> tables, the draft's
     forward cost, a note for the explored line); nothing when the space has no STANDALONE point. The replay's time
     goes on the study run (`simulate_draft_replay_s`, the child process's `simulate_draft_replay_total_s`) with its
     summary (`simulate/draft_replay.json`). Raises Unsimulable when it cannot run (the study falls back to tpe)."""
@@ -130,13 +131,12 @@ def draft_tables(ctx: Any, space: SearchSpace, answers: Mapping[int, Answer]
     note = (f"; draft replay of {model}: {run.tables.seconds:.1f} s ({run.total_s:.1f} s with the model load), "
             f"{'its measured step cost' if run.tables.curve is not None else 'no step cost measured'}")
     try:
-        client = ctx.tracker.client()
-        client.log_metric(ctx.parent_run_id, "simulate_draft_replay_s", run.tables.seconds)
-        client.log_metric(ctx.parent_run_id, "simulate_draft_replay_total_s", run.total_s)
-        client.log_text(ctx.parent_run_id, json.dumps({"draft_model": model, "topks": list(topks), "max_steps": steps,
-                                                       "requests": len(measured), "total_s": run.total_s,
-                                                       **run.summary}, indent=2, default=str),
-                        "simulate/draft_replay.json")
+        ctx.tracker.log_figures(
+            ctx.parent_run_id, {"simulate_draft_replay_s": run.tables.seconds,
+                                "simulate_draft_replay_total_s": run.total_s},
+            texts={"simulate/draft_replay.json": json.dumps({
+                "draft_model": model, "topks": list(topks), "max_steps": steps, "requests": len(measured),
+                "total_s": run.total_s, **run.summary}, indent=2, default=str)})
     except Exception as exc:  # noqa: BLE001 - bookkeeping must not end the search
         print(f"[simulate-first] could not log the draft replay: {type(exc).__name__}: {exc}", flush=True)
     return {model: run.tables}, run.tables.curve, note

@@ -1,8 +1,9 @@
 """Early stopping wired into a search trial: after each measured chunk the trial reports its partial result to Tune and
 asks the rule (`pipeline.search.stopping.check`, pure) whether it can still beat the baseline; a trial that cannot is PRUNED.
 
-I/O here: reading the baseline's figures from its MLflow run (any driver on any node finds them there) and the
-chunked measurement (`measure_phase`, called by `pipeline.trial.lifecycle.measure_config`). Finalist re-runs are never watched.
+I/O here: reading the baseline's figures from its MLflow run (`pipeline.records.trial_runs`: any driver on any node
+finds them there) and the chunked measurement (`measure_phase`, called by `pipeline.trial.engine_pass.measure_config`).
+Finalist re-runs are never watched.
 Chunks are `concurrency` requests (1 at the search level the rule applies to), each one `run_phase`, laid end to end
 in the phase window: the pause between chunks (the rule, Tune's report) is left out of the window, so a watched
 trial's throughput is its requests' own; every trial of the search, the baseline included, is measured this way.
@@ -20,33 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.measure.load import run_phase
-from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize, to_records
+from pipeline.config import StudyConfig, TrialConfig
+from pipeline.measure.load import LoadRequest, run_phase
+from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize
 from pipeline.measure.openloop import run_open_loop
-from pipeline.records.tracking import KIND_TAG, Tracker
+from pipeline.records.tracking import Tracker
+from pipeline.records.trial_runs import baseline_trial, run_requests
+from pipeline.vocabulary.outcome import MEASURING
 from pipeline.search.stopping import BaselineFigures, StoppingPolicy, StopResult, VerifyCost, baseline_figures, check, rule_off
 from serve.spec import draft_token_count
 
-MEASURING = "MEASURING"  # the `outcome` of an intermediate Tune report: the trial is still measuring
-COMPLETE = "COMPLETE"  # pipeline.trial.lifecycle.Outcome.COMPLETE's value (trial imports this module, not the reverse)
-
 Progress = Callable[[list[RequestRecord], StopResult | None], None]
-
-
-def baseline_run(tracker: Tracker, parent_run_id: str) -> Any | None:
-    """The study's first COMPLETE baseline trial run in MLflow, or None."""
-    runs = [r for r in tracker.trial_runs(parent_run_id)
-            if r.data.tags.get(KIND_TAG) == "trial" and r.data.tags.get("outcome") == COMPLETE
-            and r.data.params.get("spec.algorithm") == "none"]
-    return min(runs, key=lambda r: r.info.start_time or 0) if runs else None
-
-
-def run_records(tracker: Tracker, run_id: str) -> list[RequestRecord]:
-    """A trial run's measured requests, from its `requests.parquet`."""
-    import pyarrow.parquet as pq
-
-    path = tracker.client().download_artifacts(run_id, "requests.parquet")
-    return [r for r in to_records(pq.read_table(path)) if r.phase == "measure"]
 
 
 @dataclass
@@ -119,11 +104,10 @@ def measure_phase(url: str, items: list[Any], kwargs: dict[str, Any], watch: Wat
     return records, None
 
 
-def trial_watch(study: Any, tracker: Tracker, parent_run_id: str, measure: Sequence[Any], config: Any,
-                progress: Progress | None) -> tuple[Watch | None, str]:
+def trial_watch(study: StudyConfig, tracker: Tracker, parent_run_id: str, measure: Sequence[LoadRequest],
+                config: TrialConfig, progress: Progress | None) -> tuple[Watch | None, str]:
     """The watch for one search trial and a note for its MLflow tag `early_stopping` (on, or why not).
-    None when early stopping is off: the trial is then measured in one piece, as before the switch existed.
-    `study` is a StudyConfig, `measure` the measurement LoadRequests, `config` the TrialConfig."""
+    None when early stopping is off: the trial is then measured in one piece, as before the switch existed."""
     budget = study.budget
     if not budget.early_stopping:
         return None, "off (budget.early_stopping: false)"
@@ -134,14 +118,14 @@ def trial_watch(study: Any, tracker: Tracker, parent_run_id: str, measure: Seque
     figures = None
     if off is None:
         try:
-            run = baseline_run(tracker, parent_run_id)
-            records = run_records(tracker, run.info.run_id) if run is not None else []
+            run = baseline_trial(tracker, parent_run_id)
+            records = run_requests(tracker, run.run_id) if run is not None else []
         except Exception as exc:  # noqa: BLE001 - the tracking store's trouble must not fail the trial: no stopping
             run, off = None, f"the baseline's run could not be read ({type(exc).__name__}: {str(exc)[:200]})"
         if off is None and run is None:
             off = "no baseline trial has completed yet: nothing to compare with"
         elif off is None and run is not None:
-            figures = baseline_figures(run.data.metrics.get("tput_tok_s"), records, budget.early_stopping_sigma)
+            figures = baseline_figures(run.tput_tok_s, records, budget.early_stopping_sigma)
             off = None if figures else "the baseline measured no throughput"
     policy = StoppingPolicy()
     watch = Watch(baseline=figures, total_requests=len(measure), draft_tokens=draft_token_count(config.spec),

@@ -16,9 +16,7 @@ from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
-from pipeline.search.pruning import MEASURING
-
-PRUNED = "PRUNED"  # pipeline.trial.lifecycle.Outcome.PRUNED's value
+from pipeline.vocabulary.outcome import MEASURING, Outcome
 
 
 def completion(result: dict[str, Any] | None, error: bool) -> tuple[dict[str, Any] | None, bool]:
@@ -26,7 +24,7 @@ def completion(result: dict[str, Any] | None, error: bool) -> tuple[dict[str, An
     outcome = (result or {}).get("outcome")
     if error:
         return result, error
-    if outcome == PRUNED:
+    if Outcome.read(outcome) is Outcome.PRUNED:
         return None, False  # OptunaSearch: no value and no error -> TrialState.PRUNED
     if outcome == MEASURING:
         return None, True  # OptunaSearch: no value and an error -> TrialState.FAIL

@@ -26,20 +26,19 @@ on first use after a restore.
 from __future__ import annotations
 
 import json
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.measure.summary import RequestRecord, to_records
+from pipeline.records.trial_runs import baseline_trial, run_requests
 from pipeline.search.draft_replay import draft_tables
-from pipeline.search.pruning import baseline_run
 from pipeline.search.simulated import Explored, Predicted, explore, misses, pick, point_key, rank
 from pipeline.search.space import SearchSpace, baseline_point, resolve
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.predict import PREDICTION_ATTR
 from pipeline.simulate.simulator import Simulator, base_cost, relative_error
 from pipeline.simulate.workload import Unsimulable, answers_of, corpus_automaton
+from pipeline.vocabulary.context import TrialContext
+from pipeline.vocabulary.outcome import NO_REPORT, Outcome
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec
 
@@ -47,9 +46,9 @@ __all__ = ["PREDICTION_ATTR", "SimulateFirstPlan"]
 
 
 class SimulateFirstPlan:
-    """Driver-side state of a simulate-first search. `ctx` is the study's TrialContext."""
+    """Driver-side state of a simulate-first search."""
 
-    def __init__(self, ctx: Any, space: SearchSpace) -> None:
+    def __init__(self, ctx: TrialContext, space: SearchSpace) -> None:
         self.ctx = ctx
         self.space = space
         settings = ctx.study.search.simulate
@@ -119,31 +118,34 @@ class SimulateFirstPlan:
 
     def on_complete(self, trial_id: str, result: dict[str, Any] | None) -> None:
         result = result or {}
-        outcome, run_id = str(result.get("outcome", "FAILED")), str(result.get("mlflow_run_id") or "")
+        # what the trial's report says (an error leaves none: NO_REPORT), kept as the record says it
+        said, run_id = str(result.get("outcome", NO_REPORT)), str(result.get("mlflow_run_id") or "")
+        outcome = Outcome.read(said)
         metric = self.ctx.study.objective.metrics[0]
-        entry: dict[str, Any] = {"outcome": outcome, "run_id": run_id, "measured": result.get(metric)
-                                 if outcome == "COMPLETE" else None, "error": None,
+        entry: dict[str, Any] = {"outcome": said, "run_id": run_id, "measured": result.get(metric)
+                                 if outcome is Outcome.COMPLETE else None, "error": None,
                                  "noise": result.get("tput_noise") if metric == "tput_tok_s" else None}
         self.outcomes[trial_id] = entry
         if trial_id == self.baseline_id:
-            if outcome != "COMPLETE":
-                self._fall_back(f"the baseline ended {outcome}: nothing to replay")
+            if outcome is not Outcome.COMPLETE:
+                self._fall_back(f"the baseline ended {said}: nothing to replay")
             return
         if trial_id not in self.predicted or self.fallback is not None:
             return
         predicted = self.predicted[trial_id]["figures"]
-        if outcome == "PRUNED":  # stopped early: it provably could not beat the baseline, a prediction that missed
+        # stopped early: it provably could not beat the baseline, a prediction that missed
+        if outcome is Outcome.PRUNED:
             entry["measured"] = result.get(metric)
             entry["error"] = relative_error(predicted.get(metric), entry["measured"])
             self._log_launch(trial_id, predicted, entry)
             self._judge(metric)
             self._log_study()
             return
-        if outcome != "COMPLETE":  # nothing measured (failed launch, refused config): the next best takes its place
+        if outcome is not Outcome.COMPLETE:  # nothing measured (failed launch, refused config): the next best instead
             room = self.ctx.study.budget.max_trials - self.budget
             if room > 0:
                 self.budget += 1
-                print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])} ended {outcome}: "
+                print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])} ended {said}: "
                       "launching the next predicted config in its place", flush=True)
             return
         entry["error"] = relative_error(predicted.get(metric), entry["measured"])
@@ -173,7 +175,7 @@ class SimulateFirstPlan:
             return False
         metric = self.ctx.study.objective.metrics[0]
         self.suggested.append(f"previous-{base.number}")
-        self.outcomes[self.suggested[-1]] = {"outcome": "COMPLETE", "run_id": "", "measured": base.value,
+        self.outcomes[self.suggested[-1]] = {"outcome": Outcome.COMPLETE.value, "run_id": "", "measured": base.value,
                                              "error": None}
         for t in trials:
             figures = t.user_attrs.get(PREDICTION_ATTR)
@@ -210,11 +212,11 @@ class SimulateFirstPlan:
 
     def _build(self) -> None:
         ctx, study = self.ctx, self.ctx.study
-        run = baseline_run(ctx.tracker, ctx.parent_run_id)
+        run = baseline_trial(ctx.tracker, ctx.parent_run_id)
         if run is None:
             raise ValueError("no COMPLETE baseline run in MLflow")
-        records = _all_records(ctx.tracker, run.info.run_id)
-        server_info = _server_info(ctx.tracker, run.info.run_id)
+        records = run_requests(ctx.tracker, run.run_id, phase=None)
+        server_info = _server_info(ctx, run.run_id)
         answers = answers_of(records)
         drafts, curve, draft_note = draft_tables(ctx, self.space, answers)
         simulator = Simulator(answers, ctx.warmup, ctx.measure, arrival=study.workload.arrival,
@@ -274,11 +276,11 @@ class SimulateFirstPlan:
 
     def _remember_launch(self, trial_id: str) -> None:
         entry = self.outcomes.get(trial_id)
-        if (entry is None or entry["outcome"] != "COMPLETE" or not entry["run_id"] or trial_id not in self.predicted
-                or entry.get("disturbed")):
+        if (entry is None or Outcome.read(entry["outcome"]) is not Outcome.COMPLETE or not entry["run_id"]
+                or trial_id not in self.predicted or entry.get("disturbed")):
             return
         config = resolve(self.space, self.predicted[trial_id]["params"], self.ctx.study).config
-        records = _all_records(self.ctx.tracker, entry["run_id"])
+        records = run_requests(self.ctx.tracker, entry["run_id"], phase=None)
         self._cache["launched"].append((config, records))
 
     def _refit(self, trial_id: str) -> None:
@@ -315,16 +317,12 @@ class SimulateFirstPlan:
         if not entry["run_id"]:
             return
         try:
-            client = self.ctx.tracker.client()
-            now = int(time.time() * 1000)
-            from mlflow.entities import Metric
-
             levels = self.predicted[trial_id].get("levels") or {}
-            metrics = [Metric(f"predicted_{k}", float(v), now, 0) for k, v in {**predicted, **levels}.items()]
+            metrics = {f"predicted_{k}": float(v) for k, v in {**predicted, **levels}.items()}
             if entry["error"] is not None:
-                metrics.append(Metric("prediction_error", float(entry["error"]), now, 0))
-            client.log_batch(entry["run_id"], metrics=metrics)
-            client.set_tag(entry["run_id"], "simulate.cost_launches", str(self.predicted[trial_id]["cost_launches"]))
+                metrics["prediction_error"] = float(entry["error"])
+            self.ctx.tracker.log_figures(entry["run_id"], metrics, tags={
+                "simulate.cost_launches": str(self.predicted[trial_id]["cost_launches"])})
         except Exception as exc:  # noqa: BLE001 - bookkeeping must not end the search
             print(f"[simulate-first] could not log the prediction of {trial_id}: {type(exc).__name__}: {exc}")
         measured = entry["measured"]
@@ -352,33 +350,19 @@ class SimulateFirstPlan:
 
     def _log_study(self) -> None:
         summary = self.summary()
+        metrics = {"simulate_launches": float(len(self.suggested))}
+        if summary["median_error"] is not None:
+            metrics["simulate_median_error"] = float(summary["median_error"])
         try:
-            client = self.ctx.tracker.client()
-            client.log_text(self.ctx.parent_run_id, json.dumps(summary, indent=2, default=str),
-                            "simulate/predictions.json")
-            if summary["median_error"] is not None:
-                client.log_metric(self.ctx.parent_run_id, "simulate_median_error", float(summary["median_error"]))
-            client.log_metric(self.ctx.parent_run_id, "simulate_launches", float(len(self.suggested)))
+            self.ctx.tracker.log_figures(self.ctx.parent_run_id, metrics, texts={
+                "simulate/predictions.json": json.dumps(summary, indent=2, default=str)})
         except Exception as exc:  # noqa: BLE001
             print(f"[simulate-first] could not log the predictions: {type(exc).__name__}: {exc}")
 
 
-def _all_records(tracker: Any, run_id: str) -> list[RequestRecord]:
-    """A trial run's requests, every phase, from its `requests.parquet`."""
-    import pyarrow.parquet as pq
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = tracker.client().download_artifacts(run_id, "requests.parquet", tmp)
-        return to_records(pq.read_table(path))
-
-
-def _server_info(tracker: Any, run_id: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = tracker.client().download_artifacts(run_id, "server_info.json", tmp)
-        except Exception:  # noqa: BLE001 - MLflow raises several types for "no such artifact"
-            return {}
-        data = json.loads(Path(path).read_text())
+def _server_info(ctx: TrialContext, run_id: str) -> dict[str, Any]:
+    text = ctx.tracker.artifact_text(run_id, "server_info.json")
+    data = json.loads(text) if text is not None else {}
     return data if isinstance(data, dict) else {}
 
 

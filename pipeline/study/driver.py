@@ -31,9 +31,11 @@ from pipeline.search.space.sampler import constrained_search_class
 from pipeline.search.strategy import enqueue_grid, resolve_strategy
 from pipeline.trial.replicas import delete_study_apps, start_standby, study_apps
 from pipeline.measure.window import flag
-from pipeline.trial.lifecycle import Outcome, TrialContext, replica_config, run_trial
+from pipeline.trial.lifecycle import run_trial
 from pipeline.trial.launches import record_launches
-from pipeline.trial.gate import reports_measurement
+from pipeline.trial.replica_config import replica_config
+from pipeline.vocabulary.context import TrialContext
+from pipeline.vocabulary.outcome import Outcome
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
 
@@ -67,7 +69,7 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                               "reason": result.reason[:300]}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
         # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/search/searcher.py)
-        value = result.objective(metric) if reports_measurement(result.outcome.value, ctx.study) else None
+        value = result.objective(metric) if result.outcome.reports_measurement else None
         report[metric] = float(value) if value is not None else SENTINEL[mode]
     if result.summary is not None:
         report["accept_len"] = result.summary.accept_len or 1.0

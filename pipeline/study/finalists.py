@@ -35,9 +35,11 @@ from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures
 from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
 from pipeline.measure.summary import RequestRecord, to_table
-from pipeline.trial.lifecycle import Checked, Outcome, TrialContext, measure_and_check
+from pipeline.trial.lifecycle import Checked, measure_and_check
 from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, NOT_COMPARED_DETERMINISTIC, baseline_pass, effective_mode
 from pipeline.trial.replicas import launch_fresh
+from pipeline.vocabulary.context import TrialContext
+from pipeline.vocabulary.outcome import Outcome
 
 NOISE_ARTIFACT = "study/baseline_noise.json"  # the baseline's self-divergence and the finalists' divergence, per level
 
@@ -159,7 +161,7 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
             metrics["equiv_p_value"] = report.noise.p_value
     ctx.tracker.log_trial(
         ctx.parent_run_id, study_name=ctx.study.name, run_name=p.label, kind="finalist",
-        config=p.config.model_dump(mode="json"), outcome=outcome.value, reason=reason, metrics=metrics,
+        config=p.config.model_dump(mode="json"), outcome=outcome, reason=reason, metrics=metrics,
         requests=to_table(m.records) if m.records else None, texts=texts, started_at=p.started_at,
         extra_tags={"finalist": name, "concurrency": str(p.level), "engine_launch": m.launch,
                     "arrival": ctx.study.workload.arrival.describe(p.level)})
@@ -204,15 +206,11 @@ def log_noise(ctx: TrialContext, selves: Sequence[SelfDivergence],
             "baseline": [s.model_dump() for s in selves],
             "finalists": {name: {str(level): entry for level, entry in levels.items()}
                           for name, levels in candidates.items()}}
+    metrics = {f"baseline_self_{key}_c{s.level}": float(value) for s in selves
+               for key, value in (("identical_share", s.identical_share), ("token_agreement", s.token_agreement),
+                                  ("first_div_p50", s.first_divergence_p50)) if value is not None}
     try:
-        client = ctx.tracker.client()
-        for s in selves:
-            figures = {"identical_share": s.identical_share, "token_agreement": s.token_agreement,
-                       "first_div_p50": s.first_divergence_p50}
-            for key, value in figures.items():
-                if value is not None:
-                    client.log_metric(ctx.parent_run_id, f"baseline_self_{key}_c{s.level}", float(value))
-        client.log_text(ctx.parent_run_id, json.dumps(body, indent=2), NOISE_ARTIFACT)
+        ctx.tracker.log_figures(ctx.parent_run_id, metrics, texts={NOISE_ARTIFACT: json.dumps(body, indent=2)})
     except Exception as exc:  # noqa: BLE001 - a record of the noise must not lose the study's result
         print(f"the baseline's self-divergence could not be logged: {type(exc).__name__}: {exc}")
     return body

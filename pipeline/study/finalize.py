@@ -10,7 +10,6 @@ action and writes the deployable winner (`deploy/`, carrying the policy) and `pr
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.compare import format_table, mark_constraints, rows_from_runs
+from pipeline.compare import format_table, mark_constraints
 from pipeline.config import TrialConfig
 from pipeline.trial.corpus import corpus_comparison, format_corpus_table
 from pipeline.atomic import write_text_atomic
@@ -35,8 +34,11 @@ from pipeline.redact import mask_url
 from pipeline.records.registry import register_config
 from pipeline.records.prediction_plot import prediction_plots
 from pipeline.records.report import write_report
+from pipeline.records.trial_runs import child_rows, trial_config
 from pipeline.study.resume import workload_digest
-from pipeline.trial.lifecycle import TrialContext, shipped_replica_config
+from pipeline.trial.engine_pass import shipped_replica_config
+from pipeline.vocabulary.context import TrialContext
+from pipeline.vocabulary.row import TrialRow
 from serve.engines import deploy_folder_report
 from serve.engines.base import ReplicaConfig
 from serve.serving import (COMMAND_FILE, HIGH_COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE,
@@ -48,13 +50,13 @@ HEADLINE_TEXT = "study/headline.txt"  # the headline as printed (also the parent
 RULE = "=" * 100
 
 
-def distinct_configs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def distinct_configs(rows: Sequence[TrialRow]) -> list[TrialRow]:
     """Rows in order, each config once (its first, i.e. fastest, row): a sampler may propose the same point twice,
     and re-measuring one config as two finalists would spend the re-runs on nothing."""
     seen: set[tuple] = set()
     out = []
     for row in rows:
-        key = (row["algorithm"], tuple(sorted(row["params"].items())))
+        key = (row.algorithm, tuple(sorted(row.params.items())))
         if key not in seen:
             seen.add(key)
             out.append(row)
@@ -70,17 +72,6 @@ def no_finalist_reason(finalists_setting: int, infeasible: bool) -> str:
                 "(the table holds the search's single measurements; set promotion.finalists >= 1 to decide)")
     return ("keep baseline: no speculative trial completed with outputs equivalent to the baseline's"
             + (" and within the SLA limits" if infeasible else ""))
-
-
-def trial_rows(ctx: TrialContext) -> list[dict[str, Any]]:
-    """The study's trials from MLflow, baseline first then by throughput."""
-    return rows_from_runs(ctx.tracker.trial_runs(ctx.parent_run_id))
-
-
-def _config_of(ctx: TrialContext, run_id: str) -> TrialConfig:
-    client = ctx.tracker.client()
-    path = client.download_artifacts(run_id, "trial_config.json")
-    return TrialConfig.model_validate(json.loads(Path(path).read_text()))
 
 
 def finalist_ids(names: list[str]) -> dict[str, str]:
@@ -99,14 +90,15 @@ def finalist_ids(names: list[str]) -> dict[str, str]:
 def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     """Print the trials, re-measure finalists, decide, promote; returns the exit code (0 also for keep-baseline)."""
     study = ctx.study
-    rows = mark_constraints(trial_rows(ctx), study.objective.constraints, study.search_concurrency)
+    rows = mark_constraints(child_rows(ctx.tracker, ctx.parent_run_id), study.objective.constraints,
+                            study.search_concurrency)
     print("\n" + format_table(rows), flush=True)
     corpus_cells = corpus_comparison(rows)  # a study that searched an external corpus: corpus vs none
     if corpus_cells:
         print("\nNGRAM external corpus vs none, at equal draft tokens:\n" + format_corpus_table(corpus_cells),
               flush=True)
-    ctx.tracker.log_vs_baseline({r["run_id"]: r["vs_baseline"] for r in rows if r.get("vs_baseline")})
-    base_row = next((r for r in rows if r["algorithm"] == "none" and r["outcome"] == "COMPLETE"), None)
+    ctx.tracker.log_vs_baseline({r.run_id: r.vs_baseline for r in rows if r.vs_baseline})
+    base_row = next((r for r in rows if r.baseline and r.complete), None)
     if base_row is None:
         reason = "no baseline measurement completed: nothing can be promoted (see the baseline trial's reason)"
         headline = search_only_headline(reason, None, study.search_concurrency, None)
@@ -116,26 +108,26 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
                                  texts={HEADLINE_TEXT: headline.text() + "\n"}, status="FAILED",
                                  description=headline.markdown())
         return 1
-    candidates = distinct_configs([r for r in rows if r["algorithm"] != "none" and r["outcome"] == "COMPLETE"])
-    finalists: list[dict[str, Any]] = []
+    candidates = distinct_configs([r for r in rows if not r.baseline and r.complete])
+    finalists: list[TrialRow] = []
     explanation = ""
     if study.promotion.finalists:
         choice = choose_finalists(candidates, study.objective.metrics, list(study.objective.modes),
                                   study.promotion.finalists)
-        finalists = [next(r for r in candidates if r["name"] == name) for name in choice.names]
+        finalists = [next(r for r in candidates if r.name == name) for name in choice.names]
         explanation = choice.explanation
-    base_config = _config_of(ctx, base_row["run_id"])
+    base_config = trial_config(ctx.tracker, base_row.run_id)
     model_name = study.tracking.registered_model or f"specdec-{study.name}"
     if not finalists:
         # Nothing to compare: re-measuring the baseline alone would decide nothing.
-        reason = no_finalist_reason(study.promotion.finalists, any(r.get("feasible") is False for r in candidates))
+        reason = no_finalist_reason(study.promotion.finalists, any(r.feasible is False for r in candidates))
         routing = RoutingPolicy(text="serve the baseline at every level (no finalist)", levels=list(study.concurrency),
                                 source=BASELINE)
-        version, serving = _promote(ctx, model_name, base_config, "keep_baseline", BASELINE, base_row["run_id"], {},
+        version, serving = _promote(ctx, model_name, base_config, "keep_baseline", BASELINE, base_row.run_id, {},
                                     routing)
-        fastest = max(candidates, key=lambda r: r["tput_tok_s"] or 0.0, default=None)
-        best = (fastest["name"], fastest["vs_baseline"]) if fastest and fastest.get("vs_baseline") else None
-        headline = search_only_headline(reason, base_row["tput_tok_s"], study.search_concurrency,
+        fastest = max(candidates, key=lambda r: r.tput_tok_s or 0.0, default=None)
+        best = (fastest.name, fastest.vs_baseline) if fastest and fastest.vs_baseline else None
+        headline = search_only_headline(reason, base_row.tput_tok_s, study.search_concurrency,
                                         _deploy(ctx, serving), best)
         ctx.tracker.finish_study(ctx.parent_run_id, tags={"decision": "keep_baseline", "winner": "",
                                                           "registered_model": model_name,
@@ -150,11 +142,11 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     runs, levels = study.promotion.runs, list(study.concurrency)
     print(f"\nre-measuring the baseline and {len(finalists)} finalist(s), {runs} fresh runs each, at concurrency "
           f"{levels} ...", flush=True)
-    labels = finalist_ids([row["name"] for row in finalists])
-    configs, run_ids, names = {BASELINE: base_config}, {BASELINE: base_row["run_id"]}, {BASELINE: base_row["name"]}
+    labels = finalist_ids([row.name for row in finalists])
+    configs, run_ids, names = {BASELINE: base_config}, {BASELINE: base_row.run_id}, {BASELINE: base_row.name}
     for config_id, row in zip(labels, finalists):
-        configs[config_id], run_ids[config_id], names[config_id] = (_config_of(ctx, row["run_id"]), row["run_id"],
-                                                                    row["name"])
+        configs[config_id], run_ids[config_id], names[config_id] = (trial_config(ctx.tracker, row.run_id), row.run_id,
+                                                                    row.name)
     with phase_echo(Path(ctx.output_dir) / "finalists"):  # a line per re-run while they run
         inputs = measure_levels(ctx, base_config, [(n, c) for n, c in configs.items() if n != BASELINE], levels,
                                 runs)
@@ -208,7 +200,7 @@ def _served_replica(ctx: TrialContext, config: TrialConfig) -> ReplicaConfig:
     return shipped_replica_config(ctx.study, config, ctx.warmup, Path(ctx.output_dir))[0]
 
 
-def write_study_report(ctx: TrialContext, ot_study: Any, rows: list[dict[str, Any]], headline: Headline,
+def write_study_report(ctx: TrialContext, ot_study: Any, rows: Sequence[TrialRow], headline: Headline,
                        levels: LevelsDecision | None = None, promoted: str | None = None) -> None:
     """HTML + PNGs beside the study and under the parent run's `report/` artifacts; never fails the study.
     `levels`: the per-level decision (its table and speed-up chart go in the page); `promoted`: the promoted trial's
@@ -275,20 +267,20 @@ def baseline_gap(search_tok_s: float, reruns_tok_s: Sequence[float]) -> tuple[fl
     return statistics.median([search_tok_s, *reruns_tok_s]), search_tok_s / reruns - 1
 
 
-def _baseline_gap(ctx: TrialContext, rows: list[dict[str, Any]], base_row: dict[str, Any],
+def _baseline_gap(ctx: TrialContext, rows: Sequence[TrialRow], base_row: TrialRow,
                   levels: LevelsDecision) -> dict[str, float]:
     """Say how far the search's baseline was from its re-runs, and re-log every trial's `vs_baseline` against the
     pooled baseline: the search compared each trial with one baseline run, the finalists with several."""
     level = next((r for r in levels.levels if r.level == ctx.study.search_concurrency), None)
     row = next((r for r in level.rows if r.id == BASELINE), None) if level else None
-    search = base_row.get("tput_tok_s")
+    search = base_row.tput_tok_s
     if row is None or not row.runs_tok_s or not search:
         return {}
     pooled, gap = baseline_gap(search, row.runs_tok_s)
     print(f"\nbaseline: the search measured {search:.2f} tok/s, its {len(row.runs_tok_s)} re-runs a median of "
           f"{statistics.median(row.runs_tok_s):.2f} ({gap:+.1%}); vs_baseline in MLflow is now against the pooled "
           f"median, {pooled:.2f} tok/s", flush=True)
-    ctx.tracker.log_vs_baseline({r["run_id"]: r["tput_tok_s"] / pooled for r in rows if r.get("tput_tok_s")})
+    ctx.tracker.log_vs_baseline({r.run_id: tput / pooled for r in rows if (tput := r.tput_tok_s)})
     return {"search_baseline_tok_s": search, "search_baseline_gap": gap, "baseline_pooled_tok_s": pooled}
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig
 from pipeline.errors import PipelineError
-from pipeline.search.pruning import MEASURING
+from pipeline.vocabulary.outcome import MEASURING
 
 IDENTITY_FILE = "identity.json"
 

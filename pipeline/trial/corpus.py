@@ -23,7 +23,7 @@ followed by its recorded answer when the workload has one (`output`, e.g. in a c
 `python -m pipeline.trial.corpus WORKLOAD OUT.jsonl [--target MODEL]` writes a whole workload (e.g. a merged capture) as a
 corpus, for the search space's corpus choices or `--speculative-ngram-external-corpus-path`.
 
-`corpus_comparison` / `format_corpus_table` (pure, over `pipeline.compare` rows): the study's "corpus vs no corpus"
+`corpus_comparison` / `format_corpus_table` (pure, over the study's trial rows): the study's "corpus vs no corpus"
 answer, printed after the trial table and shown in the HTML report. NGRAM trials are compared at equal
 `num_draft_tokens` only (a longer draft changes tok/s and accept length by itself): per draft length and corpus
 setting, the best trial's tok/s and accept length, its warm-up requests and SAM budget, and the corpus load time
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.vocabulary.row import TrialRow
 from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, ReplicaConfig, corpus_jsonl
 
 __all__ = ["main", "WARMUP_CORPUS", "SHARED_PREFIX", "CorpusFile", "CorpusCell", "corpus_documents", "write_corpus",
@@ -248,30 +249,23 @@ class CorpusCell:
     load_s: float | None
 
 
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def corpus_comparison(rows: Sequence[dict[str, Any]]) -> list[CorpusCell]:
+def corpus_comparison(rows: Sequence[TrialRow]) -> list[CorpusCell]:
     """Corpus vs no corpus at equal draft tokens (module docstring). Empty when no NGRAM trial used a corpus (a study
     without the corpus dimension has nothing to compare). Ordered by draft length, `none` first. Pure."""
-    done = [r for r in rows if r.get("algorithm") == "ngram" and r.get("outcome") == "COMPLETE"
-            and r.get("tput_tok_s") is not None and _int(r["params"].get("spec.num_draft_tokens")) is not None]
-    if not any(corpus_label(r["params"].get("spec.external_corpus")) != "none" for r in done):
+    done = [r for r in rows if r.algorithm == "ngram" and r.complete and r.tput_tok_s is not None
+            and r.whole("spec.num_draft_tokens") is not None]
+    if not any(corpus_label(r.params.get("spec.external_corpus")) != "none" for r in done):
         return []
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, str], list[TrialRow]] = {}
     for r in done:
-        key = (_int(r["params"]["spec.num_draft_tokens"]) or 0, corpus_label(r["params"].get("spec.external_corpus")))
+        key = (r.whole("spec.num_draft_tokens") or 0, corpus_label(r.params.get("spec.external_corpus")))
         groups.setdefault(key, []).append(r)
     cells = []
     for (draft, corpus), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "none", kv[0][1])):
-        best = max(members, key=lambda r: r["tput_tok_s"])
-        cells.append(CorpusCell(draft, corpus, len(members), best["name"], best["tput_tok_s"], best.get("accept_len"),
-                                best.get("vs_baseline"), _int(best["params"].get("spec.external_sam_budget")),
-                                _int(best["params"].get("trial.warmup_requests")), best.get("corpus_load_s")))
+        best = max(members, key=lambda r: r.tput_tok_s or 0.0)
+        cells.append(CorpusCell(draft, corpus, len(members), best.name, best.tput_tok_s or 0.0, best.accept_len,
+                                best.vs_baseline, best.whole("spec.external_sam_budget"),
+                                best.whole("trial.warmup_requests"), best.corpus_load_s))
     return cells
 
 

@@ -7,16 +7,15 @@
   launch (same allocator state, same CUDA graphs) understates it. Cost: one launch and measurement of the baseline.
   It still measures decode kernels against decode kernels, where a trial's verify runs extend kernels over a tree
   mask, so a lossless trial may diverge systematically more than the reference: a NOT_EQUIVALENT verdict here is
-  not reported to the search as a measurement (`reports_measurement`), and finalists are judged again at every level
-  against the baseline's fresh re-runs (`pipeline.study.finalists`).
+  not reported to the search as a measurement (`Outcome.reports_measurement`), and finalists are judged again at every
+  level against the baseline's fresh re-runs (`pipeline.study.finalists`).
 - `deterministic`: the baseline and every compared trial measure once more on an engine started with the engine
   kind's deterministic-inference flags (`Engine.deterministic_flags`; SGLang's `--enable-deterministic-inference`),
   whose greedy outputs do not depend on the batch; those outputs must be identical, while the trial's throughput is
   the one measured without the flags. Cost: one more launch and measurement per compared trial and for the baseline
   (a different command line cannot share a launch). On an engine that is batch-invariant as it is (the CPU engine
   in fp32) `deterministic` is `exact`, with no extra launch.
-Each measurement runs through the trial's own `measure` (`pipeline.trial.lifecycle.measure_config`), handed in by
-the caller: this module does not import the lifecycle, which imports it.
+Each measurement runs through the trial's own pass (`pipeline.trial.engine_pass.measure_config`).
 
 Finalists are compared with the baseline's re-runs at their own level instead (`pipeline.study.finalists`).
 """
@@ -25,47 +24,47 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import StudyConfig, TrialConfig
 from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.noise import run_outputs, self_divergence
 from pipeline.measure.summary import RequestRecord
-from pipeline.search.pruning import baseline_run
+from pipeline.records.trial_runs import baseline_trial
+from pipeline.trial.engine_pass import measure_config
 from pipeline.trial.replicas import launch_fresh
+from pipeline.vocabulary.context import TrialContext
 from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 
-__all__ = ["NOISE_ARTIFACT", "DETERMINISTIC_ARTIFACT", "NOT_COMPARED_DETERMINISTIC", "effective_mode", "deterministic_flags", "with_flags",
-           "records_json", "records_from_json", "baseline_pass", "Passes", "baseline_passes", "Verdict",
-           "judge_trial", "reports_measurement"]
+__all__ = ["NOISE_ARTIFACT", "DETERMINISTIC_ARTIFACT", "NOT_COMPARED_DETERMINISTIC", "effective_mode",
+           "deterministic_flags", "with_flags", "records_json", "records_from_json", "baseline_pass", "Passes",
+           "baseline_passes", "Verdict", "judge_trial"]
 
 NOISE_ARTIFACT = "equivalence/noise_requests.json"
 DETERMINISTIC_ARTIFACT = "equivalence/deterministic_requests.json"
 NOT_COMPARED_DETERMINISTIC = ("the baseline has no deterministic-inference pass (it failed, or the engine refused "
                               "its flags), so no output of the search was compared with it")
 
-# measure(ctx, config, label, log_dir) -> a Measurement (records, failure, launches), as the lifecycle's
-Measure = Callable[[Any, Any, str, Path], Any]
 
-
-def deterministic_flags(study: Any) -> list[str] | None:
+def deterministic_flags(study: StudyConfig) -> list[str] | None:
     """What the study's engine kind adds to start deterministically ([] = batch-invariant as it is)."""
     engine = study.engine
     return engine_for(engine.kind).deterministic_flags(ReplicaConfig(engine=engine.kind, model=study.model.target,
                                                                      dtype=study.model.dtype, device=engine.device))
 
 
-def effective_mode(study: Any) -> str:
+def effective_mode(study: StudyConfig) -> str:
     """The study's equivalence mode as it runs: `deterministic` on a batch-invariant engine is `exact`."""
     mode = study.promotion.equivalence
     return "exact" if mode == "deterministic" and not deterministic_flags(study) else mode
 
 
-def with_flags(ctx: Any, flags: Sequence[str]) -> Any:
-    """`ctx` (a TrialContext) whose engines start with `flags` added to `engine.extra_flags`."""
+def with_flags(ctx: TrialContext, flags: Sequence[str]) -> TrialContext:
+    """`ctx` whose engines start with `flags` added to `engine.extra_flags`."""
     study = ctx.study
     engine = study.engine.model_copy(update={"extra_flags": [*study.engine.extra_flags, *flags]})
     return dataclasses.replace(ctx, study=study.model_copy(update={"engine": engine}))
@@ -84,16 +83,11 @@ def records_from_json(text: str) -> list[RequestRecord]:
     return out
 
 
-def baseline_pass(ctx: Any, artifact: str) -> list[RequestRecord] | None:
+def baseline_pass(ctx: TrialContext, artifact: str) -> list[RequestRecord] | None:
     """The records of a pass (`artifact`) of the study's COMPLETE baseline trial, None when it has none."""
-    run = baseline_run(ctx.tracker, ctx.parent_run_id)
-    if run is None:
-        return None
-    try:
-        path = ctx.tracker.client().download_artifacts(run.info.run_id, artifact)
-    except Exception:  # noqa: BLE001 - MLflow raises its own errors for a missing artifact
-        return None
-    return records_from_json(Path(path).read_text())
+    run = baseline_trial(ctx.tracker, ctx.parent_run_id)
+    text = ctx.tracker.artifact_text(run.run_id, artifact) if run is not None else None
+    return records_from_json(text) if text is not None else None
 
 
 @dataclass
@@ -107,12 +101,8 @@ class Passes:
     problem: str | None = None
 
 
-def _failure(m: Any) -> str | None:
-    return f"{m.failure[0].value}: {m.failure[1]}" if m.failure else None
-
-
-def baseline_passes(ctx: Any, config: Any, records: Sequence[RequestRecord], label: str, log_dir: Path,
-                    measure: Measure) -> Passes:
+def baseline_passes(ctx: TrialContext, config: TrialConfig, records: Sequence[RequestRecord], label: str,
+                    log_dir: Path) -> Passes:
     """After the baseline trial's measurement (`records`): its noise pass (`baseline-noise`) or its deterministic
     pass."""
     out = Passes()
@@ -121,9 +111,9 @@ def baseline_passes(ctx: Any, config: Any, records: Sequence[RequestRecord], lab
     mode = effective_mode(ctx.study)
     if mode == "baseline-noise":
         launch_fresh(ctx.study.name)  # the reference's noise comes from another launch, as every trial's does
-        m = measure(ctx, config, f"{label}-noise", log_dir / "noise")
+        m = measure_config(ctx, config, f"{label}-noise", log_dir / "noise")
         out.texts[NOISE_ARTIFACT], out.launches = records_json(m.records), m.launches
-        out.problem = _failure(m)
+        out.problem = m.failure_text()
         if out.problem is None:
             own = self_divergence(config.concurrency, [run_outputs(records), run_outputs(m.records)])
             out.metrics = {f"self_{k}": float(v) for k, v in (("identical_share", own.identical_share),
@@ -131,10 +121,10 @@ def baseline_passes(ctx: Any, config: Any, records: Sequence[RequestRecord], lab
                                                               ("first_div_p50", own.first_divergence_p50))
                            if v is not None}
     elif mode == "deterministic":
-        m = measure(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
-                    log_dir / "deterministic")
+        m = measure_config(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
+                           log_dir / "deterministic")
         out.texts[DETERMINISTIC_ARTIFACT], out.launches = records_json(m.records), m.launches
-        out.problem = _failure(m)
+        out.problem = m.failure_text()
     if out.problem:
         out.texts.pop(NOISE_ARTIFACT, None)
         out.texts.pop(DETERMINISTIC_ARTIFACT, None)
@@ -151,8 +141,8 @@ class Verdict:
     launches: int = 0
 
 
-def judge_trial(ctx: Any, config: Any, records: Sequence[RequestRecord], label: str, log_dir: Path,
-                measure: Measure, baseline: Sequence[RequestRecord] | None) -> Verdict:
+def judge_trial(ctx: TrialContext, config: TrialConfig, records: Sequence[RequestRecord], label: str, log_dir: Path,
+                baseline: Sequence[RequestRecord] | None) -> Verdict:
     """A speculative trial's outputs against the baseline's, by the study's mode (module docstring). `baseline`: the
     baseline trial's measured outputs (None: it did not complete)."""
     policy = ctx.study.promotion
@@ -176,19 +166,11 @@ def judge_trial(ctx: Any, config: Any, records: Sequence[RequestRecord], label: 
     reference = baseline_pass(ctx, DETERMINISTIC_ARTIFACT)
     if reference is None:  # its pass failed or SGLang refused it: the trial's figure stands, it is never promoted
         return Verdict(None, f"not compared: {NOT_COMPARED_DETERMINISTIC}")
-    m = measure(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
-                log_dir / "deterministic")
+    m = measure_config(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
+                       log_dir / "deterministic")
     if m.failure:
-        return Verdict(False, f"the deterministic-inference pass failed, so equivalence is not shown: {_failure(m)}",
-                       launches=m.launches)
+        return Verdict(False, f"the deterministic-inference pass failed, so equivalence is not shown: "
+                              f"{m.failure_text()}", launches=m.launches)
     report = judge("deterministic", reference, [m.records], threshold=1.0)
     return Verdict(report.passed, report.reason, report, m.launches)
 
-
-def reports_measurement(outcome: str, study: Any) -> bool:
-    """Whether a finished search trial tells Optuna its measured objective (else the worst value): COMPLETE and
-    PRUNED do, NOT_EQUIVALENT never. Under `baseline-noise` the verdict may be a false reject, but the reference
-    measures decode kernels and the trial verify kernels over a tree mask (module docstring): a config that diverges
-    by its kernels, not by luck, would otherwise keep pulling the search to a region no finalist can come from.
-    `study` is kept for callers that pass it."""
-    return outcome in ("COMPLETE", "PRUNED")

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from pipeline.config import StudyConfig
+from pipeline.records.trial_runs import child_rows
+from pipeline.search.space import Resolution
 from pipeline.trial.gate import effective_mode
+from pipeline.vocabulary.context import TrialContext
 from serve.engines.base import ReplicaConfig
 from serve.replica.sharing import can_share
 
@@ -40,9 +43,9 @@ class LaunchPlan:
         return self.trials + self.deterministic + self.noise + self.finalists_unshared
 
 
-def plan_launches(study: Any, resolutions: Sequence[Any]) -> LaunchPlan:
-    """Launches of `study` (a StudyConfig) if its search ran the sampled `resolutions` (pipeline.search.space
-    Resolutions, the baseline first) in that order in one trial process. Pure."""
+def plan_launches(study: StudyConfig, resolutions: Sequence[Resolution]) -> LaunchPlan:
+    """Launches of `study` if its search ran the sampled `resolutions` (the baseline first) in that order in one trial
+    process. Pure."""
     # Only what varies between a study's trials decides whether two of them share a launch; the study's own engine
     # settings are the same for all (and the trial lifecycle, which builds the full config, imports Ray).
     configs = [ReplicaConfig(engine=study.engine.kind, model=study.model.target, spec=r.config.spec,
@@ -57,7 +60,7 @@ def plan_launches(study: Any, resolutions: Sequence[Any]) -> LaunchPlan:
                       finalists_unshared=runs * len(study.concurrency))
 
 
-def format_plan(study: Any, plan: LaunchPlan) -> str:
+def format_plan(study: StudyConfig, plan: LaunchPlan) -> str:
     """The plan as the dry run prints it (comment lines)."""
     lines = [f"# engine launches, if the search ran these configs in this order in one trial process: {plan.total} "
              f"({plan.unshared} without launch sharing)",
@@ -75,14 +78,14 @@ def format_plan(study: Any, plan: LaunchPlan) -> str:
     return "\n".join(lines)
 
 
-def record_launches(ctx: Any) -> int:
+def record_launches(ctx: TrialContext) -> int:
     """Sum the study's `engine_launches` (every trial and finalist run's, logged with it) onto the study run;
     returns the sum. Never fails the study."""
     try:
-        runs = ctx.tracker.trial_runs(ctx.parent_run_id)
-        total = int(sum(r.data.metrics.get("engine_launches", 0) for r in runs))
-        passes = sum(1 for r in runs if "engine_launches" in r.data.metrics)
-        ctx.tracker.client().log_metric(ctx.parent_run_id, "engine_launches", float(total))
+        counts = [n for r in child_rows(ctx.tracker, ctx.parent_run_id, kind=None)
+                  if (n := r.metric("engine_launches")) is not None]
+        total, passes = int(sum(counts)), len(counts)
+        ctx.tracker.log_figures(ctx.parent_run_id, {"engine_launches": float(total)})
         print(f"engine launches: {total} for {passes} measured trial and finalist runs", flush=True)
         return total
     except Exception as exc:  # noqa: BLE001 - bookkeeping must never fail the study

@@ -1,95 +1,32 @@
-"""One trial's lifecycle: validate -> start the engine -> read back -> flush -> warm up -> measure -> compare -> record.
+"""One trial's lifecycle: validate -> measure (`pipeline.trial.engine_pass`: start the engine, read back, flush, warm
+up, measure) -> compare (`pipeline.trial.gate`) -> record.
 
 Every way a trial can end is an `Outcome`, recorded in MLflow with its reason and logs; nothing here raises for a bad
-config or a dead engine. The engine runs behind a Ray Serve app named `<study>~trial-<label>` (route the same), which
-the process keeps for its next trial: that trial restarts only the engine in it (pipeline/trial/replicas.py); after any
-engine or replica failure the app is deleted and the next trial deploys a fresh one.
+config or a dead engine.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
-
-from pipeline.config import StudyConfig, TrialConfig
-from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, listed_corpora, ship_corpus
+from pipeline.config import TrialConfig
 from pipeline.decide.equivalence import EquivalenceReport
-from pipeline.measure.load import LoadRequest, run_phase
-from pipeline.measure.shape import engine_has_table, study_probe
 from pipeline.measure.summary import RequestRecord, Summary, summarize, to_table
-from pipeline.measure.window import Window, judge_window, window_record
-from pipeline.search.pruning import Progress, Watch, baseline_run, measure_phase, run_records, stop_metrics, trial_watch
+from pipeline.measure.window import Window, window_record
 from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label, params_label
-from pipeline.records.tracking import Tracker
-from pipeline.trial.gate import baseline_passes, judge_trial
-from pipeline.trial.replica_config import replica_config
-from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, release, start_engine
+from pipeline.records.trial_runs import baseline_trial, run_requests
+from pipeline.search.pruning import Progress, Watch, stop_metrics, trial_watch
 from pipeline.search.space import Resolution
-from serve.engines import engine_for, pinned_settings
-from serve.engines.base import ConfigRejected, ReplicaConfig
-from serve.engines.spec_flags import effective_diff, effective_settings
-from serve.replica.deployment import START_TIMEOUT_MARKER, log_tail
-from serve.replica.usage import Usage
-
-FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
-FLUSH_DEADLINE_S = 120.0
-
-
-class Outcome(str, enum.Enum):
-    COMPLETE = "COMPLETE"
-    INVALID = "INVALID"
-    LAUNCH_FAILED = "LAUNCH_FAILED"
-    UNHEALTHY = "UNHEALTHY"
-    TIMEOUT = "TIMEOUT"
-    NOT_EQUIVALENT = "NOT_EQUIVALENT"
-    PRUNED = "PRUNED"
-
-
-@dataclass(frozen=True)
-class TrialContext:
-    """What every trial of a study shares. Picklable: it travels to Tune's trial processes."""
-
-    study: StudyConfig
-    output_dir: str
-    serve_url: str
-    tracker: Tracker
-    parent_run_id: str
-    warmup: tuple[LoadRequest, ...]
-    measure: tuple[LoadRequest, ...]
-    # simulate-first (pipeline/search/simulate_first.py): prompts the baseline answers after its measurement, in a
-    # `reference` phase, so that the simulator has every warm-up answer; empty otherwise
-    reference: tuple[LoadRequest, ...] = ()
-
-
-
-@dataclass
-class Measurement:
-    """What one deploy-and-measure pass produced (a trial, or one finalist re-run)."""
-
-    records: list[RequestRecord] = field(default_factory=list)
-    server_info: dict[str, Any] = field(default_factory=dict)
-    diffs: dict[str, tuple[object, object]] = field(default_factory=dict)
-    engine_log: str = ""
-    failure: tuple[Outcome, str] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    corpus: dict[str, float] = field(default_factory=dict)  # corpus documents/bytes/tokens/load seconds
-    replica: str = ""  # where the engine started: "reused" live replica, the study's "standby", a "new" app
-    launch: str = ""  # "new" engine launch, or "shared" with the previous config's (serve/replica/sharing.py)
-    launches: int = 0  # engine launches this pass cost (equivalence passes add theirs: pipeline/trial/gate.py)
-    windows: list[Window] = field(default_factory=list)  # every measurement window, the recorded one last
-
-    @property
-    def remeasured(self) -> int:
-        """Windows measured again because other work disturbed them."""
-        return max(0, len(self.windows) - 1)
+from pipeline.trial.engine_pass import measure_config
+from pipeline.trial.gate import baseline_passes, judge_trial
+from pipeline.vocabulary.context import Measurement, TrialContext
+from pipeline.vocabulary.outcome import Outcome
+from serve.engines import engine_for
+from serve.engines.spec_flags import effective_settings
 
 
 @dataclass
@@ -115,245 +52,6 @@ class TrialResult:
 
     def objective(self, metric: str) -> float | None:
         return getattr(self.summary, metric, None) if self.summary else None
-
-
-def shipped_replica_config(study: StudyConfig, trial: TrialConfig, warmup: Any,
-                           log_dir: Path) -> tuple[ReplicaConfig, CorpusFile | None]:
-    """`replica_config` with the trial's corpus resolved (`corpus_for_trial`: the `warmup` choice written from the
-    warm-up split, a user file read) and its documents shipped in the config, so a replica on any node can load it.
-    Trials and promotion both use it. ValueError for a corpus that cannot be used."""
-    trial, corpus = corpus_for_trial(trial, warmup, log_dir, target=study.model.target)
-    return ship_corpus(replica_config(study, trial, log_dir), corpus), corpus
-
-
-def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | None:
-    """`/flush_cache` until it succeeds; the last refusal after `deadline_s`, else None.
-
-    SGLang refuses a flush (400) while any request is queued or running (a trial's own last request may still be
-    finishing), so one refusal is expected: ask it to wait for idle (`?timeout=`), then retry. Serve's health checks
-    do not generate (`serve.engines.sglang.HEALTH_ENV`)."""
-    deadline, answer = time.monotonic() + deadline_s, ""
-    while True:
-        response = client.post("/flush_cache", params={"timeout": FLUSH_WAIT_S}, timeout=FLUSH_WAIT_S + 30)
-        if response.status_code == 200:
-            return None
-        answer = f"{response.status_code}: {response.text[:300]}"
-        if time.monotonic() >= deadline:
-            return f"/flush_cache was refused for {deadline_s:.0f} s (last answer {answer})"
-        time.sleep(0.5)
-
-
-def _engine_log(url: str | None, log_dir: Path) -> str:
-    try:
-        response = httpx.get(f"{url}/replica/log", timeout=10) if url else None
-        if response is not None and response.status_code == 200:
-            return response.text
-    except httpx.HTTPError:
-        pass
-    return "\n".join(log_tail(p, 200_000) for p in sorted(log_dir.glob("engine-*.log")))
-
-
-class TrialFailure(Exception):
-    """A step of `measure_config` that ended the pass: the outcome it means and why. Raised by the steps, turned
-    into `Measurement.failure` in one place."""
-
-    def __init__(self, outcome: Outcome, reason: str) -> None:
-        super().__init__(reason)
-        self.outcome, self.reason = outcome, reason
-
-
-def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: Path,
-                   watch: Watch | None = None) -> Measurement:
-    """Start `trial`'s engine (a restart in this process's live replica, else a fresh app), read back, flush, warm
-    up, measure; the app stays for the next trial unless anything failed. Never raises for engine trouble: each step
-    raises `TrialFailure`, recorded as `Measurement.failure`.
-    With a `watch` (a search trial with early stopping on) the measurement runs in chunks of `concurrency` requests
-    and stops as PRUNED when the watch's rule says so.
-
-    The engine kind's node checks and preflight run inside the replica (on the node that runs the engine); a config
-    the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
-    LAUNCH_FAILED. A measurement window that other work disturbed (`pipeline.measure.window`) is measured again,
-    after a flush and the same warm-up, at most `workload.remeasure` times; every window is kept in `windows`."""
-    out = Measurement()
-    started = time.monotonic()
-    clean = False  # measured without an engine or replica failure: the app may serve the next trial
-    try:
-        try:  # a corpus travels in the replica's config: the engine may run on a node without the driver's files
-            config, corpus = shipped_replica_config(ctx.study, trial, ctx.warmup, log_dir)
-        except ValueError as exc:
-            raise TrialFailure(Outcome.INVALID, str(exc)) from None
-        problem = cluster_cannot_host(config)
-        if problem:
-            raise TrialFailure(Outcome.LAUNCH_FAILED, problem)
-        url = _start(ctx, trial, label, config, log_dir, out, started)
-        _read_back(url, config, corpus, log_dir, out)
-        _measure(ctx, trial, url, watch, log_dir, out)
-        clean = out.failure is None or out.failure[0] is Outcome.PRUNED
-    except TrialFailure as failure:
-        out.failure = (failure.outcome, failure.reason)
-    except (httpx.HTTPError, ValueError) as exc:
-        out.failure = (Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
-    finally:
-        tried = live_app(ctx.study.name)  # the app this trial started its engine in (also when that failed)
-        out.engine_log = _engine_log(tried.url if tried else None, log_dir)
-        if not clean:
-            release(ctx.study.name)
-        out.timings["total_s"] = time.monotonic() - started
-    return out
-
-
-def _start(ctx: TrialContext, trial: TrialConfig, label: str, config: ReplicaConfig, log_dir: Path,
-           out: Measurement, started: float) -> str:
-    """The engine running and healthy; its URL."""
-    note_phase(log_dir, "engine", config=config_label(trial))
-    try:
-        live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config,  # a cold node's allowance too
-                                         engine_for(config.engine).start_timeout_s(config, cold=True) + 60)
-    except TimeoutError as exc:
-        raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
-    except RuntimeError as exc:
-        message = str(exc)
-        if ConfigRejected.MARKER in message:
-            raise TrialFailure(Outcome.INVALID,
-                               message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]) from None
-        # an engine that did not get ready in time is a TIMEOUT (a cold node's first launch), not a broken one
-        raise TrialFailure(Outcome.TIMEOUT if START_TIMEOUT_MARKER in message else Outcome.LAUNCH_FAILED,
-                           message) from None
-    out.timings["deploy_s"] = time.monotonic() - started
-    return live.url
-
-
-def _read_back(url: str, config: ReplicaConfig, corpus: CorpusFile | None, log_dir: Path,
-               out: Measurement) -> None:
-    """What the engine says it runs (`/server_info`, the replica's argv and launch), diffed against what was asked."""
-    with httpx.Client(base_url=url, timeout=30) as client:
-        replica = client.get("/replica/argv").json()
-        launch = launch_of(replica, config)  # start phases' seconds, shared or not, the launch's own config
-        out.timings.update(launch.timings)
-        out.launch, out.launches = ("shared" if launch.shared else "new"), launch.launches
-        if isinstance(replica.get("startup_s"), (int, float)):
-            out.timings["engine_start_s"] = float(replica["startup_s"])
-        note_phase(log_dir, "ready", phases=replica.get("phases"), **out.timings)
-        prepared = replica.get("prepared") or {}
-        out.server_info = client.get("/server_info").json()
-        out.server_info.update(replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
-                               **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}),
-                               node_checks=prepared)
-        preflight = out.server_info.get("preflight")
-        if isinstance(preflight, dict) and preflight.get("ok"):
-            out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
-                                            preflight["resolved"]))
-        out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests, out.server_info,
-                                        pinned_settings(launch.config)))
-        listed = listed_corpora(client) if config.spec.algorithm == "ngram" else None
-        if listed is not None:  # the trial's record of what its engine held (SGLang's list route)
-            out.server_info["list_external_corpora"] = listed
-        out.corpus, held_wrong = corpus_record(listed, replica.get("corpus"), corpus)  # load time: every start
-        if held_wrong:
-            raise TrialFailure(Outcome.LAUNCH_FAILED, held_wrong)
-
-
-def _flush(url: str) -> None:
-    with httpx.Client(base_url=url, timeout=30) as client:
-        refused = flush(client)
-    if refused:
-        raise TrialFailure(Outcome.TIMEOUT, refused)
-
-
-def usage(url: str) -> Usage | None:
-    """The engine's node's CPU counters now (`/replica/usage`), None when the replica cannot say."""
-    try:
-        response = httpx.get(f"{url}/replica/usage", timeout=30)
-        return Usage.model_validate(response.json()) if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | None, log_dir: Path,
-             out: Measurement) -> None:
-    """Flush, warm up, measure; again (flush and the same warm-up first) while the window was disturbed, at most
-    `workload.remeasure` times; then the baseline's `reference` phase. `out.records` holds the warm-up and the last
-    window's measured requests."""
-    study = ctx.study
-    kwargs = dict(concurrency=trial.concurrency, temperature=study.workload.temperature,
-                  timeout_s=study.engine.request_timeout_s)
-    # warmup_requests may exceed the warm-up split: cycle it (the trie then sees some prompts twice).
-    warm = [ctx.warmup[i % len(ctx.warmup)] for i in range(trial.warmup_requests)] if ctx.warmup else []
-    baseline = trial.spec.algorithm == "none"
-    settle, flush_after = settle_requests(ctx.measure, ctx.warmup) if baseline else ([], False)
-    warm += settle
-    measured: list[RequestRecord] = []
-    pruned: str | None = None
-    for attempt in range(study.workload.remeasure + 1):
-        _flush(url)
-        phase_start = time.monotonic()
-        note_phase(log_dir, "warmup", requests=len(warm), attempt=attempt)
-        warmed = run_phase(url, warm, phase="warmup", **kwargs) if warm else []
-        if flush_after:
-            _flush(url)
-        out.timings["warmup_s"] = time.monotonic() - phase_start
-        phase_start = time.monotonic()
-        note_phase(log_dir, "measure", requests=len(ctx.measure), attempt=attempt)
-        before = usage(url)
-        measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
-                                         arrival=study.workload.arrival, seed=study.seed)
-        window = judge_window(before, usage(url), [r for r in measured if r.phase == "measure"],
-                              wait_limit=study.workload.wait_limit,
-                              steal_limit=study.workload.steal_limit)
-        out.windows.append(window)
-        out.timings["measure_s"] = time.monotonic() - phase_start
-        out.records = warmed + measured
-        note_phase(log_dir, "window", attempt=attempt, check=window.line())
-        # A disturbed window is measured again, also when early stopping stopped it: a config slowed by other work
-        # is not a slow config.
-        if not window.disturbed or lost_requests(measured):
-            break
-    try:
-        after = httpx.get(f"{url}/server_info", timeout=30).json()
-        out.server_info["internal_states_after"] = after.get("internal_states")
-    except (httpx.HTTPError, ValueError):
-        pass
-    if baseline and ctx.reference and not lost_requests(measured):
-        answered = {r.prompt_index for r in out.records if r.ok}
-        todo = [item for item in ctx.reference if item.index not in answered]
-        phase_start = time.monotonic()
-        out.records += run_phase(url, todo, phase="reference", **kwargs) if todo else []
-        out.timings["reference_s"] = time.monotonic() - phase_start
-    # --- simulate-first on an engine that reports no round table (SGLang, llama-server): its verify-cost shape,
-    # measured over its HTTP API now and recorded as the baseline's `verify_cost` (pipeline/measure/shape.py) ---
-    if baseline and ctx.reference and not lost_requests(measured) and not engine_has_table(out.server_info):
-        phase_start = time.monotonic()
-        out.server_info["verify_cost"] = study_probe(url, study, out.server_info)
-        out.timings["shape_probe_s"] = time.monotonic() - phase_start
-        note_phase(log_dir, "shape-probe", check=out.server_info["verify_cost"].get("window"))
-    # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
-    out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
-
-
-def settle_requests(measure: Sequence[LoadRequest], warmup: Sequence[LoadRequest]
-                    ) -> tuple[list[LoadRequest], bool]:
-    """The baseline's settle pass, recorded as warm-up, never measured, and whether the engine must be flushed after
-    it. The baseline has no draft state to warm, but it is the study's first trial: measured at once it ran 9-15%
-    below its own re-runs (start-up work of Ray, Serve, the standby replica and MLflow still running, and an engine's
-    first requests paying first-use costs), which inflated every `vs_baseline` of the search and lowered early
-    stopping's bar. As many requests as are measured, drawn from the warm-up split (cycled): the measured prompts
-    themselves would stay in SGLang's radix cache (the trial's flush runs before its warm-up), and the baseline's
-    measured prefills would be cache hits that no other trial gets. Without a warm-up split: the measured prompts,
-    then a flush (True). Pure."""
-    if warmup:
-        return [warmup[i % len(warmup)] for i in range(len(measure))], False
-    return list(measure), bool(measure)
-
-
-def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
-    """A measurement that lost any request is no measurement: its throughput counts less work, and a missing output
-    cannot be compared (it would read as NOT_EQUIVALENT). TIMEOUT when every loss was a timeout, else UNHEALTHY."""
-    failed = [r for r in measured if r.error]
-    if not failed:
-        return None
-    kind = Outcome.TIMEOUT if all("timeout" in (r.error or "") for r in failed) else Outcome.UNHEALTHY
-    return kind, (f"{len(failed)} of {len(measured)} measured requests failed (prompts "
-                  f"{sorted(r.prompt_index for r in failed)}); first: {failed[0].error}")
 
 
 def _node_id() -> str:
@@ -397,7 +95,7 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
         m, outcome, reason = checked.measurement, checked.outcome, checked.reason
         summary, equivalence = checked.summary, checked.equivalence
         if outcome is Outcome.COMPLETE:
-            passes = baseline_passes(ctx, config, m.records, label, trial_dir, measure_config)
+            passes = baseline_passes(ctx, config, m.records, label, trial_dir)
             gate_texts, gate_metrics, m.launches = passes.texts, passes.metrics, m.launches + passes.launches
             if passes.problem:
                 reason = f"its equivalence pass failed, so no trial can be compared with it: {passes.problem}"
@@ -428,7 +126,7 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
         ctx.parent_run_id, study_name=study.name, kind="trial", trial_id=label,
         run_name=config_label(config) if config else params_label(resolution.params),
         config=config.model_dump(mode="json") if config else {"spec": {"algorithm": resolution.params.get("algorithm")}},
-        outcome=outcome.value, reason=reason, metrics=metrics, requests=to_table(m.records) if m.records else None,
+        outcome=outcome, reason=reason, metrics=metrics, requests=to_table(m.records) if m.records else None,
         texts=texts, extra_tags={"optuna.params": json.dumps(resolution.params, default=str)[:4000],
                                  "trial_node_id": _node_id(), "early_stopping": stopping_note,
                                  "replica_node_id": str(m.server_info.get("replica_node_id") or ""),
@@ -472,19 +170,19 @@ def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_di
 def baseline_outputs(ctx: TrialContext) -> list[RequestRecord] | None:
     """The measured outputs of the study's COMPLETE baseline trial, from its MLflow run's `requests.parquet`; None
     when no baseline completed. Read from storage, not a folder, so any driver on any node finds them."""
-    run = baseline_run(ctx.tracker, ctx.parent_run_id)
-    return run_records(ctx.tracker, run.info.run_id) if run is not None else None
+    run = baseline_trial(ctx.tracker, ctx.parent_run_id)
+    return run_requests(ctx.tracker, run.run_id) if run is not None else None
 
 
 def _compare(ctx: TrialContext, config: TrialConfig, m: Measurement, label: str = "compare",
-             log_dir: Path | None = None) -> tuple[Outcome, str, Any]:
+             log_dir: Path | None = None) -> tuple[Outcome, str, EquivalenceReport | None]:
     """Greedy outputs against the baseline trial's, by the study's equivalence mode (pipeline/trial/gate.py;
     `deterministic` measures once more, its launch counted in `m`). The baseline itself is the reference: its
     requests.parquet, logged with its run, is what later comparisons read (a baseline that lost a request never gets
     here: `lost_requests` made it TIMEOUT/UNHEALTHY)."""
     needed = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
     verdict = judge_trial(ctx, config, m.records, label, log_dir or Path(ctx.output_dir) / "trials" / label,
-                          measure_config, baseline_outputs(ctx) if needed else None)
+                          baseline_outputs(ctx) if needed else None)
     m.launches += verdict.launches
     if verdict.passed is False:
         return Outcome.NOT_EQUIVALENT, verdict.reason, verdict.report

@@ -23,7 +23,7 @@ from pipeline.config import TrialConfig, load_study
 from pipeline.records.tracking import Tracker
 from pipeline.search.space import load_space
 from pipeline.study.driver import connect_ray, run_study
-from pipeline.trial.lifecycle import replica_config
+from pipeline.trial.replica_config import replica_config
 from serve.engines.llama_cpp.adapter import LLAMA_SERVER_COMMAND_FILE
 from serve.ports import free_port
 from serve.production.settings import ProductionSettings

@@ -25,7 +25,8 @@ from pipeline.decide.equivalence import judge
 from pipeline.measure.load import requests_of, run_phase
 from pipeline.search.space import SearchSpace
 from pipeline.study.backend import decide_backend
-from pipeline.trial.lifecycle import flush, replica_config
+from pipeline.trial.engine_pass import flush
+from pipeline.trial.replica_config import replica_config
 from pipeline.workloads import load_workload
 from serve.engines.sglang import installed_version
 from serve.engines.sglang_backend import attention_kind, deterministic_problem

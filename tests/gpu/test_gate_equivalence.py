@@ -26,7 +26,7 @@ from pipeline.decide.equivalence import judge
 from pipeline.decide.noise import run_outputs, self_divergence
 from pipeline.measure.load import requests_of, run_phase
 from pipeline.measure.summary import RequestRecord
-from pipeline.trial.lifecycle import flush
+from pipeline.trial.engine_pass import flush
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig

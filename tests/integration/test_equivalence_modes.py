@@ -23,7 +23,8 @@ from pipeline.records.tracking import Tracker
 from pipeline.search.space import Resolution
 from pipeline.study.driver import build_context, connect_ray
 from pipeline.trial.gate import NOISE_ARTIFACT
-from pipeline.trial.lifecycle import Outcome, run_trial
+from pipeline.trial.lifecycle import run_trial
+from pipeline.vocabulary.outcome import Outcome
 from pipeline.trial.replicas import delete_study_apps
 from serve.spec import NgramSpec, NoSpec
 from tests.integration.conftest import SMOL, TEST_THREADS

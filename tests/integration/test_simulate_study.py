@@ -138,7 +138,7 @@ def test_the_launched_config_accepts_exactly_what_the_simulator_replayed(simulat
     assert all(r.prompt_ids is not None and len(r.prompt_ids) == r.prompt_tokens for r in records)
     warmup, measure = workload_requests(study, prompt_ids=True)
     # (its warm-up settles the machine with as many warm-up prompts as are measured, never a measured one:
-    # pipeline.trial.lifecycle.settle_requests; the reference phase answers the rest of the warm-up split)
+    # pipeline.trial.engine_pass.settle_requests; the reference phase answers the rest of the warm-up split)
     assert {r.prompt_index for r in records if r.phase != "measure"} == {w.index for w in warmup}
     assert not {r.prompt_index for r in records if r.phase != "measure"} & {m.index for m in measure}
     simulator = Simulator(answers_of(records), warmup, measure, seed=study.seed)

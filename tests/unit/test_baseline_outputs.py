@@ -7,8 +7,10 @@ import pytest
 from pipeline.config import TrialConfig, load_study
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.records.tracking import Tracker
-from pipeline.trial.lifecycle import (Measurement, Outcome, TrialContext, _compare, baseline_outputs,
-                                      lost_requests)
+from pipeline.trial.engine_pass import lost_requests
+from pipeline.trial.lifecycle import _compare, baseline_outputs
+from pipeline.vocabulary.context import Measurement, TrialContext
+from pipeline.vocabulary.outcome import Outcome
 from serve.spec import NgramSpec
 
 
@@ -29,7 +31,8 @@ def context(tracker, parent: str, folder) -> TrialContext:
                         tracker=tracker, parent_run_id=parent, warmup=(), measure=())
 
 
-def log_baseline(tracker, parent: str, records: list[RequestRecord], outcome: str = "COMPLETE") -> str:
+def log_baseline(tracker, parent: str, records: list[RequestRecord],
+                 outcome: Outcome = Outcome.COMPLETE) -> str:
     return tracker.log_trial(parent, study_name="s", run_name="trial-0", kind="trial",
                              config=TrialConfig().model_dump(mode="json"), outcome=outcome, reason="",
                              metrics={}, requests=to_table(records), texts={})
@@ -63,7 +66,7 @@ def test_a_driver_in_another_folder_compares_with_the_baseline_outputs_from_mlfl
 
 def test_only_a_complete_baseline_is_a_reference(tracker, tmp_path):
     parent = tracker.start_study("s", "name: s\n", resume=False)
-    log_baseline(tracker, parent, [record(0)], outcome="UNHEALTHY")
+    log_baseline(tracker, parent, [record(0)], outcome=Outcome.UNHEALTHY)
     ctx = context(tracker, parent, tmp_path)
     assert baseline_outputs(ctx) is None
     assert _compare(ctx, TrialConfig(), Measurement(records=[record(0)]))[0] is Outcome.COMPLETE  # the baseline is its own reference

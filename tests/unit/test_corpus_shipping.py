@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from pipeline.config import TrialConfig, load_study
 from pipeline.trial.corpus import SHARED_PREFIX, WARMUP_CORPUS, corpus_for_trial, ship_corpus, write_corpus
 from pipeline.measure.load import LoadRequest
-from pipeline.trial.lifecycle import shipped_replica_config
+from pipeline.trial.engine_pass import shipped_replica_config
 from serve.engines import engine_for
 from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, REDACTED, ReplicaConfig
 from serve.engines.spec_flags import effective_diff

@@ -25,7 +25,9 @@ from pipeline.search.space import load_space
 from pipeline.study.backend import decide_backend
 from pipeline.study.finalists import Pass, judge_level
 from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, effective_mode, records_json
-from pipeline.trial.lifecycle import Checked, Measurement, Outcome
+from pipeline.trial.lifecycle import Checked
+from pipeline.vocabulary.context import Measurement
+from pipeline.vocabulary.outcome import Outcome
 from serve.engines.sglang import sglang_argv
 from serve.engines.sglang_check import installed_version, run_preflight
 from serve.spec import NgramSpec
@@ -54,7 +56,7 @@ def context(tmp_path: Path, with_pass: bool):
     parent = tracker.start_study("s", "name: s\n", resume=False)
     texts = {DETERMINISTIC_ARTIFACT: records_json(OUTPUTS)} if with_pass else {}
     tracker.log_trial(parent, study_name="s", run_name="baseline", kind="trial", config={"spec": {"algorithm": "none"}},
-                      outcome="COMPLETE", reason="" if with_pass else "its equivalence pass failed", metrics={},
+                      outcome=Outcome.COMPLETE, reason="" if with_pass else "its equivalence pass failed", metrics={},
                       requests=None, texts=texts)
     return SimpleNamespace(study=study_on_gpu(), tracker=tracker, parent_run_id=parent)
 
@@ -93,7 +95,7 @@ def test_sglang_itself_refuses_the_deterministic_pass_the_study_refuses(tmp_path
     shutil.copy(MLA / "config.json", model / "config.json")
     study = load_study(None, {"engine.kind": "sglang", "engine.device": "cuda", "model.target": str(model),
                               "model.dtype": "auto"})
-    from pipeline.trial.lifecycle import replica_config
+    from pipeline.trial.replica_config import replica_config
 
     argvs = []
     for backend in ("flashinfer", "triton"):

@@ -12,8 +12,10 @@ import pytest
 from pipeline.config import TrialConfig, load_study
 from pipeline.measure.load import LoadRequest
 from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize, to_table
-from pipeline.search.pruning import MEASURING, Watch, baseline_run, intermediate_report, stop_metrics, trial_watch
+from pipeline.search.pruning import Watch, intermediate_report, stop_metrics, trial_watch
 from pipeline.records.tracking import Tracker
+from pipeline.records.trial_runs import baseline_trial
+from pipeline.vocabulary.outcome import MEASURING, Outcome
 from pipeline.search.stopping import BaselineFigures, StoppingPolicy, baseline_figures, decode_step_s, rule_off
 from serve.engines.cpu.faults import FaultSpecError, _SlowSteps, parse_fault
 from serve.spec import NgramSpec
@@ -150,10 +152,10 @@ def test_a_trial_watch_reads_the_completed_baselines_figures_from_mlflow(tracker
     watch, note = trial_watch(study, tracker, parent, measure, ngram, None)
     assert watch is not None and watch.baseline is None  # measured in chunks, never stopped: nothing to compare with
     assert note == "not applied: no baseline trial has completed yet: nothing to compare with"
-    log_trial(tracker, parent, TrialConfig(), "UNHEALTHY", {"tput_tok_s": 50.0}, [record(0, 50.0)])
-    assert baseline_run(tracker, parent) is None  # only a COMPLETE baseline counts
+    log_trial(tracker, parent, TrialConfig(), Outcome.UNHEALTHY, {"tput_tok_s": 50.0}, [record(0, 50.0)])
+    assert baseline_trial(tracker, parent) is None  # only a COMPLETE baseline counts
     base_records = [record(0, 10.0, ttft=0.1), record(1, 11.0, ttft=0.1)]
-    log_trial(tracker, parent, TrialConfig(), "COMPLETE", {"tput_tok_s": 10.2}, base_records)
+    log_trial(tracker, parent, TrialConfig(), Outcome.COMPLETE, {"tput_tok_s": 10.2}, base_records)
     watch, note = trial_watch(study, tracker, parent, measure, ngram, None)
     assert (watch.baseline.tput_tok_s, watch.baseline.sigma, watch.baseline.runs) == (10.2, 0.05, 1)
     assert watch.baseline.step_s == pytest.approx(decode_step_s(base_records))

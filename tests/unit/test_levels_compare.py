@@ -12,18 +12,16 @@ from pipeline.config import SlaConstraint
 from pipeline.decide.levels import LEVELS_ARTIFACT, Candidate, LevelInput, RunFigures, decide_levels
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.records.plots import plot_pareto
+from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.row import TrialRow
+from tests.rows import trial_row
 
 
-def rows() -> list[dict]:
-    base: dict[str, object] = {"outcome": "COMPLETE", "reason": "", "params": {}, "accept_len": None,
-                               "tput_ci_low": None, "tput_ci_high": None}
+def rows() -> list[TrialRow]:
     return [
-        {**base, "name": "trial-0", "algorithm": "none", "tput_tok_s": 10.0, "ttft_p50_ms": 50.0,
-         "ttft_p99_ms": 90.0, "baseline": True, "vs_baseline": 1.0},
-        {**base, "name": "trial-1", "algorithm": "ngram", "tput_tok_s": 20.0, "ttft_p50_ms": 150.0,
-         "ttft_p99_ms": 400.0, "baseline": False, "vs_baseline": 2.0},
-        {**base, "name": "trial-2", "algorithm": "ngram", "tput_tok_s": 15.0, "ttft_p50_ms": 60.0,
-         "ttft_p99_ms": 120.0, "baseline": False, "vs_baseline": 1.5},
+        trial_row("trial-0", "none", vs_baseline=1.0, tput_tok_s=10.0, ttft_p50_ms=50.0, ttft_p99_ms=90.0),
+        trial_row("trial-1", vs_baseline=2.0, tput_tok_s=20.0, ttft_p50_ms=150.0, ttft_p99_ms=400.0),
+        trial_row("trial-2", vs_baseline=1.5, tput_tok_s=15.0, ttft_p50_ms=60.0, ttft_p99_ms=120.0),
     ]
 
 
@@ -32,11 +30,11 @@ LIMIT = [SlaConstraint(metric="ttft_p99_ms", max_ms=200.0, concurrency=1)]
 
 def test_compare_rows_mark_infeasible_trials_with_figure_and_limit() -> None:
     marked = mark_constraints(rows(), LIMIT, 1)
-    assert [r["feasible"] for r in marked] == [True, False, True]
+    assert [r.feasible for r in marked] == [True, False, True]
     text = format_rows(marked, "table")
     assert "INFEASIBLE (SLA)" in text.splitlines()[2]
     assert "BROKEN: ttft_p99_ms at concurrency 1: 400.0 ms > limit 200 ms" in text
-    assert all(r["feasible"] is None for r in mark_constraints(rows(), LIMIT, 4))  # not checkable at level 4
+    assert all(r.feasible is None for r in mark_constraints(rows(), LIMIT, 4))  # not checkable at level 4
 
 
 def _levels_decision():
@@ -61,11 +59,11 @@ def test_compare_cli_prints_level_table_and_verdicts(tmp_path: Path, capsys: pyt
     parent = tracker.start_study("lv", "name: lv\n", resume=False)
     client = tracker.client()
     for row in rows():
-        run = client.create_run(tracker.experiment_id(), run_name=row["name"],
-                                tags={"specdec.kind": "trial", "outcome": "COMPLETE"})
-        client.log_param(run.info.run_id, "spec.algorithm", row["algorithm"])
+        run = client.create_run(tracker.experiment_id(), run_name=row.name,
+                                tags={"specdec.kind": "trial", "outcome": Outcome.COMPLETE.value})
+        client.log_param(run.info.run_id, "spec.algorithm", row.algorithm)
         for key in ("tput_tok_s", "ttft_p50_ms", "ttft_p99_ms"):
-            client.log_metric(run.info.run_id, key, row[key])
+            client.log_metric(run.info.run_id, key, row.figures[key])
     tracker.finish_study(parent, tags={}, metrics={}, texts={LEVELS_ARTIFACT: _levels_decision().model_dump_json()})
 
     assert main(["--study", str(study_file)]) == 0

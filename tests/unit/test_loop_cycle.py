@@ -28,6 +28,7 @@ from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.records.registry import CANDIDATE, PREVIOUS, PRODUCTION, alias_version, register_config
 from pipeline.records.tracking import Tracker
 from pipeline.retune import RetuneResult
+from pipeline.vocabulary.outcome import Outcome
 from serve.closed_loop.control import CanaryStart, CanaryStatus
 from serve.engines.base import ReplicaConfig
 from serve.closed_loop.live import LiveFeed, LiveRecord
@@ -149,7 +150,7 @@ def production_study(tracker: Tracker) -> None:
                                  spec_verify_ct=round(64 / (2.5 + (i % 4) * 0.1)),
                                  finish_reason="length") for i in range(16)]
         tracker.log_trial(run_id, study_name="unit", run_name=f"final-0-run{k}", kind="finalist", config={},
-                          outcome="COMPLETE", reason="", metrics={}, requests=to_table(records), texts={},
+                          outcome=Outcome.COMPLETE, reason="", metrics={}, requests=to_table(records), texts={},
                           extra_tags={"finalist": "final-0", "concurrency": "1"})
     register_config(tracker, run_id, NAME, serving(NGRAM, "final-0"), move_production=True)
 

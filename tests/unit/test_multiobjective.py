@@ -6,10 +6,14 @@ import optuna
 import pytest
 
 from pipeline.decide.pareto import choose_finalists, pareto_front
+from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.row import TrialRow
+from tests.rows import trial_row
 
 
-def row(name: str, tput: float, ttft: float, outcome: str = "COMPLETE", **extra: object) -> dict:
-    return {"name": name, "outcome": outcome, "tput_tok_s": tput, "ttft_p50_ms": ttft, **extra}
+def row(name: str, tput: float, ttft: float, outcome: Outcome = Outcome.COMPLETE, feasible: bool | None = None
+        ) -> TrialRow:
+    return trial_row(name, outcome=outcome, feasible=feasible, tput_tok_s=tput, ttft_p50_ms=ttft)
 
 
 ROWS = [
@@ -17,20 +21,20 @@ ROWS = [
     row("fast", 20, 90),
     row("balanced", 15, 60),
     row("dominated", 14, 95),       # slower and later than "balanced"
-    row("failed", 99, 1, outcome="FAILED"),
+    row("failed", 99, 1, outcome=Outcome.UNHEALTHY),
     row("infeasible", 30, 40, feasible=False),
 ]
 
 
 def test_front_matches_optuna_best_trials() -> None:
     metrics, modes = ["tput_tok_s", "ttft_p50_ms"], ["max", "min"]
-    ours = {r["name"] for r in pareto_front(ROWS, metrics, modes)}
+    ours = {r.name for r in pareto_front(ROWS, metrics, modes)}
     assert ours == {"baseline", "fast", "balanced"}
     study = optuna.create_study(directions=["maximize", "minimize"])
     for r in ROWS:
-        if r["outcome"] == "COMPLETE" and r.get("feasible", True):
-            study.add_trial(optuna.trial.create_trial(values=[r["tput_tok_s"], r["ttft_p50_ms"]],
-                                                      user_attrs={"name": r["name"]}))
+        if r.complete and r.feasible is not False:
+            study.add_trial(optuna.trial.create_trial(values=[r.figures["tput_tok_s"], r.figures["ttft_p50_ms"]],
+                                                      user_attrs={"name": r.name}))
     assert {t.user_attrs["name"] for t in study.best_trials} == ours
 
 

@@ -3,11 +3,12 @@
 import pytest
 
 from pipeline.records.tracking import Tracker
+from pipeline.vocabulary.outcome import Outcome
 
 
 def log(tracker, parent, texts, reason=""):
     return tracker.log_trial(parent, study_name="s", run_name="trial-1", kind="trial",
-                             config={"spec": {"algorithm": "none"}}, outcome="COMPLETE", reason=reason,
+                             config={"spec": {"algorithm": "none"}}, outcome=Outcome.COMPLETE, reason=reason,
                              metrics={"tput_tok_s": 1.0}, requests=None, texts=texts)
 
 

@@ -4,6 +4,7 @@ shared view the printed link names shows the comparison columns. Real MLflow on 
 import json
 
 from pipeline.records.tracking import EXPERIMENT_KIND, Tracker, runs_link
+from pipeline.vocabulary.outcome import Outcome
 
 
 def test_the_experiment_lands_on_runs_and_the_link_shows_the_comparison_columns(tmp_path):
@@ -23,6 +24,6 @@ def test_the_experiment_lands_on_runs_and_the_link_shows_the_comparison_columns(
                                            "metrics.`ttft_p50_ms`"] and "tags.`outcome`" in view["selectedColumns"]
     assert view["searchFilter"] == "tags.`specdec.kind` = 'trial'" and view["orderByAsc"] is False
     trial = tracker.log_trial(parent, study_name="ui", run_name="trial-1", kind="trial", config={"spec": {}},
-                              outcome="COMPLETE", reason="", metrics={"tput_tok_s": 3.0}, requests=None, texts={})
+                              outcome=Outcome.COMPLETE, reason="", metrics={"tput_tok_s": 3.0}, requests=None, texts={})
     tracker.log_vs_baseline({trial: 1.5})
     assert tracker.client().get_run(trial).data.metrics["vs_baseline"] == 1.5

@@ -11,16 +11,17 @@ from pipeline.decide.headline import Deploy, levels_headline, search_only_headli
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures, decide_levels
 from pipeline.records.plots import figure, plot_accept, plot_throughput
 from pipeline.records.report import write_report
+from pipeline.vocabulary.outcome import Outcome
+from tests.rows import trial_row
 
 NAME = "ngram BFS d4 b2 depth18 warm1"
 ID = "ngram-BFS-d4-b2-depth18-warm1"
 
 
-def row(name, algorithm, outcome, tput=None, accept=None, **params):
-    return {"name": name, "algorithm": algorithm, "outcome": outcome, "reason": "", "tput_tok_s": tput,
-            "tput_ci_low": tput and tput * 0.9, "tput_ci_high": tput and tput * 1.1, "accept_len": accept,
-            "ttft_p50_ms": 10.0, "params": {k.replace("__", "."): str(v) for k, v in params.items()},
-            "baseline": algorithm == "none", "vs_baseline": None}
+def row(name, algorithm, outcome, tput=None, accept=None, ttft=10.0, **params):
+    return trial_row(name, algorithm, outcome, params={k.replace("__", "."): str(v) for k, v in params.items()},
+                     tput_tok_s=tput, tput_ci_low=tput and tput * 0.9, tput_ci_high=tput and tput * 1.1,
+                     accept_len=accept, ttft_p50_ms=ttft)
 
 
 def finished_study(values):
@@ -63,7 +64,7 @@ def two_levels():
 
 def test_one_trial_shows_the_headline_and_no_plot_that_compares_nothing(tmp_path):
     headline = search_only_headline("keep baseline: promotion.finalists is 0", 20.0, 1, Deploy("/d/engine.sh"))
-    page = check(write_report(tmp_path, title="one", rows=[row("none", "none", "COMPLETE", 20.0)],
+    page = check(write_report(tmp_path, title="one", rows=[row("none", "none", Outcome.COMPLETE, 20.0)],
                               headline=headline, ot_study=finished_study([20.0])))
     assert "keep baseline: promotion.finalists is 0." in page and "/d/engine.sh" in page
     assert images(page) == []  # one bar, one history point: nothing to compare
@@ -71,7 +72,7 @@ def test_one_trial_shows_the_headline_and_no_plot_that_compares_nothing(tmp_path
 
 
 def test_all_trials_failed(tmp_path):
-    rows = [row("none", "none", "LAUNCH_FAILED"), row("ngram BFS d4 b1 depth18 warm0", "ngram", "INVALID")]
+    rows = [row("none", "none", Outcome.LAUNCH_FAILED), row("ngram BFS d4 b1 depth18 warm0", "ngram", Outcome.INVALID)]
     page = check(write_report(tmp_path, title="failed", rows=rows, decision="no baseline",
                               ot_study=optuna.create_study()))
     assert "LAUNCH_FAILED" in page and images(page) == []
@@ -84,7 +85,7 @@ def test_no_rows_at_all(tmp_path):
 def test_a_two_level_study_gets_its_level_table_as_html_and_the_speed_up_chart_first(tmp_path):
     decision = two_levels()
     headline = levels_headline(decision, Deploy("/out/deploy/engine_command.sh", "/out/deploy/high.sh", 1))
-    rows = [row("none", "none", "COMPLETE", 10.0), row(NAME, "ngram", "COMPLETE", 12.0, 1.8)]
+    rows = [row("none", "none", Outcome.COMPLETE, 10.0), row(NAME, "ngram", Outcome.COMPLETE, 12.0, 1.8)]
     page = check(write_report(tmp_path, title="levels", rows=rows, headline=headline, levels=decision))
     assert images(page)[0] == "speedup_by_concurrency"
     assert page.index("id='headline'") < page.index("fig-speedup_by_concurrency") < page.index("id='level-table'")
@@ -106,12 +107,11 @@ def test_one_level_has_no_speed_up_chart(tmp_path):
 
 @pytest.mark.parametrize("objectives", [(["tput_tok_s"], ["max"]), (["tput_tok_s", "ttft_p50_ms"], ["max", "min"])])
 def test_many_trials(tmp_path, objectives):
-    rows = [row("none", "none", "COMPLETE", 20.0)]
+    rows = [row("none", "none", Outcome.COMPLETE, 20.0)]
     for i in range(1, 30):
         rows.append(row(f"ngram BFS d{2 + i % 10} b1 depth18 warm{4 * (i % 5)} #{i}", "ngram",
-                        "COMPLETE" if i % 7 else "NOT_EQUIVALENT", 15.0 + i, 1.0 + i / 10,
-                        spec__num_draft_tokens=2 + i % 10, trial__warmup_requests=4 * (i % 5)))
-        rows[-1]["ttft_p50_ms"] = 100.0 - i
+                        Outcome.COMPLETE if i % 7 else Outcome.NOT_EQUIVALENT, 15.0 + i, 1.0 + i / 10,
+                        100.0 - i, spec__num_draft_tokens=2 + i % 10, trial__warmup_requests=4 * (i % 5)))
     metrics, modes = objectives
     page = check(write_report(tmp_path, title="many", rows=rows, decision="promote",
                               ot_study=finished_study([float(i) for i in range(29)]), metrics=metrics, modes=modes))
@@ -123,8 +123,8 @@ def test_many_trials(tmp_path, objectives):
 
 
 def test_bars_are_named_by_the_config_labels():
-    rows = [row("none", "none", "COMPLETE", 10.0), row(NAME, "ngram", "COMPLETE", 12.0, 1.8),
-            row("ngram PROB d8 b1 depth12 warm8", "ngram", "COMPLETE", 11.0, 1.5)]
+    rows = [row("none", "none", Outcome.COMPLETE, 10.0), row(NAME, "ngram", Outcome.COMPLETE, 12.0, 1.8),
+            row("ngram PROB d8 b1 depth12 warm8", "ngram", Outcome.COMPLETE, 11.0, 1.5)]
     fig, ax = figure(3)
     assert plot_throughput(ax, rows)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["none", "ngram PROB d8 b1 depth12 warm8", NAME]
@@ -134,7 +134,7 @@ def test_bars_are_named_by_the_config_labels():
 
 
 def test_a_second_report_in_the_same_folder_drops_the_plots_it_no_longer_has(tmp_path):
-    rows = [row("none", "none", "COMPLETE", 10.0), row(NAME, "ngram", "COMPLETE", 12.0, 1.8)]
+    rows = [row("none", "none", Outcome.COMPLETE, 10.0), row(NAME, "ngram", Outcome.COMPLETE, 12.0, 1.8)]
     write_report(tmp_path, title="t", rows=rows, decision="d")
     assert (tmp_path / "throughput.png").exists()
     files = write_report(tmp_path, title="t", rows=rows[:1], decision="d")

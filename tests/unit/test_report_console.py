@@ -11,14 +11,15 @@ import pytest
 
 from pipeline.records.console import (EVERY_S, PHASES_FILE, SLOW_S, PhaseState, PhaseWatcher, ProgressBoard,
                                       duration, note_phase, phase_echo)
+from pipeline.vocabulary.outcome import Outcome
 
 
 def test_the_baseline_line_shows_its_own_figure_and_the_others_their_ratio_and_the_best() -> None:
     board = ProgressBoard(total=4, metric="tput_tok_s")
-    lines = [board.line(label="none", algorithm="none", outcome="COMPLETE", value=10.0, seconds=41.0),
-             board.line(label="ngram BFS d4 b2 depth18 warm1", algorithm="ngram", outcome="COMPLETE", value=12.5),
-             board.line(label="ngram BFS d2 b1 depth18 warm1", algorithm="ngram", outcome="COMPLETE", value=11.0),
-             board.line(label="ngram BFS d2 b3 depth18 warm1", algorithm="ngram", outcome="INVALID", value=0.0,
+    lines = [board.line(label="none", algorithm="none", outcome=Outcome.COMPLETE, value=10.0, seconds=41.0),
+             board.line(label="ngram BFS d4 b2 depth18 warm1", algorithm="ngram", outcome=Outcome.COMPLETE, value=12.5),
+             board.line(label="ngram BFS d2 b1 depth18 warm1", algorithm="ngram", outcome=Outcome.COMPLETE, value=11.0),
+             board.line(label="ngram BFS d2 b3 depth18 warm1", algorithm="ngram", outcome=Outcome.INVALID, value=0.0,
                         reason="ngram: min_bfs_breadth <= max_bfs_breadth must hold")]
     assert lines[0].startswith("[trial 1/4] none ") and lines[0].endswith("tput_tok_s=10.00  (the baseline)  (41 s)")
     assert "best=" not in lines[0] and "(-)" not in lines[0]
@@ -31,9 +32,9 @@ def test_the_baseline_line_shows_its_own_figure_and_the_others_their_ratio_and_t
 
 def test_a_minimised_objective_keeps_the_lowest_as_best() -> None:
     board = ProgressBoard(total=3, metric="ttft_p50_ms", mode="min")
-    board.line(label="none", algorithm="none", outcome="COMPLETE", value=100.0)
-    board.line(label="a", algorithm="ngram", outcome="COMPLETE", value=80.0)
-    assert board.line(label="b", algorithm="ngram", outcome="COMPLETE", value=90.0).endswith("(best: 0.80x, a)")
+    board.line(label="none", algorithm="none", outcome=Outcome.COMPLETE, value=100.0)
+    board.line(label="a", algorithm="ngram", outcome=Outcome.COMPLETE, value=80.0)
+    assert board.line(label="b", algorithm="ngram", outcome=Outcome.COMPLETE, value=90.0).endswith("(best: 0.80x, a)")
 
 
 def events(*items: tuple[str, float], **figures) -> list[dict]:
@@ -74,10 +75,11 @@ def test_the_watcher_reads_phase_files_as_they_grow_and_leaves_a_half_written_li
 
 def test_phase_echo_prints_one_line_per_measured_re_run_and_not_the_old_ones(tmp_path: Path,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    note_phase(tmp_path / "final-baseline-run0", "measured", outcome="COMPLETE", tput_tok_s=9.0)  # a resumed study's
+    # a resumed study's earlier run: not echoed
+    note_phase(tmp_path / "final-baseline-run0", "measured", outcome=Outcome.COMPLETE, tput_tok_s=9.0)
     with phase_echo(tmp_path, interval_s=3600):  # lines come from the final poll, not the timer
         note_phase(tmp_path / "final-baseline-run1", "engine", config="none")
-        note_phase(tmp_path / "final-baseline-run1", "measured", outcome="COMPLETE", tput_tok_s=10.25,
+        note_phase(tmp_path / "final-baseline-run1", "measured", outcome=Outcome.COMPLETE, tput_tok_s=10.25,
                    timings={"engine_start_s": 2.6, "warmup_s": 0.8, "measure_s": 3.1})
     out = capsys.readouterr().out.splitlines()
     assert out == ["    final-baseline-run1: 10.25 tok/s, COMPLETE (engine start 3 s, warm-up 1 s, measure 3 s)"]

@@ -2,13 +2,13 @@
 
 from pipeline.records.plots import corpus_label, figure, plot_corpus_vs_accept
 from pipeline.records.report import write_report
+from pipeline.vocabulary.outcome import Outcome
+from tests.rows import trial_row
 
 
 def _row(name, corpus, accept, tput, algorithm="ngram"):
-    return {"name": name, "algorithm": algorithm, "outcome": "COMPLETE", "reason": "", "tput_tok_s": tput,
-            "tput_ci_low": tput, "tput_ci_high": tput, "accept_len": accept, "ttft_p50_ms": 1.0,
-            "params": {"spec.external_corpus": str(corpus), "spec.num_draft_tokens": "8"},
-            "baseline": algorithm == "none", "vs_baseline": None}
+    return trial_row(name, algorithm, params={"spec.external_corpus": str(corpus), "spec.num_draft_tokens": "8"},
+                     tput_tok_s=tput, tput_ci_low=tput, tput_ci_high=tput, accept_len=accept, ttft_p50_ms=1.0)
 
 
 def test_corpus_plot_shows_none_first_and_group_means(tmp_path):
@@ -33,13 +33,12 @@ def test_corpus_labels():
     assert corpus_label("/data/support-tickets.jsonl") == "support-tickets"
 
 
-def _ngram(name, corpus, draft, tput, accept, budget=None, load_s=None, outcome="COMPLETE"):
+def _ngram(name, corpus, draft, tput, accept, budget=None, load_s=None, outcome=Outcome.COMPLETE):
     params = {"spec.num_draft_tokens": str(draft), "trial.warmup_requests": "8" if name == "c" else "0"}
     if corpus is not None:
         params.update({"spec.external_corpus": corpus, "spec.external_sam_budget": str(budget)})
-    return {"name": name, "algorithm": "ngram", "outcome": outcome, "reason": "", "tput_tok_s": tput,
-            "tput_ci_low": tput, "tput_ci_high": tput, "accept_len": accept, "ttft_p50_ms": 1.0, "params": params,
-            "baseline": False, "vs_baseline": round(tput / 20.0, 4), "corpus_load_s": load_s}
+    return trial_row(name, outcome=outcome, params=params, vs_baseline=round(tput / 20.0, 4), tput_tok_s=tput,
+                     tput_ci_low=tput, tput_ci_high=tput, accept_len=accept, ttft_p50_ms=1.0, corpus_load_s=load_s)
 
 
 def test_corpus_comparison_takes_the_best_trial_per_corpus_at_equal_draft_tokens():
@@ -47,7 +46,7 @@ def test_corpus_comparison_takes_the_best_trial_per_corpus_at_equal_draft_tokens
 
     rows = [_ngram("a", "warmup", 8, 30.0, 2.5, budget=2, load_s=0.4), _ngram("b", None, 8, 25.0, 1.9),
             _ngram("c", "warmup", 8, 33.0, 2.1, budget=3, load_s=0.5), _ngram("d", None, 4, 40.0, 1.7),
-            _ngram("e", None, 8, 99.0, 3.0, outcome="NOT_EQUIVALENT"), _row("base", None, 1.0, 20.0, "none")]
+            _ngram("e", None, 8, 99.0, 3.0, outcome=Outcome.NOT_EQUIVALENT), _row("base", None, 1.0, 20.0, "none")]
     cells = corpus_comparison(rows)
     assert [(c.draft_tokens, c.corpus, c.trials, c.best) for c in cells] == [
         (4, "none", 1, "d"), (8, "none", 1, "b"), (8, "warmup", 2, "c")]

@@ -4,8 +4,9 @@ the same config; the study run carries the headline as its MLflow description.""
 
 import pytest
 
-from pipeline.compare import rows_from_runs
+from pipeline.records.trial_runs import rows_from_runs
 from pipeline.records.tracking import DESCRIPTION_TAG, TRIAL_ID_TAG, Tracker
+from pipeline.vocabulary.outcome import Outcome
 
 LABEL = "ngram BFS d4 b1 depth18 warm1"
 
@@ -18,7 +19,7 @@ def tracker(tmp_path_factory):
 
 def log(tracker, parent, trial_id, tput, run_name=LABEL):
     return tracker.log_trial(parent, study_name="names", run_name=run_name, kind="trial", trial_id=trial_id,
-                             config={"spec": {"algorithm": "ngram"}}, outcome="COMPLETE", reason="",
+                             config={"spec": {"algorithm": "ngram"}}, outcome=Outcome.COMPLETE, reason="",
                              metrics={"tput_tok_s": tput}, requests=None, texts={})
 
 
@@ -32,13 +33,13 @@ def test_two_trials_of_one_config_are_both_kept_and_a_resumed_one_replaces_only_
     # The second trial of the config reads apart in the MLflow UI itself; the resumed first one keeps its name.
     assert {(r.data.tags[TRIAL_ID_TAG], r.info.run_name) for r in runs} == {("aaa111", LABEL),
                                                                            ("bbb222", f"{LABEL} #bbb222")}
-    assert sorted(r["name"] for r in rows_from_runs(runs)) == [LABEL, f"{LABEL} #bbb222"]
+    assert sorted(r.name for r in rows_from_runs(runs)) == [LABEL, f"{LABEL} #bbb222"]
 
 
 def test_a_record_from_before_labels_is_replaced_by_the_same_trial(tracker):
     parent = tracker.start_study("legacy", "name: legacy\n", resume=False)
     old = tracker.log_trial(parent, study_name="legacy", run_name="trial-ccc333", kind="trial",
-                            config={"spec": {"algorithm": "ngram"}}, outcome="COMPLETE", reason="",
+                            config={"spec": {"algorithm": "ngram"}}, outcome=Outcome.COMPLETE, reason="",
                             metrics={"tput_tok_s": 1.0}, requests=None, texts={})
     new = log(tracker, parent, "ccc333", 2.0)
     assert [r.info.run_id for r in tracker.trial_runs(parent)] == [new] and new != old

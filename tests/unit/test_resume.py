@@ -6,7 +6,7 @@ from optuna.trial import TrialState
 
 from pipeline.config import SEARCH_SPACES_DIR, load_study
 from pipeline.errors import PipelineError
-from pipeline.search.pruning import MEASURING
+from pipeline.vocabulary.outcome import MEASURING
 from pipeline.study.resume import (
     SavedTrial, budget_note, check_resume, finished_trials, identity_changes, read_identity, recorded_reports,
     settle_running, study_identity, tune_unfinished, workload_digest, write_identity,

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.config import TrialConfig, load_study
-from pipeline.trial.lifecycle import replica_config
+from pipeline.trial.replica_config import replica_config
 from serve.engines.base import ReplicaConfig
 from serve.production.app import replica_config as production_replica
 from serve.serving import (COMMAND_FILE, RAYSERVICE_PATCH_FILE, SERVE_CONFIG_FILE, SERVING_FILE, Provenance,

@@ -1,10 +1,10 @@
-"""The baseline's settle pass (pipeline.trial.lifecycle.settle_requests): as many requests as are measured, never a
+"""The baseline's settle pass (pipeline.trial.engine_pass.settle_requests): as many requests as are measured, never a
 measured prompt while a warm-up split exists (SGLang's radix cache would keep it until the measurement)."""
 
 from __future__ import annotations
 
 from pipeline.measure.load import LoadRequest
-from pipeline.trial.lifecycle import settle_requests
+from pipeline.trial.engine_pass import settle_requests
 
 
 def requests(*indexes: int) -> list[LoadRequest]:

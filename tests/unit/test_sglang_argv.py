@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config import load_study
 from pipeline.errors import ConfigError
-from pipeline.trial.lifecycle import replica_config
+from pipeline.trial.replica_config import replica_config
 from pipeline.config import TrialConfig
 from serve.engines import pinned_settings, sglang_cpu
 from serve.engines.base import ReplicaConfig

@@ -21,7 +21,7 @@ import pytest
 from pipeline.config import TrialConfig, load_study
 from pipeline.search.space import SearchSpace
 from pipeline.study.backend import decide_backend
-from pipeline.trial.lifecycle import replica_config
+from pipeline.trial.replica_config import replica_config
 from serve.engines.sglang import resolved_problem, sglang_args
 from serve.engines.sglang_backend import (GPU_ARCHS, TREE_FALLBACK, architecture_of, attention_kind, sglang_default,
                                           tree_mask_problem, tree_of)

@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.config import load_study, study_to_yaml
 from pipeline.trial.replicas import app_name, study_apps
-from pipeline.trial.lifecycle import flush, replica_config
+from pipeline.trial.engine_pass import flush
+from pipeline.trial.replica_config import replica_config
 from pipeline.config import TrialConfig
 from tests.local_http import local_server
 

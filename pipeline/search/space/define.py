@@ -7,6 +7,7 @@ from typing import Any
 from pipeline.search.space.bounds import evaluate_bound
 from pipeline.search.space.model import (CategoricalParam, FloatParam, IntParam, Param, SearchSpace, applies,
                                   baseline_point)
+from pipeline.vocabulary.outcome import Outcome
 
 BASELINE_ATTR = "baseline"  # user attribute that marks the enqueued baseline trial in the Optuna study
 OUTCOME_ATTR = "outcome"  # the trial's outcome (COMPLETE, TIMEOUT, ...), set by the searcher before Optuna is told
@@ -57,9 +58,12 @@ def define_by_run(space: SearchSpace) -> SpaceSampler:
 
 
 def baseline_retried(outcome: str | None, error: bool = False) -> bool:
-    """Whether a baseline trial that ended with `outcome` is queued again: anything but COMPLETE, and INVALID (the
-    engine refused the baseline's own flags: a retry would be refused too). Pure."""
-    return error or outcome not in ("COMPLETE", "INVALID")
+    """Whether a baseline trial that ended with `outcome` (a stored value: Tune's report, the Optuna attribute) is
+    queued again: after an error, an ending that names no outcome, or a failure of the machine
+    (`Outcome.machine_failure`); never after a verdict on its config (INVALID: the engine refused the baseline's own
+    flags, a retry would be refused too). Pure."""
+    ended = Outcome.read(outcome)
+    return error or ended is None or ended.machine_failure
 
 
 def enqueue_baseline(study: Any, space: SearchSpace) -> bool:
@@ -71,7 +75,8 @@ def enqueue_baseline(study: Any, space: SearchSpace) -> bool:
 
     baselines = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(BASELINE_ATTR)]
     done = [t for t in baselines if t.state in (TrialState.RUNNING, TrialState.WAITING) or (
-        t.state == TrialState.COMPLETE and not baseline_retried(t.user_attrs.get(OUTCOME_ATTR, "COMPLETE")))]
+        t.state == TrialState.COMPLETE and not baseline_retried(t.user_attrs.get(OUTCOME_ATTR,
+                                                                                 Outcome.COMPLETE.value)))]
     if done or len(baselines) >= BASELINE_ATTEMPTS:
         return False
     study.enqueue_trial(baseline_point(space), user_attrs={BASELINE_ATTR: True})
