@@ -20,6 +20,7 @@ from pipeline.records.console import progress_callback
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
+from pipeline.study.interrupts import watching_interrupts
 from pipeline.study.backend import decide_backend, local_node_facts, ray_node_facts
 from pipeline.study.resume import (
     IDENTITY_ATTR, budget_note, check_resume, finished_trials, read_identity, settle_running, study_identity,
@@ -158,8 +159,8 @@ def _interrupted(ot_study: Any, resume_command: str | None) -> int:
 
     unfinished = [t.number for t in ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     command = resume_command or "python -m pipeline.tune <the same arguments> --resume"
-    print(f"\ninterrupted with trial(s) {unfinished} unfinished; the state is saved. Continue with: {command}",
-          flush=True)
+    where = f"with trial(s) {unfinished} unfinished" if unfinished else "between trials"
+    print(f"\ninterrupted {where}; the state is saved. Continue with: {command}", flush=True)
     return 130
 
 
@@ -282,11 +283,13 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
                                        tune.PlacementGroupFactory([{"CPU": 0.25}]))  # as `trainable`
         try:
             start_standby(study.name, replica_config(study, TrialConfig(), out / "trials"))
-            tune.Tuner.restore(str(tune_path), restored, resume_unfinished=True, resume_errored=True).fit()
+            with watching_interrupts() as interrupted:
+                tune.Tuner.restore(str(tune_path), restored, resume_unfinished=True, resume_errored=True).fit()
         finally:
             delete_study_apps(study.name)  # as after the search below
-        # Tune returns normally after Ctrl-C; its checkpoint (not the returned grid) still shows the trials unfinished
-        if tune_unfinished(saved_tune_trials(tune_path)):
+        # Tune returns normally after Ctrl-C: the returned grid shows nothing unfinished (its checkpoint does, unless
+        # the Ctrl-C fell between two trials), so the Ctrl-C itself is what says the user stopped the study
+        if interrupted.is_set() or tune_unfinished(saved_tune_trials(tune_path)):
             return _interrupted(ot_study, resume_command)
         # Trials Optuna handed out after Tune's last checkpoint: no one will ever report them.
         orphans = settle_running(ot_study)
@@ -298,13 +301,14 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         try:
             # the first trial's replica deploys while Tune starts its worker (pipeline/trial/replicas.py)
             start_standby(study.name, replica_config(study, TrialConfig(), out / "trials"))
-            tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
-                search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
-                time_budget_s=study.budget.time_budget_s,
-                reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
+            with watching_interrupts() as interrupted:
+                tune.Tuner(trainable, run_config=run_config, tune_config=tune.TuneConfig(
+                    search_alg=searcher, num_samples=remaining, max_concurrent_trials=concurrency,
+                    time_budget_s=study.budget.time_budget_s,
+                    reuse_actors=True)).fit()  # Ray 2.60 defaults to False: a new worker (~3-4 s) per trial
         finally:  # the workers' live apps (and their engines): gone before the finalists or an interrupted exit
             delete_study_apps(study.name)
-        if tune_unfinished(saved_tune_trials(tune_path)):  # as above: the returned grid hides a Ctrl-C
+        if interrupted.is_set() or tune_unfinished(saved_tune_trials(tune_path)):  # as above
             return _interrupted(ot_study, resume_command)
     elif not restoring:
         print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)

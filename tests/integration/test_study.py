@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,7 +113,11 @@ def test_interrupted_study_resumes_without_duplicates(tmp_path):
             break
     rest, _ = driver.communicate(timeout=300)
     assert any(line.startswith("[trial 1/4]") for line in seen), "".join(seen)[-3000:]
-    assert driver.returncode == 130 and "interrupted with trial(s) [0] unfinished" in rest, rest[-3000:]
+    # Where the Ctrl-C lands is the machine's timing: before Optuna heard of the baseline ("[0] unfinished"), or
+    # after ("between trials", or the next trial already handed out). Every case stops the study, and resumes cleanly.
+    assert driver.returncode == 130, rest[-3000:]
+    assert re.search(r"interrupted (with trial\(s\) \[\d+\] unfinished|between trials); the state is saved", rest), \
+        rest[-3000:]
     resumed_at_ms = time.time() * 1000
     resumed = subprocess.run(args + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
