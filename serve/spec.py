@@ -16,8 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 Algorithm = Literal["none", "ngram", "eagle", "eagle3", "standalone", "llama_ngram_simple", "llama_ngram_map_k",
                     "llama_ngram_map_k4v", "llama_ngram_mod", "llama_ngram_cache", "llama_draft"]
-ALGORITHMS: tuple[str, ...] = ("none", "ngram", "eagle", "eagle3", "standalone")
-DRAFT_MODEL_ALGORITHMS: tuple[str, ...] = ("eagle", "eagle3", "standalone")
 
 
 class FrozenModel(BaseModel):
@@ -151,7 +149,20 @@ LLAMA_CPP_SPECS: tuple[type[FrozenModel], ...] = (
     LlamaDraftSpec)
 LlamaCppSpec = Union[LlamaNgramSimpleSpec, LlamaNgramMapKSpec, LlamaNgramMapK4vSpec, LlamaNgramModSpec,
                      LlamaNgramCacheSpec, LlamaDraftSpec]
-LLAMA_CPP_ALGORITHMS: tuple[str, ...] = tuple(t.model_fields["algorithm"].default for t in LLAMA_CPP_SPECS)
+
+
+def algorithm_of(spec_type: type[FrozenModel]) -> str:
+    """The union's tag of one variant: its `algorithm` field's only value."""
+    return str(spec_type.model_fields["algorithm"].default)
+
+
+# Every list of algorithm names below is read off the variants, so a new variant cannot be missed by one of them.
+SGLANG_SPECS: tuple[type[FrozenModel], ...] = (NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec)
+SGLANG_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in SGLANG_SPECS)
+DRAFT_MODEL_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in SGLANG_SPECS if issubclass(t, _DraftModelSpec))
+# draft heads: trained on the target's hidden states, so no replay from token ids alone can predict them
+EAGLE_HEAD_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in SGLANG_SPECS if issubclass(t, _EagleFamilySpec))
+LLAMA_CPP_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in LLAMA_CPP_SPECS)
 
 
 def validate_llama_cpp_spec(spec: FrozenModel, prefix: str = "spec") -> list[Violation]:
@@ -179,10 +190,7 @@ SpecConfig = Annotated[
     Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec, LlamaCppSpec], Field(discriminator="algorithm")
 ]
 SPEC_ADAPTER: TypeAdapter[SpecConfig] = TypeAdapter(SpecConfig)
-SPEC_TYPES: dict[str, type[FrozenModel]] = {
-    "none": NoSpec, "ngram": NgramSpec, "eagle": EagleSpec, "eagle3": Eagle3Spec, "standalone": StandaloneSpec,
-    **{name: spec_type for name, spec_type in zip(LLAMA_CPP_ALGORITHMS, LLAMA_CPP_SPECS)},
-}
+SPEC_TYPES: dict[str, type[FrozenModel]] = {algorithm_of(t): t for t in (*SGLANG_SPECS, *LLAMA_CPP_SPECS)}
 
 
 def parse_spec(data: object) -> SpecConfig:

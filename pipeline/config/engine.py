@@ -8,7 +8,7 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 
 from serve.engines.base import EngineKind, redact_env
 from serve.engines.spec_flags import ENGINE_OWNED_FLAGS
-from serve.spec import FrozenModel
+from serve.spec import DRAFT_MODEL_ALGORITHMS, FrozenModel
 
 
 def owned_flag_problem(item: str) -> str | None:
@@ -36,9 +36,9 @@ class ModelSettings(FrozenModel):
     @field_validator("drafts")
     @classmethod
     def _known_algorithms(cls, value: dict[str, str]) -> dict[str, str]:
-        bad = sorted(set(value) - {"eagle", "eagle3", "standalone"})
+        bad = sorted(set(value) - set(DRAFT_MODEL_ALGORITHMS))
         if bad:
-            raise ValueError(f"drafts keys must be eagle, eagle3 or standalone; got {bad}")
+            raise ValueError(f"drafts keys must be among {', '.join(DRAFT_MODEL_ALGORITHMS)}; got {bad}")
         return value
 
 

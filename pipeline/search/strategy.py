@@ -14,6 +14,7 @@ from pipeline.config import StudyConfig
 from pipeline.search.space import SearchSpace, grid_points
 from pipeline.simulate.predict import PREDICTABLE_METRICS
 from serve.engines import algorithms_of, replays_drafts
+from serve.spec import EAGLE_HEAD_ALGORITHMS
 
 __all__ = ["SIMULATED_ALGORITHMS", "Strategy", "enqueue_grid", "resolve_strategy"]
 
@@ -40,7 +41,7 @@ class Strategy:
 def _unsimulable(study: StudyConfig, space: SearchSpace) -> str | None:
     replayed = DRAFT_REPLAYED_ALGORITHMS if replays_drafts(study.engine.kind) else frozenset()
     others = sorted(set(space.algorithms) - SIMULATED_ALGORITHMS - replayed)
-    heads = [a for a in others if a in ("eagle", "eagle3")]
+    heads = [a for a in others if a in EAGLE_HEAD_ALGORITHMS]
     if heads:
         return (f"the space has {heads}: an EAGLE head drafts from the target's hidden states, which only a launch "
                 "of the target computes")

@@ -38,6 +38,7 @@ from serve.engines import sglang_cpu
 from serve.engines.base import ConfigRejected, Engine, ReplicaConfig
 from serve.engines.spec_flags import UnsupportedSetting, render_spec
 from serve.engines.phases import report_phase
+from serve.spec import SGLANG_ALGORITHMS
 from serve.engines.sglang_check import (PREFLIGHT_TIMEOUT_S, Preflight, installed_version, run_preflight,  # noqa: F401
                                         server_arg_fields)
 from serve.engines.sglang_backend import (AttentionKind, architecture_of, attention_kind,
@@ -250,7 +251,7 @@ class SglangEngine(Engine):
     kind = "sglang"
     label = "SGLang"
     spec_details = True
-    algorithms = frozenset({"none", "ngram", "eagle", "eagle3", "standalone"})
+    algorithms = frozenset(SGLANG_ALGORITHMS)
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
         """The command line this node starts: the NCCL port drawn here, a tuned adaptive config written here."""

@@ -9,15 +9,10 @@ from pipeline.config import TrialConfig, validate_trial
 from serve.engines import algorithms_of, engine_for
 from serve.engines.base import ReplicaConfig
 from serve.engines.llama_cpp import flags, models
-from serve.spec import (ALGORITHMS, LLAMA_CPP_ALGORITHMS, LlamaDraftSpec, LlamaNgramCacheSpec, LlamaNgramModSpec,
+from serve.spec import (LLAMA_CPP_ALGORITHMS, LlamaDraftSpec, LlamaNgramCacheSpec, LlamaNgramModSpec,
                         LlamaNgramSimpleSpec, NgramSpec, NoSpec, draft_token_count, parse_spec, validate_spec)
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def test_llama_algorithms_do_not_collide_with_sglang_ones():
-    assert not set(LLAMA_CPP_ALGORITHMS) & set(ALGORITHMS)
-    assert all(name.startswith("llama_") for name in LLAMA_CPP_ALGORITHMS)
 
 
 def test_the_union_parses_llama_variants_and_rejects_unknown_keys():

@@ -99,3 +99,21 @@ def test_draft_token_count():
     assert draft_token_count(NoSpec()) == 0
     assert draft_token_count(NgramSpec(num_draft_tokens=4)) == 3
     assert draft_token_count(StandaloneSpec(draft_model="d")) == 0  # auto: unknown until the engine resolves it
+
+
+def test_every_algorithm_name_list_is_the_unions_own():
+    # `Algorithm` is spelled out for type checkers; everything else is read off the union's variants (serve/spec.py).
+    from typing import get_args
+
+    from serve.engines import algorithms_of
+    from serve.spec import (DRAFT_MODEL_ALGORITHMS, EAGLE_HEAD_ALGORITHMS, LLAMA_CPP_ALGORITHMS, SGLANG_ALGORITHMS,
+                            SPEC_TYPES, Algorithm, SpecConfig)
+
+    union_tags = {t.model_fields["algorithm"].default for t in get_args(get_args(SpecConfig)[0])
+                  for t in (get_args(t) or (t,))}
+    assert set(get_args(Algorithm)) == set(SPEC_TYPES) == union_tags
+    assert set(SGLANG_ALGORITHMS).isdisjoint(LLAMA_CPP_ALGORITHMS)  # llama.cpp's own names never shadow SGLang's
+    assert set(EAGLE_HEAD_ALGORITHMS) < set(DRAFT_MODEL_ALGORITHMS) < set(SGLANG_ALGORITHMS)
+    assert algorithms_of("sglang") == set(SGLANG_ALGORITHMS)
+    assert algorithms_of("llama_cpp") == {"none", *LLAMA_CPP_ALGORITHMS}
+    assert algorithms_of("cpu") <= set(SGLANG_ALGORITHMS)
