@@ -1,7 +1,8 @@
 """`python -m pipeline.tune` as a user runs it from a shell: a subprocess with a clean environment (only PATH, the
 locale, a new HOME without ~/.ray, and the model and engine caches), to its decision. Library-level studies miss what
 the command line's process sets up itself (its Ray auth mode, its library settings); these do not. Shared by the
-default tier (the CPU engine) and the engines tier (SGLang on CPU, llama-server)."""
+default tier (the CPU engine: tests/integration/test_study.py's interrupted and resumed study) and the engines tier
+(SGLang on CPU, llama-server)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ def tune(engine: str, tmp_path: Path, *extra: str, timeout_s: float = 1200) -> s
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
-def check_decided(result: subprocess.CompletedProcess[str]) -> None:
+def check_decided(result: subprocess.CompletedProcess[str], first_line: str = "[trial 1/2]") -> None:
+    """Exit 0, the baseline's trial line (`first_line`; "" for a resumed run, which measured it before), a decision,
+    and no sign of the Ray auth-mode mismatch."""
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
-    assert "[trial 1/2]" in result.stdout and "(the baseline)" in result.stdout, out[-6000:]
+    assert not first_line or (first_line in result.stdout and "(the baseline)" in result.stdout), out[-6000:]
     assert "decision: " in result.stdout, out[-6000:]
     assert "InvalidAuthToken" not in out and "Failed to start GCS" not in out, out[-6000:]
