@@ -243,7 +243,14 @@ def test_a_killed_candidate_costs_users_no_errors(endpoint):
     records = loop.live(after).records
     assert sorted((r.arm, r.status) for r in records if r.arm == "candidate") == [("candidate", 503)] * 2
     assert [r.status for r in records if r.arm == "production"] == [200, 200, 200]
-    wait_for(lambda: not _candidate_processes(), "the failed candidate's processes gone", 120)
+    try:
+        wait_for(lambda: not _candidate_processes(), "the failed candidate's processes gone", 120)
+    except AssertionError as exc:  # say what is left and what Serve thinks of the app, for whoever reads CI's log
+        from ray import serve
+
+        left = [(p.pid, p.status(), " ".join(p.cmdline())[:160]) for p in _candidate_processes()]
+        raise AssertionError(f"{exc}: left {left}; canary {loop.canary()}; "
+                             f"apps {serve.status().applications.get('production-canary')}") from None
 
 
 def test_a_loop_promotion_leaves_no_canary_behind(endpoint):
