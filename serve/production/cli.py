@@ -205,6 +205,11 @@ def follow(settings: ProductionSettings, serving_version: str | None) -> None:
     """Promotion and rollback move a registry alias; this loop rolls the app to wherever the alias points."""
     follower = Follower(settings, serving_version)
     while True:
-        time.sleep(settings.follow_alias_s or 3600)
+        # In slices of a second: a Ctrl-C or SIGTERM that the kernel hands to one of Ray's threads only marks the
+        # signal for the main thread, which acts on it when it next runs Python; one long sleep (an hour without
+        # --follow-alias-s) kept the endpoint serving through its own stop signal.
+        wake_at = time.monotonic() + (settings.follow_alias_s or 3600)
+        while (left := wake_at - time.monotonic()) > 0:
+            time.sleep(min(1.0, left))
         if settings.follow_alias_s:
             follower.step()
