@@ -243,7 +243,7 @@ class Capture:
                 self._oldest = now
                 self._wake.set()  # the timer now has a row to wait for
             self._rows.append(row)
-            if len(self._rows) < self.settings.flush_rows and now - self._oldest < self.settings.flush_s:
+            if len(self._rows) < self.settings.flush_rows and now < self._oldest + self.settings.flush_s:
                 return
             self._submit()
 
@@ -267,7 +267,7 @@ class Capture:
             return False
         with self._lock:
             now = time.monotonic() if now is None else now
-            if self._closed or not self._rows or now - self._oldest < self.settings.flush_s:
+            if self._closed or not self._rows or now < self._oldest + self.settings.flush_s:
                 return False
             self._submit()
         return True
