@@ -30,7 +30,8 @@ def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
 TIERS = ("unit", "model", "integration", "engines", "end_to_end", "gpu")
 LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract, studies, production",
             "end_to_end": "the closed loop, levels, distributed (PostgreSQL), 2-node cluster, serve deploy, "
-                          "the production driver and rolls, open-loop and corpus studies, a study beside an endpoint, a baseline queued again"}
+                          "the production driver and rolls, the fault study, open-loop and corpus studies, "
+                          "a study beside an endpoint, a baseline queued again"}
 EVERY_TIER = "python -m pytest -q -n 2 --dist loadfile tests"
 
 
@@ -71,7 +72,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # xdist's own order, most tests first, which started these one- to three-test files last, one then running alone on
 # one worker while the other had finished).
 LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_levels_study.py",
-                 "test_study.py", "test_faults.py", "test_sglang_contract_cpu.py", "test_llama_cpp_study.py",
+                 "test_study.py", "test_fault_study.py", "test_sglang_contract_cpu.py", "test_llama_cpp_study.py",
                  "test_cluster.py", "test_open_loop_study.py", "test_production_driver.py")
 
 
@@ -110,7 +111,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 # promotion rule. Tests of the promotion path ask for finalists explicitly (test_open_loop_study,
 # test_llama_cpp_study, test_levels_study, test_distributed).
 # workload.remeasure 0: two test workers share 2 cores, so most windows are disturbed; re-measuring them would only
-# triple these studies (the re-measure itself: tests/integration/test_faults.py).
+# triple these studies (the re-measure itself: tests/end_to_end/test_fault_study.py).
 TINY_STUDY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
               "promotion.finalists": 0, "engine.start_timeout_s": 300, "workload.remeasure": 0,
               "search.strategy": "tpe"}  # these studies test the search over launches (simulate-first: test_simulate*)

@@ -1,8 +1,8 @@
 """The end-to-end tier: the closed loop (capture, re-tune, canary, promotion), the level study, distributed mode on
-PostgreSQL, a 2-node cluster, `serve deploy`, the production driver, and whole studies of a feature (open loop, corpus).
-Not in the default test run: `python -m pytest -q -n 2 --dist loadfile tests` runs every tier. The integration tier's
-fixtures apply here too, and `ray_head` (one `ray start --head` per test worker) is shared by the files that
-need a cluster."""
+PostgreSQL, a 2-node cluster, `serve deploy`, the production driver, and whole studies of a feature (open loop,
+corpus, every fault kind). Not in the default test run: `python -m pytest -q -n 2 --dist loadfile tests` runs every
+tier. The integration tier's fixtures apply here too, and `ray_head` (one `ray start --head` per test worker) is
+shared by the files that need a cluster."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """The CPU engine's HTTP surface with NGRAM on the real SmolLM2-135M: /generate (plain and SSE), meta_info counters,
 /server_info (resolved SGLang fields, avg_spec_accept_length, verify-cost curve), /flush_cache, 4xx handling, and
-start-up failures on bad flags. One server process for the whole module."""
+start-up failures on bad flags. One server process for the whole module; the test-only slow-start switch on a
+second one."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from datetime import datetime
 
 import httpx
 import pytest
@@ -173,3 +175,21 @@ def test_bad_flags_exit_nonzero_naming_the_flag(extra, needle):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert needle in proc.stderr
+
+
+def test_slow_start_delays_the_engine_before_it_loads_the_model(cpu_server, tmp_path):
+    # A study sees this as LAUNCH_FAILED once the delay passes engine.start_timeout_s ("never got ready",
+    # docs/design.md); here the switch itself is checked on the real engine, without spending a start timeout.
+    args = ["--model-path", "smollm2-135m", "--threads", str(TEST_THREADS), "--verify-probe-seconds", "0",
+            "--test-fault", "slow-start=3"]
+    with cpu_server(args, tmp_path) as server:
+        info = httpx.get(f"{server.url}/server_info", timeout=30).json()
+        log = server.log()
+
+    def stamp(text: str) -> datetime:
+        line = next(line for line in log.splitlines() if text in line)
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+    # The sleep comes before the model load, so /health could not answer during it.
+    assert (stamp("engine ready in") - stamp("TEST FAULT slow-start: sleeping 3.0 s")).total_seconds() >= 3.0
+    assert info["speculative_algorithm"] is None and "test_faults" not in info
