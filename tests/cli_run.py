@@ -1,8 +1,9 @@
 """`python -m pipeline.tune` as a user runs it from a shell: a subprocess with a clean environment (only PATH, the
 locale, a new HOME without ~/.ray, and the model and engine caches), to its decision. Library-level studies miss what
-the command line's process sets up itself (its Ray auth mode, its library settings); these do not. Shared by the
-default tier (the CPU engine: tests/integration/test_study.py's interrupted and resumed study) and the engines tier
-(SGLang on CPU, llama-server)."""
+the command line's process sets up itself (its Ray auth mode, its library settings); these do not. Used by the
+end-to-end tier (the CPU engine: tests/end_to_end/test_study_resume.py's interrupted and resumed study) and the
+engines tier (the SGLang-on-CPU and llama-server studies: tests/engines/test_sglang_study.py,
+test_llama_cpp_study.py)."""
 
 from __future__ import annotations
 

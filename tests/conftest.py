@@ -29,8 +29,9 @@ def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
 # integration and gpu; `python -m pytest -q -n 2 --dist loadfile tests` adds the engines and end-to-end tiers.
 TIERS = ("unit", "model", "integration", "engines", "end_to_end", "gpu")
 LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract, studies, production",
-            "end_to_end": "the closed loop, levels, distributed (PostgreSQL), 2-node cluster, serve deploy, "
-                          "the production driver and rolls, the fault study, open-loop and corpus studies, "
+            "end_to_end": "the closed loop and the endpoint's side of it, levels, distributed (PostgreSQL), "
+                          "2-node cluster, serve deploy, the production driver and rolls, the fault study, "
+                          "open-loop, corpus and STANDALONE simulate-first studies, an interrupted study resumed, "
                           "a study beside an endpoint, a baseline queued again"}
 EVERY_TIER = "python -m pytest -q -n 2 --dist loadfile tests"
 
@@ -71,9 +72,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # first. `-n 2 --dist loadfile` hands whole files to the two workers in collection order (pyproject's addopts turn off
 # xdist's own order, most tests first, which started these one- to three-test files last, one then running alone on
 # one worker while the other had finished).
-LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_levels_study.py",
-                 "test_study.py", "test_fault_study.py", "test_sglang_contract_cpu.py", "test_llama_cpp_study.py",
-                 "test_cluster.py", "test_open_loop_study.py", "test_production_driver.py")
+LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_fault_study.py",
+                 "test_sglang_contract_cpu.py", "test_levels_study.py", "test_draft_replay_exact.py",
+                 "test_baseline_requeue.py", "test_production_beside_study.py", "test_cluster.py",
+                 "test_llama_cpp_study.py", "test_open_loop_study.py", "test_production_driver.py")
 
 
 def run_order(tiers: list[list[str]], longest: tuple[str, ...]) -> list[str]:

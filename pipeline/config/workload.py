@@ -61,7 +61,8 @@ class WorkloadSettings(FrozenModel):
     temperature: float = Field(0.0, ge=0)
     arrival: ArrivalSettings = Field(default_factory=ArrivalSettings, description="closed loop (default) or "
                                      "open-loop poisson arrivals for the measurement")
-    # pipeline/measure/window.py: the engine's run-queue wait and the hypervisor's steal over the window
+    # pipeline/measure/window.py: the engine's run-queue wait and the hypervisor's steal over the window, and its
+    # decode steps against the engine's calibration
     remeasure: int = Field(2, ge=0, le=5, description="a measurement window other work disturbed (the engine waited "
                            "for its cores, or the hypervisor took them) is measured again at most this often, after a "
                            "flush and the same warm-up; 0 = record it as it is, flagged")
@@ -69,6 +70,10 @@ class WorkloadSettings(FrozenModel):
                               "for a core more than this share of their runnable time")
     steal_limit: float = Field(0.05, gt=0, lt=1, description="a window is disturbed when the hypervisor took more than "
                                "this share of the node's CPU time (steal); raise it on a VM whose steal never drops")
+    step_limit: float = Field(1.5, gt=1, description="a window is disturbed when its lone plain decode steps, timed "
+                              "by an engine that measured its own round table (the CPU engine), took more than this "
+                              "many times the table's step: the machine ran slower than when the engine was "
+                              "calibrated")
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -7,6 +7,16 @@ running) and as **steal** (a hypervisor running another guest on our cores). Eit
 figure measured the machine, not the config: the trial re-measures the window (at most `workload.remeasure` times)
 and says so; a window still disturbed after that is recorded with its flag, never silently.
 
+A core can also be there and still run slow: a neighbour on the host's other hyperthread or its memory bus shows in
+neither the run-queue wait nor steal. So on an engine that measured its own round table and times its own rounds
+(the CPU engine: `solo_plain_rounds`/`solo_plain_ms` in `/server_info`), a window's **lone plain decode steps are
+timed against that calibration** (`step_ratio`: their mean time over the table's plain step at their mean context;
+the forward only, as the table measured it, without the HTTP and streaming around it). Beyond `STEP_LIMIT` the
+figure measured a slower machine than the engine was calibrated on, and the window is re-measured and flagged as
+for the other two. (A baseline measured that way fixes every prediction of simulate-first and every `vs_baseline`:
+on one 2-core AMD EPYC a first baseline streamed its tokens 37.5 ms apart against 25.5 ms in its own three re-runs,
+with no wait and no steal, and the first prediction missed by 30%.)
+
 The window's own spread (per-request throughput: the median and the median absolute deviation over it) travels
 with the figure: the search, early stopping and simulate-first read it as the measurement's noise.
 
@@ -18,7 +28,7 @@ daemons beside it; a busy core beside the study pushes it well past.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import Field
@@ -27,11 +37,14 @@ from pipeline.measure.summary import RequestRecord
 from serve.replica.usage import Usage
 from serve.spec import FrozenModel
 
-__all__ = ["STEAL_LIMIT", "WAIT_LIMIT", "Window", "flag", "judge_window", "request_spread", "window_record"]
+__all__ = ["STEAL_LIMIT", "STEP_LIMIT", "WAIT_LIMIT", "Window", "flag", "judge_window", "request_spread",
+           "step_ratio", "window_record"]
 
 WAIT_LIMIT = 0.15  # share of the engine's runnable time spent waiting for a core
 STEAL_LIMIT = 0.05  # share of the node's CPU time taken by the hypervisor
 MIN_ENGINE_CPU_S = 0.2  # engine CPU seconds below which its wait share is not judged
+STEP_LIMIT = 1.5  # a plain decode step's measured time over the engine's calibrated one (`workload.step_limit`)
+MIN_STEP_ROUNDS = 8  # fewer timed steps in a window say too little about the machine
 
 
 class Window(FrozenModel):
@@ -47,6 +60,7 @@ class Window(FrozenModel):
     requests: int = 0
     tput_median: float | None = None  # per-request throughput (completion tokens / e2e), tok/s
     tput_mad: float | None = None
+    step_ratio: float | None = None  # the window's lone plain steps over the engine's calibrated step
     disturbed: bool | None = None
     reasons: tuple[str, ...] = ()
 
@@ -66,6 +80,8 @@ class Window(FrozenModel):
             parts.append(f"steal {self.steal_share:.0%}")
         if self.others_cores is not None:
             parts.append(f"other work {self.others_cores:.2f} cores")
+        if self.step_ratio is not None:
+            parts.append(f"steps {self.step_ratio:.2f}x calibrated")
         verdict = {None: "unchecked", False: "clean", True: "DISTURBED: " + "; ".join(self.reasons)}[self.disturbed]
         return f"{verdict} ({', '.join(parts)})"
 
@@ -79,17 +95,43 @@ def request_spread(records: Sequence[RequestRecord]) -> tuple[float | None, floa
     return median, statistics.median(abs(x - median) for x in rates)
 
 
+def step_ratio(before: dict[str, Any] | None, after: dict[str, Any] | None,
+               calibrated_ms: Callable[[float], float], min_rounds: int = MIN_STEP_ROUNDS) -> float | None:
+    """The window's lone plain decode steps over the engine's calibrated step: the mean of the rounds between two
+    snapshots of the engine's counters (`solo_plain_rounds`, `solo_plain_ms`, `solo_plain_context`) over
+    `calibrated_ms(mean context)`. None when the engine keeps no such counters or timed fewer than `min_rounds`."""
+    keys = ("solo_plain_rounds", "solo_plain_ms", "solo_plain_context")
+    if not before or not after or any(not isinstance(s.get(k), (int, float)) for s in (before, after) for k in keys):
+        return None
+    rounds = after["solo_plain_rounds"] - before["solo_plain_rounds"]
+    if rounds < min_rounds:
+        return None
+    expected = calibrated_ms((after["solo_plain_context"] - before["solo_plain_context"]) / rounds)
+    if expected <= 0:
+        return None
+    return (after["solo_plain_ms"] - before["solo_plain_ms"]) / rounds / expected
+
+
 def judge_window(before: Usage | None, after: Usage | None, records: Sequence[RequestRecord], *,
-                 wait_limit: float = WAIT_LIMIT, steal_limit: float = STEAL_LIMIT) -> Window:
-    """The window between `before` and `after` (snapshots of one node), with its measured `records`."""
+                 wait_limit: float = WAIT_LIMIT, steal_limit: float = STEAL_LIMIT,
+                 steps: float | None = None, step_limit: float = STEP_LIMIT) -> Window:
+    """The window between `before` and `after` (snapshots of one node), with its measured `records`. `steps`: its
+    `step_ratio`, when the engine could tell; judged against `step_limit`, also where /proc cannot be read."""
     median, mad = request_spread(records)
     base: dict[str, Any] = {"requests": sum(1 for r in records if r.ok), "tput_median": median, "tput_mad": mad}
-    if before is None or after is None or after.at_s <= before.at_s:
-        return Window(wall_s=0.0, **base)
-    wall = after.at_s - before.at_s
-    out: dict[str, Any] = {"wall_s": wall, "load1": after.load1, **base}
     reasons: list[str] = []
     checked = False
+    ratio = steps
+    if ratio is not None:
+        base["step_ratio"] = ratio
+        checked = True
+        if ratio > step_limit:
+            reasons.append(f"the engine's plain steps took {ratio:.2f}x its own calibrated step (limit "
+                           f"{step_limit:.2f}x): the machine ran slower than when the engine measured its round table")
+    if before is None or after is None or after.at_s <= before.at_s:
+        return Window(wall_s=0.0, **base, disturbed=bool(reasons) if checked else None, reasons=tuple(reasons))
+    wall = after.at_s - before.at_s
+    out: dict[str, Any] = {"wall_s": wall, "load1": after.load1, **base}
     engine_cpu = None
     if before.engine_cpu_s is not None and after.engine_cpu_s is not None:
         engine_cpu = max(0.0, after.engine_cpu_s - before.engine_cpu_s)
@@ -129,7 +171,7 @@ def window_record(windows: Sequence[Window]) -> tuple[dict[str, float], dict[str
     metrics: dict[str, float] = {"window_remeasured": float(len(windows) - 1)}
     for name, value in (("window_wait_share", last.wait_share), ("window_steal_share", last.steal_share),
                         ("window_others_cores", last.others_cores), ("window_engine_cores", last.engine_cores),
-                        ("tput_spread", last.spread)):
+                        ("window_step_ratio", last.step_ratio), ("tput_spread", last.spread)):
         if value is not None:
             metrics[name] = float(value)
     return metrics, {"measurement_window": last.line()[:500], "measurement_flag": flag(windows)}

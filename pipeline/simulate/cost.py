@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,7 +42,7 @@ from pipeline.simulate.drafts import DraftCurve
 from pipeline.simulate.replay import Round
 from serve.spec import FrozenModel
 
-__all__ = ["ALPHA", "CostModel", "Launch", "RoundTable", "fit_cost", "prefill_fit", "round_table"]
+__all__ = ["ALPHA", "CostModel", "Launch", "RoundTable", "fit_cost", "plain_step", "prefill_fit", "round_table"]
 
 ALPHA = 0.015  # prior: each extra query row costs 1.5% of a plain decode step (bf16 GPU/AMX: 16 rows ~1.2x)
 
@@ -113,6 +113,16 @@ def round_table(verify_cost: Any) -> RoundTable | None:
         return RoundTable.model_validate({k: data[k] for k in RoundTable.model_fields if k in data})
     except (KeyError, ValueError):
         return None
+
+
+def plain_step(verify_cost: Any) -> Callable[[int, float], float] | None:
+    """The engine's calibrated plain decode step (ms) at `batch` requests and `context` tokens, from the round table
+    it reported; None when it reported none. What a plain-decoding measurement window is judged against
+    (pipeline/measure/window.py)."""
+    table = round_table(verify_cost)
+    if table is None:
+        return None
+    return lambda batch, context: table.verify_ms(batch, 1, batch, context)
 
 
 class CostModel(FrozenModel):

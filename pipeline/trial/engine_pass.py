@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -20,9 +21,10 @@ from pipeline.config import StudyConfig, TrialConfig
 from pipeline.measure.load import LoadRequest, run_phase
 from pipeline.measure.shape import engine_has_table, study_probe
 from pipeline.measure.summary import RequestRecord
-from pipeline.measure.window import judge_window
+from pipeline.measure.window import judge_window, step_ratio
 from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label
+from pipeline.simulate.cost import plain_step
 from pipeline.search.pruning import Watch, measure_phase
 from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, listed_corpora, ship_corpus
 from pipeline.trial.replica_config import replica_config
@@ -203,6 +205,9 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
     warm += settle
     measured: list[RequestRecord] = []
     pruned: str | None = None
+    # an engine that measured its own round table and times its lone plain steps: the window's steps are judged
+    # against that calibration
+    step = plain_step(out.server_info.get("verify_cost"))
     for attempt in range(study.workload.remeasure + 1):
         _flush(url)
         phase_start = time.monotonic()
@@ -213,12 +218,14 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
         note_phase(log_dir, "measure", requests=len(ctx.measure), attempt=attempt)
-        before = usage(url)
+        before, state = usage(url), engine_state(url) if step else None
         measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
                                          arrival=study.workload.arrival, seed=study.seed)
-        window = judge_window(before, usage(url), [r for r in measured if r.phase == "measure"],
-                              wait_limit=study.workload.wait_limit,
-                              steal_limit=study.workload.steal_limit)
+        after = usage(url)
+        steps = step_ratio(state, engine_state(url), lambda context: step(1, context)) if step else None
+        window = judge_window(before, after, [r for r in measured if r.phase == "measure"],
+                              wait_limit=study.workload.wait_limit, steal_limit=study.workload.steal_limit,
+                              steps=steps, step_limit=study.workload.step_limit)
         out.windows.append(window)
         out.timings["measure_s"] = time.monotonic() - phase_start
         out.records = warmed + measured
@@ -247,6 +254,15 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         note_phase(log_dir, "shape-probe", check=out.server_info["verify_cost"].get("window"))
     # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
     out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
+
+
+def engine_state(url: str) -> dict[str, Any] | None:
+    """The engine's counters (`/server_info`'s `internal_states[0]`), None when it does not answer with them."""
+    try:
+        states = httpx.get(f"{url}/server_info", timeout=30).json().get("internal_states")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else None
 
 
 def settle_requests(measure: Sequence[LoadRequest], warmup: Sequence[LoadRequest]

@@ -1,23 +1,24 @@
 """The closed loop end to end, as a user runs it (issue #30): `python -m pipeline.tune` tunes config A on workload X
-(templated, copy-heavy, 16-token answers: NGRAM promoted), `python -m serve.production` serves it with capture on, a
+(templated, copy-heavy, 8-token answers: NGRAM promoted), `python -m serve.production` serves it with capture on, a
 bounded local load loop switches the traffic to workload Y (contexts twice as long, 2-token answers: the kind of
 shift a classification or routing client brings; each request's end-to-end throughput falls to a fraction of X's,
 since its prefill dominates), and `python -m pipeline.loop` flags the drift (per-request throughput below the
 study's), re-tunes on the capture, canaries the re-tune's config on live traffic and promotes it, with no failed
 request. The cycle is checked in MLflow and on `/v1/config`. A rollback, the other outcome of a canary, is checked
 on its own (tests/end_to_end/test_loop_retune.py, tests/unit/test_loop_cycle.py,
-tests/integration/test_production_loop.py): a second cycle here only repeated it at the price of another re-tune.
+tests/end_to_end/test_production_loop.py): a second cycle here only repeated it at the price of another re-tune.
 
 Which way each comparison falls is forced by CPU-engine test switches (serve/engines/cpu/faults.py), with margins a
 busy machine does not cross:
 - the first study slows its baseline 6x and NGRAM 3x, so NGRAM is promoted (about 2x the baseline: unslowed, NGRAM
-  on X at 16 tokens is within a few % of the baseline here), and production's NGRAM engine runs 3x slowed on Y too;
+  on X is within a few % of the baseline here), and production's NGRAM engine runs 3x slowed on Y too;
 - the re-tune re-measures nothing (`promotion.finalists: 0`), so it keeps its baseline, registered as the candidate
   with its study's engine flags: unslowed, about 3x production's slowed NGRAM per request in the canary (a 2x margin
   once left a candidate's score, median - 1.4826 MAD of 10 requests, under the bar on a loaded machine).
-Small on purpose: 2 trials a study, 4 measured prompts of 16 tokens, canary of one step at share 0.5 deciding on 10
-candidate requests in 3 blocks. The loop's accept-length detector runs too (the engine's per-request counters reach
-the live records); Y's change shows in throughput.
+Small on purpose: 2 trials a study, 4 measured prompts of 8 tokens (the slowed baseline's runs are most of the
+test's time), canary of one step at share 0.5 deciding on 10 candidate requests in 3 blocks. The loop's
+accept-length detector runs too (the engine's per-request counters reach the live records); Y's change shows in
+throughput.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ LOOP_SETTINGS = {"canary": {"start_share": 0.5, "steps": [], "min_requests_per_s
                  # and the drop here is over half
                  "drift": {"window": 4, "min_prompts": 4}}
 CAPTURE = {"sample_rate": 1, "flush_rows": 1}  # every answer, on disk at once
-# Y's answers: with 16 (X's length), live requests run alone at the end of a CI run were not slower per request
+# Y's answers: with X's length (16 tokens then), live requests run alone at the end of a CI run were not slower per request
 # than the study measured them beside another test's study: the machine's load moved the figure as much as the
 # longer contexts did, and no drift showed. 2-token answers make Y's figure about a fifth of X's on any load.
 Y_ANSWER_TOKENS = 2
@@ -68,7 +69,7 @@ def study_file(folder: Path, uri: str, name: str, flags: list[str], finalists: i
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps({
         "name": name, "search_space": str(folder / "space.yaml"), "seed": 0, "output_dir": str(folder / name),
-        "workload": {"source": "templated", "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 16,
+        "workload": {"source": "templated", "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 8,
                      "remeasure": 0},
         "budget": {"max_trials": 2, "early_stopping": False}, "search": {"strategy": "tpe"},
         "promotion": {"finalists": finalists},

@@ -6,7 +6,11 @@ answering the real `openai` client, plain, streamed and chat.
 Sized for CI: SGLang starts take 20-50 s here, so the study has three trials and three launches in all (baseline,
 one NGRAM launch shared by the two trials that differ only in warm-up length, production), short outputs, and
 `promotion.finalists: 0`, which forces the decision (keep the baseline, registered as production) instead of
-re-measuring finalists (six more launches). Skipped without SGLang's CPU venv (bash infra/install-sglang-cpu.sh)."""
+re-measuring finalists (six more launches). The study is `python -m pipeline.tune --engine sglang` as a user runs it
+from a shell (tests/cli_run.py: a clean environment, a new HOME): with `--engine sglang` the study's validation once
+imported Ray before the command line set Ray's auth mode, and the local Ray it started refused its own driver
+("Failed to start GCS"), so every SGLang study from a shell died before its first trial while library-level studies
+passed. Skipped without SGLang's CPU venv (bash infra/install-sglang-cpu.sh)."""
 
 from __future__ import annotations
 
@@ -17,10 +21,10 @@ import pytest
 
 from pipeline.config import load_study
 from pipeline.records.tracking import Tracker
-from pipeline.search.space import load_space
-from pipeline.study.driver import connect_ray, run_study
+from pipeline.study.driver import connect_ray
 from serve.production.settings import ProductionSettings
 from serve.production.app import deploy
+from tests.cli_run import check_decided, tune
 from tests.conftest import TINY_STUDY
 from tests.sglang_servers import needs_sglang_cpu
 
@@ -32,14 +36,16 @@ SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: categori
 
 @pytest.fixture(scope="module")
 def study_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sglang-study")
-    space = out / "space.yaml"
+    """(the resolved study, its output folder, the finished command)."""
+    tmp = tmp_path_factory.mktemp("sglang-study")
+    space = tmp / "space.yaml"
     space.write_text(SPACE)
-    study = load_study(None, {**TINY_STUDY, "name": "sglang-cpu", "output_dir": str(out), "search_space": str(space),
-                              "budget.max_trials": 3, "engine.kind": "sglang", "engine.device": "cpu",
-                              "engine.threads": 1, "engine.start_timeout_s": 600})
-    code = run_study(study, load_space(space))
-    return study, out, code
+    settings = {**TINY_STUDY, "engine.device": "cpu", "engine.threads": 1, "engine.start_timeout_s": 600}
+    done = tune("sglang", tmp, "--search-space", str(space), "--trials", "3",
+                *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")])
+    out = tmp / "out"
+    (tmp / "tune.log").write_text(done.stdout + done.stderr)  # kept with the test's folder for a failure's reader
+    return load_study(out / "study.yaml", {}), out, done
 
 
 def trial_runs(study, out):
@@ -50,8 +56,8 @@ def trial_runs(study, out):
 
 
 def test_the_study_measures_baseline_and_ngram_on_sglang_and_decides(study_run):
-    study, out, code = study_run
-    assert code == 0
+    study, out, done = study_run
+    check_decided(done, first_line="[trial 1/3]")
     _, runs = trial_runs(study, out)
     assert len(runs) == 3
     tags = [r.data.tags for r in runs]

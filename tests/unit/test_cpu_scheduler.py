@@ -215,3 +215,51 @@ def test_watchers_see_every_step():
     finally:
         sched.stop()
     assert len(seen) >= 3  # 3 steps (and the leave)
+
+
+class _PlainDecoder(_Decoder):
+    """No speculator: every step after the prefill decodes one token."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__(gate)
+        self.speculator = None
+
+    def step(self, req: Request) -> StepStats:
+        self.gate.wait(10)
+        self.log.append(req.rid)
+        verify = bool(req.output_ids)
+        req.output_ids.append(1)
+        if len(req.output_ids) >= req.rules.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": req.rules.max_new_tokens}
+        return StepStats(verify=verify, emitted=1, proposed=0)
+
+
+def _counted(decoder_type, max_running: int, requests: list[Request]) -> dict:
+    gate = threading.Event()
+    sched = Scheduler(decoder_type(gate), max_running)
+    done = threading.Event()
+    finished: list[str] = []
+
+    def sink(req, error):
+        if req.finished:
+            finished.append(req.rid)
+            if len(finished) == len(requests):
+                done.set()
+
+    for req in requests:
+        sched.submit(req, sink)
+    sched.start()
+    gate.set()
+    assert done.wait(10)
+    sched.stop()
+    return sched.stats(False)
+
+
+def test_lone_plain_decode_steps_are_timed_with_their_context_and_nothing_else_is():
+    # one request at a time, 5 tokens: a prefill round, then 4 plain steps after 2, 3, 4 and 5 cached tokens
+    solo = _counted(_PlainDecoder, 1, [_req("a", 5), _req("b", 5)])
+    assert solo["solo_plain_rounds"] == 8 and solo["solo_plain_context"] == 2 * (2 + 3 + 4 + 5)
+    assert solo["solo_plain_ms"] > 0
+    # two in every round until the end: no lone rounds; speculative steps are never plain ones
+    assert _counted(_PlainDecoder, 2, [_req("a", 3), _req("b", 3)])["solo_plain_rounds"] == 0
+    assert _counted(_Decoder, 1, [_req("a", 5)])["solo_plain_rounds"] == 0

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from pipeline.measure.summary import RequestRecord
-from pipeline.measure.window import WAIT_LIMIT, Window, flag, judge_window, request_spread, window_record
+from pipeline.measure.window import (STEP_LIMIT, WAIT_LIMIT, Window, flag, judge_window, request_spread, step_ratio,
+                                     window_record)
+from pipeline.simulate.cost import plain_step
 from serve.replica.usage import NodeCpu, Usage, node_cpu, pid_stat, read_usage, schedstat_wait_ns
 
 STAT = ("cpu  246567 125423 69346 86998 2189 0 1588 7451 0 0\n"
@@ -134,3 +136,58 @@ def test_an_engine_that_barely_ran_is_not_judged_by_its_wait():
     # a hung engine waits its few milliseconds of CPU out behind anything: no verdict from that
     window = judge_window(usage(0.0, 1.0, 0.0, busy=0, idle=0), usage(20.0, 1.05, 0.05, busy=20, idle=20), RECORDS)
     assert window.wait_share is None and window.disturbed is False  # the node's steal was still judged
+
+
+# --- steps against the engine's own calibration -------------------------------------------------------------------
+
+def counters(rounds: int, ms: float, context: int) -> dict:
+    return {"solo_plain_rounds": rounds, "solo_plain_ms": ms, "solo_plain_context": context}
+
+
+def calibrated_20ms(context: float) -> float:
+    return 20.0 * (1 + (context - 100) / 1000)  # 20 ms at 100 tokens of context, 22 at 200
+
+
+def test_the_step_ratio_is_the_windows_mean_step_over_the_calibrated_step_at_its_mean_context():
+    # 10 steps between the snapshots, 240 ms in all, at a mean context of 200 tokens: 24 ms against 22
+    assert step_ratio(counters(5, 100.0, 500), counters(15, 340.0, 2500), calibrated_20ms) == pytest.approx(24 / 22)
+    assert step_ratio(counters(5, 100.0, 500), counters(12, 300.0, 1900), calibrated_20ms) is None  # 7 steps: too few
+    assert step_ratio(None, counters(15, 340.0, 2500), calibrated_20ms) is None
+    assert step_ratio({"num_finished_requests": 3}, {"num_finished_requests": 4}, calibrated_20ms) is None  # SGLang
+
+
+def test_steps_near_their_calibration_leave_the_window_clean_and_are_recorded():
+    window = judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=2), usage(2.0, 1.9, 0.01, busy=2, idle=2), RECORDS,
+                          steps=1.1)
+    assert window.disturbed is False and window.step_ratio == pytest.approx(1.1)
+    assert "steps 1.10x calibrated" in window.line()
+    metrics, _ = window_record([window])
+    assert metrics["window_step_ratio"] == pytest.approx(1.1)
+
+
+def test_steps_slower_than_the_limit_disturb_a_window_that_neither_waited_nor_lost_cpu_to_steal():
+    window = judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=2), usage(2.0, 1.9, 0.01, busy=2, idle=2), RECORDS,
+                          steps=1.85)
+    assert window.wait_share is not None and window.wait_share < WAIT_LIMIT and window.steal_share == 0
+    assert window.disturbed is True and window.step_ratio > STEP_LIMIT
+    assert "plain steps took 1.85x its own calibrated step" in window.reasons[0]
+    assert flag([window]) == "disturbed"
+    assert judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=2), usage(2.0, 1.9, 0.01, busy=2, idle=2), RECORDS,
+                        steps=1.85, step_limit=2.0).disturbed is False  # workload.step_limit
+
+
+def test_the_step_check_judges_a_window_whose_node_could_not_be_read():
+    assert judge_window(None, None, RECORDS, steps=2.0).disturbed is True
+    assert judge_window(None, None, RECORDS, steps=1.0).disturbed is False
+    assert judge_window(None, None, RECORDS).disturbed is None  # nothing to judge it by
+
+
+def test_the_calibrated_plain_step_is_the_round_tables_width_one_cell_at_its_context():
+    table = {"round_cost": {"batches": [1, 2], "widths": [1, 4], "ms": [[20.0, 30.0], [28.0, 50.0]],
+                            "lm_head_rows": [1, 2, 4], "lm_head_ms": [5.0, 6.0, 8.0], "context_tokens": 128,
+                            "long_context_tokens": 512, "short_context_ms": 20.0, "long_context_ms": 24.0}}
+    step = plain_step(table)
+    assert step is not None
+    assert step(1, 128) == pytest.approx(20.0) and step(2, 128) == pytest.approx(28.0)
+    assert step(1, 512) == pytest.approx(24.0)  # the table's longer-context step
+    assert plain_step({"relative": [1.0]}) is None  # a curve without a round table: no calibration

@@ -2,7 +2,7 @@
 failed candidate (serve/closed_loop/failover.py): issue 42 items 7 and 8.
 
 `ServeFree` is the arm with Serve's two calls (deploy the candidate's app, delete it) replaced, the only parts that
-need a Ray cluster; tests/integration/test_production_loop.py runs the real ones."""
+need a Ray cluster; tests/end_to_end/test_production_loop.py runs the real ones."""
 
 from __future__ import annotations
 

@@ -107,6 +107,12 @@ class Counters:
     window_emitted: int = 0  # spec_num_accept_tokens
     total_verify: int = 0  # spec_total_num_forward_ct (folded)
     total_emitted: int = 0  # spec_total_num_accept_tokens
+    # Rounds of one request decoding one token (no prefill, no drafts): the rounds the engine's round table prices
+    # directly (its plain step), timed here, so a measurement window can compare what its steps cost with what the
+    # engine measured on a quiet machine (pipeline/measure/window.py). Ours, not SGLang's.
+    solo_plain_rounds: int = 0
+    solo_plain_s: float = 0.0
+    solo_plain_context: int = 0  # the sum of those rounds' context lengths (tokens in the cache before the step)
     steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (time, tokens)
 
     def end_round(self, verify: int, emitted: int) -> None:
@@ -126,6 +132,9 @@ class Counters:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "last_gen_throughput": self._throughput(),
+            "solo_plain_rounds": self.solo_plain_rounds,
+            "solo_plain_ms": self.solo_plain_s * 1000.0,
+            "solo_plain_context": self.solo_plain_context,
         }
         if speculative:
             if self.total_verify > 0:
@@ -270,7 +279,14 @@ class Scheduler:
                 else:
                     live.append(ticket)
             verify = emitted = 0
-            for ticket, result in zip(live, self.decoder.step_many([t.req for t in live])):
+            # a lone plain decode step: the cache holds the prompt and every output token but the one it decodes
+            solo = (len(live) == 1 and not live[0].internal and self.decoder.speculator is None
+                    and bool(live[0].req.output_ids))
+            context = len(live[0].req.prompt_ids) + len(live[0].req.output_ids) - 1 if solo else 0
+            started = time.perf_counter()
+            results = self.decoder.step_many([t.req for t in live])
+            elapsed = time.perf_counter() - started
+            for ticket, result in zip(live, results):
                 stats = self._settle(ticket, result)
                 if stats is not None and stats.verify and self.decoder.speculator is not None:
                     verify += 1
@@ -278,6 +294,10 @@ class Scheduler:
                     emitted += stats.correct + 1
             with self._cond:
                 self.counters.end_round(verify, emitted)
+                if solo and not isinstance(results[0], Exception):
+                    self.counters.solo_plain_rounds += 1
+                    self.counters.solo_plain_s += elapsed
+                    self.counters.solo_plain_context += context
 
     def _settle(self, ticket: Ticket, result: StepStats | Exception) -> StepStats | None:
         req, sink = ticket.req, ticket.sink

@@ -16,7 +16,7 @@ from serve.closed_loop.live import LiveSummary
 from tests.integration.production_endpoint import ADMIN, AUTH, KEY, MODEL, capture_rows, client, endpoint  # noqa: F401 (endpoint: a fixture)
 from tests.integration.production_helpers import openai_error, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 LIVE = {"version": "1", "arm": "production", "route": "low", "bucket": "1"}  # one request at a time, version 1
 _LIVE_SAMPLES = {"tokens": ("specdec_completion_tokens_total", LIVE), "prompt": ("specdec_prompt_tokens_total", LIVE),
                  "e2e": ("specdec_e2e_seconds_sum", LIVE), "ttft": ("specdec_ttft_seconds_count", LIVE),

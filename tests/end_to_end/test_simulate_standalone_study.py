@@ -24,7 +24,7 @@ from pipeline.simulate.workload import answers_of
 from pipeline.study.driver import run_study, workload_requests
 from tests.integration.test_simulate_study import JUDGED, requests_of_run, runs_of, widening_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 
 DRAFT = "smollm2-135m"
 SPACE = ("algorithms: [none, standalone]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\nbranches:\n"
