@@ -1,7 +1,9 @@
 """The first NGRAM launch of a simulate-first study, predicted from the baseline launch alone, against what it
 measured: with the verify-cost shape measured on the engine (its own round table, or the one measured over its HTTP
-API after the baseline's measurement, pipeline/measure/shape.py) and, from the same baseline, with the prior shape
-(`pipeline.simulate.cost.ALPHA`). Not a test.
+API after the baseline's measurement, pipeline/measure/shape.py) and the prefill charged for the prompt tokens the
+engine's prefix cache did not hold (SGLang's radix cache, pipeline/simulate/prefix.py): the prediction the study
+logged. From the same baseline, two references: the prefill charged by prompt length (the model without the prefix
+cache), and the prior shape (`pipeline.simulate.cost.ALPHA`). Not a test.
 
     python benchmarks/first_launch.py study --engine sglang --runs 3        # SGLang 0.5.23's own server on the CPU
     python benchmarks/first_launch.py study --engine cpu --runs 3           # the CPU engine (its own round table)
@@ -22,7 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,9 @@ def study_overrides(engine: str, name: str, output: Path, threads: int | None) -
 
 
 def read_back(output: Path, name: str) -> dict[str, Any]:
-    """The baseline's probe and times, and the first NGRAM launch's predicted (logged; and re-derived with the prior
-    from the same baseline) and measured throughput."""
+    """The baseline's probe and times, and the first NGRAM launch's measured throughput against its predictions from
+    the baseline alone: the one the study logged (re-derived here, with its prefill and decode parts), the same with
+    every prompt token's prefill charged, and with the prior shape."""
     import pyarrow.parquet as pq
 
     from pipeline.config import load_study
@@ -53,6 +55,7 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
     from pipeline.records.tracking import Tracker
     from pipeline.search.space import baseline_point, load_space, resolve
     from pipeline.simulate.predict import decode_rounds
+    from pipeline.simulate.prefix import prefix_cache_of
     from pipeline.simulate.simulator import Simulator, base_cost
     from pipeline.simulate.workload import answers_of
     from pipeline.study.driver import workload_requests
@@ -69,78 +72,44 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
         records = to_records(pq.read_table(client.download_artifacts(baseline.info.run_id, "requests.parquet", tmp)))
         info = json.loads(Path(client.download_artifacts(baseline.info.run_id, "server_info.json", tmp)).read_text())
     warmup, measure = workload_requests(study, prompt_ids=True)
-    simulator = Simulator(answers_of(records), warmup, measure, arrival=study.workload.arrival, seed=study.seed,
-                          lag=study.search.simulate.lag_rounds)
     baseline_config = resolve(space, {"algorithm": "none", **baseline_point(space)}, study).config
     config = resolve(space, json.loads(launch.data.tags["optuna.params"]), study).config
+    prefix = prefix_cache_of(info)
     predicted: dict[str, Any] = {}
-    rounds = decode_rounds(simulator.replay(config))
-    for shape, verify_cost in (("measured", info.get("verify_cost")), ("prior", None)):
-        base = base_cost(records, verify_cost, study.search_concurrency)
+    # "online": what the study predicted and logged (prefills charged for what the engine's prefix cache did not
+    # hold, when it has one), re-derived as a check; "prompt": the same with every prompt token charged (the model
+    # before the prefix cache); "prior": the online prediction with the prior shape
+    for name, verify_cost, held in (("online", info.get("verify_cost"), prefix),
+                                    ("prompt", info.get("verify_cost"), None), ("prior", None, prefix)):
+        simulator = Simulator(answers_of(records), warmup, measure, arrival=study.workload.arrival, seed=study.seed,
+                              lag=study.search.simulate.lag_rounds, prefix=held)
+        base = base_cost(records, verify_cost, study.search_concurrency, prefix=held,
+                         flushed_after_warmup=simulator.flushed_after_warmup)
         cost = simulator.fitted(base, [(baseline_config, records)])
+        rounds = decode_rounds(simulator.replay(config))
         decode_s = sum(cost.seconds(r) for rr in rounds for r in rr)  # what the shape governs
-        predicted[shape] = (simulator.predict(config, cost).get("tput_tok_s"), cost.shape, cost.o_ms, decode_s)
-        if shape == "measured" and study.engine.kind == "sglang" and study.search_concurrency == 1:
-            predicted["cache_aware"] = cache_aware(simulator, config, cost, records, warmup, measure)
+        predicted[name] = (simulator.predict(config, cost).get("tput_tok_s"), cost.shape, cost.o_ms, decode_s,
+                           cost.p0_ms, cost.p1_ms)
     with tempfile.TemporaryDirectory() as tmp:
         launched = to_records(pq.read_table(client.download_artifacts(launch.info.run_id, "requests.parquet", tmp)))
     decode_measured = sum(r.e2e_s - (r.ttft_s or 0.0) for r in launched if r.phase == "measure")
+    ttft_measured = [r.ttft_s for r in launched if r.phase == "measure"]
     vc = info.get("verify_cost") or {}
     m, bm = launch.data.metrics, baseline.data.metrics
     return {"config": launch.data.tags.get("mlflow.runName", ""), "measured": m.get("tput_tok_s"),
-            "logged_prediction": m.get("predicted_tput_tok_s"), "measured_shape": predicted["measured"],
-            "cache_aware": predicted.get("cache_aware"), "decode_measured_s": decode_measured, "prior": predicted["prior"], "spread": m.get("tput_spread"), "flag": launch.data.tags.get(
-                "measurement_flag"), "baseline": bm.get("tput_tok_s"), "baseline_measure_s": bm.get("time_measure_s"),
-            "baseline_total_s": bm.get("time_total_s"), "probe_s": bm.get("time_shape_probe_s"),
+            "logged_prediction": m.get("predicted_tput_tok_s"), "online": predicted["online"],
+            "prompt": predicted["prompt"], "prior": predicted["prior"],
+            "prefix_cache": prefix.model_dump() if prefix is not None else None,
+            "disable_radix_cache": info.get("disable_radix_cache"), "page_size": info.get("page_size"),
+            "predicted_ttft_p50_ms": m.get("predicted_ttft_p50_ms"), "measured_ttft_s": ttft_measured,
+            "decode_measured_s": decode_measured, "spread": m.get("tput_spread"),
+            "flag": launch.data.tags.get("measurement_flag"), "baseline": bm.get("tput_tok_s"),
+            "baseline_flag": baseline.data.tags.get("measurement_flag"),
+            "windows": [run.data.tags.get("measurement_window") for run in (baseline, launch)],
+            "baseline_measure_s": bm.get("time_measure_s"), "baseline_total_s": bm.get("time_total_s"),
+            "probe_s": bm.get("time_shape_probe_s"),
             "probe": {k: vc.get(k) for k in ("source", "flag", "attempts", "repeated", "seconds", "window", "error")},
             "table": vc.get("round_cost")}
-
-
-def cached_prefix(prompt: Sequence[int], earlier: Sequence[Sequence[int]]) -> int:
-    """SGLang's radix-cache hit for `prompt` (page size 1): its longest common prefix with a sequence an earlier
-    request of the launch left in the cache (its prompt and all but its last output token), at most all but the
-    prompt's last token."""
-    best = 0
-    for seq in earlier:
-        n = 0
-        for a, b in zip(prompt, seq):
-            if a != b:
-                break
-            n += 1
-        best = max(best, n)
-    return min(best, len(prompt) - 1)
-
-
-def cache_aware(simulator: Any, config: Any, cost: Any, records: Sequence[Any], warmup: Sequence[Any],
-                measure: Sequence[Any]) -> tuple[float, float, float]:
-    """An offline estimate, not the simulator's prediction: the launch's throughput (closed loop, concurrency 1)
-    with the prefill charged for the tokens SGLang's radix cache did not hold -- fitted on the baseline's measured
-    requests against what its own warm-up left cached, predicted for the config's warm-up -- and the decode time of
-    the simulator's rounds under `cost`. Returns (throughput, p0 ms, p1 ms per uncached token)."""
-    from pipeline.simulate.cost import prefill_fit
-    from pipeline.simulate.predict import decode_rounds
-
-    earlier: list[tuple[int, ...]] = []
-    uncached, ttfts = [], []
-    for r in records:  # the baseline's warm-up (the last attempt's), then its measured requests, in order
-        if r.phase == "reference":
-            continue
-        if r.phase == "measure" and r.ok and r.ttft_s:
-            uncached.append(len(r.prompt_ids) - cached_prefix(r.prompt_ids, earlier))
-            ttfts.append(r.ttft_s)
-        earlier.append(tuple(r.prompt_ids) + tuple(r.output_ids[:-1]))
-    p0, p1 = prefill_fit(uncached, ttfts)
-    answers = simulator.answers
-    sequences = [answers[warmup[i % len(warmup)].index] for i in range(config.warmup_requests)]
-    earlier = [tuple(a.prompt_ids) + tuple(a.output_ids[:-1]) for a in sequences]
-    window, tokens = 0.0, 0
-    for item, rounds in zip(measure, decode_rounds(simulator.replay(config))):
-        answer = answers[item.index]
-        ttft = (p0 + p1 * (len(answer.prompt_ids) - cached_prefix(answer.prompt_ids, earlier))) / 1000.0
-        window += ttft + sum(cost.seconds(r) for r in rounds) + cost.gap_s
-        tokens += len(answer.output_ids)
-        earlier.append(tuple(answer.prompt_ids) + tuple(answer.output_ids[:-1]))
-    return tokens / max(window - cost.gap_s, 1e-9), p0, p1
 
 
 def err(predicted: float | None, measured: float | None) -> float | None:
@@ -166,24 +135,33 @@ def study_command(args: argparse.Namespace) -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "table"}, default=str), flush=True)
     print(f"\nmachine: {cpu_line()}; engine {args.engine}, engine.threads {args.threads}")
-    print("| run | launched config | measured tok/s (spread) | predicted, measured shape | error | same, prefill of "
-          "uncached tokens (offline) | error | predicted, prior | error | probe s / baseline measure s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | launched config | measured tok/s (spread) | predicted (logged) | error | re-derived | prefill "
+          "charged by prompt length | error | prior shape | error | probe s / baseline measure s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        shaped, prior = r["measured_shape"][0], r["prior"][0]
-        aware = r["cache_aware"][0] if r["cache_aware"] else None
+        logged, online, prompt, prior = r["logged_prediction"], r["online"][0], r["prompt"][0], r["prior"][0]
         probe = f"{r['probe_s']:.1f} / {r['baseline_measure_s']:.1f}" if r["probe_s"] else "- (engine's own table)"
-        aware_cells = f"{aware:.2f} | {err(aware, r['measured']):+.1%}" if aware else "- | -"
-        print(f"| {i} | {r['config']} | {r['measured']:.2f} (±{r['spread'] or 0:.0%}) | {shaped:.2f} | "
-              f"{err(shaped, r['measured']):+.1%} | {aware_cells} | {prior:.2f} | {err(prior, r['measured']):+.1%} "
-              f"| {probe} |")
+        logged_cells = f"{logged:.2f} | {err(logged, r['measured']):+.1%}" if logged else "- | -"
+        print(f"| {i} | {r['config']} | {r['measured']:.2f} (±{r['spread'] or 0:.0%}) | {logged_cells} | "
+              f"{online:.2f} | {prompt:.2f} | {err(prompt, r['measured']):+.1%} | {prior:.2f} | "
+              f"{err(prior, r['measured']):+.1%} | {probe} |")
+    print("\nprefix cache: " + "; ".join(f"run {i} {r['prefix_cache'] or 'none'} (disable_radix_cache="
+                                        f"{r['disable_radix_cache']})" for i, r in enumerate(rows)))
+    print("prefill line fitted on the baseline (ms): " + "; ".join(
+        f"run {i} {r['online'][4]:.1f} + {r['online'][5]:.3f} x uncached tokens (by prompt length: "
+        f"{r['prompt'][4]:.1f} + {r['prompt'][5]:.3f} x tokens)" for i, r in enumerate(rows)))
     print("\ndecode time of the launch's measured requests (sum of e2e - TTFT), predicted against measured:")
     for i, r in enumerate(rows):
         d = r["decode_measured_s"]
-        print(f"  run {i}: measured {d:.3f} s; measured shape {r['measured_shape'][3]:.3f} s "
-              f"({err(r['measured_shape'][3], d):+.1%}); prior {r['prior'][3]:.3f} s ({err(r['prior'][3], d):+.1%})")
-    for name, key in (("measured shape", "measured_shape"), ("uncached prefill", "cache_aware"), ("prior", "prior")):
-        errors = [abs(err(r[key][0], r["measured"]) or 0.0) for r in rows if r.get(key)]
+        print(f"  run {i}: measured {d:.3f} s; measured shape {r['online'][3]:.3f} s "
+              f"({err(r['online'][3], d):+.1%}); prior {r['prior'][3]:.3f} s ({err(r['prior'][3], d):+.1%})")
+    print("TTFT of the launch's measured requests (ms): " + "; ".join(
+        f"run {i} predicted p50 {r['predicted_ttft_p50_ms'] or 0:.0f}, measured "
+        + ", ".join(f"{t * 1000:.0f}" for t in r["measured_ttft_s"] if t) for i, r in enumerate(rows)))
+    for name, key in (("logged prediction", "logged_prediction"), ("prefill by prompt length", "prompt"),
+                      ("prior", "prior")):
+        errors = [abs(err(r[key] if key == "logged_prediction" else r[key][0], r["measured"]) or 0.0) for r in rows
+                  if r.get(key)]
         if errors:
             print(f"|error| {name}: median {statistics.median(errors):.1%} (max {max(errors):.1%}, n={len(errors)})")
     Path(args.output).mkdir(parents=True, exist_ok=True)

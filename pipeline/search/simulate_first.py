@@ -5,8 +5,9 @@
 2. When it completed: its requests (all phases: warm-up, measurement and `reference`, the rest of the warm-up split)
    and `/server_info` are read from its MLflow run; a space with STANDALONE points has its draft model replayed over
    the measured answers (`draft_replay`, its time on the study run as `simulate_draft_replay_s`); the simulator
-   (pipeline/simulate) is built on its answers, the cost model fitted to it, and the space explored on the
-   predictions (`simulated.explore`), printed in one line.
+   (pipeline/simulate) is built on its answers -- with the engine's prefix cache when its `/server_info` says it
+   runs one (SGLang's radix cache: prefills are then charged for the tokens it did not hold) -- the cost model
+   fitted to it, and the space explored on the predictions (`simulated.explore`), printed in one line.
    If the baseline failed, or its records cannot be replayed, the rest of the study is today's search (TPE), said so.
 3. Each further suggestion is the best predicted config not yet launched, kept apart from the launched ones
    (`simulated.pick`), enqueued in the Optuna study with its prediction as a user attribute.
@@ -35,6 +36,7 @@ from pipeline.search.simulated import Explored, Predicted, explore, misses, pick
 from pipeline.search.space import SearchSpace, baseline_point, resolve
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.predict import PREDICTION_ATTR
+from pipeline.simulate.prefix import PrefixCache, prefix_cache_of
 from pipeline.simulate.simulator import Simulator, base_cost, relative_error
 from pipeline.simulate.workload import Unsimulable, answers_of, corpus_automaton
 from pipeline.vocabulary.context import TrialContext
@@ -219,10 +221,12 @@ class SimulateFirstPlan:
         server_info = _server_info(ctx, run.run_id)
         answers = answers_of(records)
         drafts, curve, draft_note = draft_tables(ctx, self.space, answers)
+        prefix = prefix_cache_of(server_info)
         simulator = Simulator(answers, ctx.warmup, ctx.measure, arrival=study.workload.arrival,
                               seed=study.seed, corpora=self._corpora, lag=study.search.simulate.lag_rounds,
-                              drafts=drafts)
-        base = base_cost(records, server_info.get("verify_cost"), study.search_concurrency)
+                              drafts=drafts, prefix=prefix)
+        base = base_cost(records, server_info.get("verify_cost"), study.search_concurrency, prefix=prefix,
+                         flushed_after_warmup=simulator.flushed_after_warmup)
         if curve is not None:
             base = base.model_copy(update={"draft": curve})
         baseline_config = resolve(self.space, {"algorithm": "none", **baseline_point(self.space)}, study).config
@@ -235,7 +239,7 @@ class SimulateFirstPlan:
         explored = explore(self.space, study, self._predict, points=settings.points, seconds=settings.seconds)
         self._cache["explored"] = explored
         self._cache["ranked"] = rank(explored.predicted, study)
-        self.explored_note = _explored_line(explored, self._cache["cost"]) + draft_note
+        self.explored_note = _explored_line(explored, self._cache["cost"], prefix) + draft_note
         print(f"[simulate-first] {self.explored_note}", flush=True)
 
     def _at_levels(self, launch: Predicted) -> dict[str, float]:
@@ -344,9 +348,12 @@ class SimulateFirstPlan:
         median, missed = misses([r.get("error") for r in judged], self.ctx.study.search.simulate.error_threshold,
                                 [r.get("noise") for r in judged])
         cost: CostModel | None = self._cache.get("cost")
+        simulator = self._cache.get("simulator")
+        prefix: PrefixCache | None = getattr(simulator, "prefix", None)
         return {"metric": metric, "launches": rows, "median_error": median, "missed": missed,
                 "widened": self.widened, "fallback": self.fallback, "explored": self.explored_note,
-                "cost_model": cost.model_dump(mode="json") if cost is not None else None}
+                "cost_model": cost.model_dump(mode="json") if cost is not None else None,
+                "prefix_cache": prefix.model_dump(mode="json") if prefix is not None else None}
 
     def _log_study(self) -> None:
         summary = self.summary()
@@ -370,11 +377,12 @@ def _describe(params: dict[str, Any]) -> str:
     return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in params.items() if k != "algorithm") or "baseline"
 
 
-def _explored_line(explored: Explored, cost: CostModel) -> str:
+def _explored_line(explored: Explored, cost: CostModel, prefix: PrefixCache | None = None) -> str:
     shape = ("the engine's measured round table" if cost.shape == "measured"
              else f"the prior shape (1 + {cost.alpha} x (rows - 1))")
+    tokens = "tokens" if prefix is None else "tokens its prefix cache did not hold"
     return (f"simulated {explored.evaluated} config(s) ({explored.method}"
             f"{'' if explored.complete or explored.method != 'every point' else ', stopped at the time cap'}) in "
             f"{explored.seconds:.1f} s; step cost: {shape}, k={cost.k:.3g}, o={cost.o_ms:.2f} ms per request-round, "
-            f"prefill {cost.p0_ms:.1f} + {cost.p1_ms:.3f} x tokens ms, client gap {cost.gap_s * 1000:.1f} ms, "
+            f"prefill {cost.p0_ms:.1f} + {cost.p1_ms:.3f} x {tokens} ms, client gap {cost.gap_s * 1000:.1f} ms, "
             f"fitted to {cost.launches} launch(es)")

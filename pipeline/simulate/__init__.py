@@ -3,8 +3,9 @@ lossless NGRAM config emits exactly the baseline's tokens, so its accepted lengt
 draft trees the n-gram structures propose: `replay` runs the baseline's recorded prompt and output ids through
 SGLang 0.5.23's drafting schedule (`serve.ngram`, the code the CPU engine drafts with) on the engine's rounds;
 `cost` is the step-cost model T(batch rows, query tokens, context) fitted to the launches; `predict` times the
-rounds and summarizes them like a measurement; `workload` arranges the answers as a trial sends them; `simulator`
+rounds and summarizes them like a measurement; `prefix` counts the prompt tokens an engine's prefix cache (SGLang's
+radix cache) leaves a prefill to compute; `workload` arranges the answers as a trial sends them; `simulator`
 holds one study's pieces together. Pure: no engine, no I/O beyond reading a corpus file. The search that uses it is
 `pipeline.search.simulate_first`."""
 
-__all__ = ["cost", "predict", "replay", "simulator", "workload"]
+__all__ = ["cost", "predict", "prefix", "replay", "simulator", "workload"]

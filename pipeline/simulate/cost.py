@@ -23,8 +23,10 @@ tokens each (w = num_draft_tokens, 1 for plain decoding) in one forward. Its tim
 - a STANDALONE round also runs the draft model (`Round.drafts`: the rows of each draft forward); with a measured
   shape, `draft` (the draft's measured curve, pipeline.simulate.drafts) adds its milliseconds to the shape.
 - `prefill(n) = p0 + p1 * n` from the launches' TTFTs (the prefill plus the request's way in and its first chunk's
-  way out; the same for every config, so every launch refits it on all of them); `gap_s`: what a closed-loop client
-  spends between a reply and its next request, from the baseline's window and e2e times.
+  way out; the same for every config, so every launch refits it on all of them). n is the tokens the prefill
+  computes: the prompt's, less what the engine's prefix cache held (pipeline.simulate.prefix: SGLang's radix cache
+  keeps the warm-up's and earlier requests' shared prefix, and a TTFT follows the rest); `gap_s`: what a closed-loop
+  client spends between a reply and its next request, from the baseline's window and e2e times.
 Pure: no I/O.
 """
 
@@ -168,8 +170,8 @@ class Launch:
 
 
 def prefill_fit(prompt_tokens: Sequence[int], ttft_s: Sequence[float]) -> tuple[float, float]:
-    """(p0, p1) in ms of prefill(n) = p0 + p1 * n: least squares on the baseline's (prompt tokens, TTFT), p1 >= 0;
-    all prompts of one length give p1 = 0 and p0 = the median TTFT."""
+    """(p0, p1) in ms of prefill(n) = p0 + p1 * n: least squares on the launches' (prefilled tokens, TTFT), p1 >= 0;
+    all prefills of one length give p1 = 0 and p0 = the median TTFT."""
     pairs = [(n, t * 1000.0) for n, t in zip(prompt_tokens, ttft_s) if t is not None]
     if not pairs:
         raise ValueError("simulate: the baseline has no TTFT to fit the prefill cost on")

@@ -14,6 +14,10 @@ trie, as a trial sends them. Who joins which round is the admission's business:
   at concurrency 1 the lag changes nothing).
 - `OpenLoop(offsets_s)`: request i arrives at offsets_s[i] seconds after the phase starts; needs a round cost.
 
+With an engine's prefix cache (`prefix`, pipeline.simulate.prefix: SGLang's radix cache) a round's prefills count
+only the tokens past what the cache held when the request was admitted; the cache starts empty (a trial flushes
+before its warm-up) and lasts across the phases.
+
 A STANDALONE config (a draft model) is replayed the same way from the draft replay's tables (`drafts`,
 pipeline.simulate.drafts): its accepted drafts per round, and the draft forwards each round ran (`Round.drafts`).
 
@@ -30,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.simulate.drafts import DraftTables, StandaloneSteps
+from pipeline.simulate.prefix import HeldPrefixes, PrefixCache
 from serve.ngram.drafttree import DraftTree
 from serve.ngram.sam import SuffixAutomaton
 from serve.ngram.schedule import DraftState, NgramDrafter
@@ -117,8 +122,9 @@ class RequestReplay:
 
 @dataclass(frozen=True)
 class Round:
-    """What one engine round did: the prompt lengths it prefilled and, for its verify forward, the requests' query
-    width (num_draft_tokens: pads keep it constant), real draft nodes and contexts. `start_s`/`end_s` with a cost."""
+    """What one engine round did: the tokens each of its prefills computed (the prompt's length, less what the
+    engine's prefix cache held) and, for its verify forward, the requests' query width (num_draft_tokens: pads keep
+    it constant), real draft nodes and contexts. `start_s`/`end_s` with a cost."""
 
     prefills: tuple[int, ...]
     width: int
@@ -185,10 +191,10 @@ def _drafter(spec: NgramSpec | NoSpec, sams: Sequence[SuffixAutomaton]) -> Ngram
 
 def replay(spec: NgramSpec | NoSpec | StandaloneSpec, phases: Sequence[Phase], *,
            sams: Sequence[SuffixAutomaton] = (), max_running: int | None = None, cost: RoundCost | None = None,
-           drafts: DraftTables | None = None) -> Replay:
+           drafts: DraftTables | None = None, prefix: PrefixCache | None = None) -> Replay:
     """Run `phases` through the engine's schedule with `spec`'s drafting (NoSpec: plain decoding, one token a step).
     `sams`: the external corpora the engine would have loaded (used when spec.external_sam_budget > 0); `drafts`:
-    the draft replay of a STANDALONE spec's draft model."""
+    the draft replay of a STANDALONE spec's draft model; `prefix`: the engine's prefix cache (None: it has none)."""
     if max_running is not None and max_running < 1:
         raise ValueError(f"simulate: max_running must be >= 1 or None, got {max_running}")
     standalone: StandaloneSteps | None = None
@@ -203,16 +209,17 @@ def replay(spec: NgramSpec | NoSpec | StandaloneSpec, phases: Sequence[Phase], *
     records: list[RequestReplay] = []
     rounds: list[Round] = []
     now = 0.0
+    held = HeldPrefixes(prefix) if prefix is not None else None
     for phase in phases:
         if isinstance(phase.admission, OpenLoop) and cost is None:
             raise ValueError("simulate: open-loop arrivals need a round cost (arrival times are in seconds)")
-        now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now, standalone)
+        now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now, standalone, held)
     return Replay(tuple(records), tuple(rounds))
 
 
 def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_running: int | None,
                cost: RoundCost | None, records: list[RequestReplay], rounds: list[Round], start: float,
-               standalone: StandaloneSteps | None = None) -> float:
+               standalone: StandaloneSteps | None = None, held: HeldPrefixes | None = None) -> float:
     admission = phase.admission
     # open loop: requests whose arrival fell past the window are never sent (pipeline.measure.openloop)
     answers = phase.answers[:len(admission.offsets_s)] if isinstance(admission, OpenLoop) else phase.answers
@@ -267,7 +274,8 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
         for live in running:
             answer = live.answer
             if live.emitted == 0:  # prefill: one token
-                prefills.append(len(answer.prompt_ids))
+                # matched against what was held when the round began: requests prefilled together do not share
+                prefills.append(held.uncached(answer.prompt_ids) if held is not None else len(answer.prompt_ids))
                 live.tokens.append(answer.output_ids[0])
                 live.emitted = 1
                 stepped.append((live, False))
@@ -299,6 +307,12 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
         still: list[_Live] = []
         for live, verified in stepped:
             record = live.record
+            if held is not None:  # SGLang caches a prompt after its prefill, prompt and output when it finishes
+                done = live.emitted >= len(live.answer.output_ids)
+                if done:
+                    held.hold(live.answer.prompt_ids + live.answer.output_ids[:-1])
+                elif not verified:
+                    held.hold(live.answer.prompt_ids)
             if verified:
                 record.step_ends_s.append(now)
             else:

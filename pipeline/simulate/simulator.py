@@ -1,6 +1,10 @@
 """The simulator of one study: the baseline's answers, the study's traffic and the cost model, turned into
 predicted figures for any simulable TrialConfig, and each measured launch into a point for the cost fit.
 
+With an engine's prefix cache (`prefix`, pipeline.simulate.prefix: SGLang's radix cache) every prefill, measured
+and predicted, counts the prompt tokens the cache did not hold: the prefill line is fitted to the launches' TTFTs
+against their uncached tokens, and a config's replay charges its own.
+
 Replays are memoized per config (a closed-loop replay does not depend on the cost model, so a refit re-times the
 cached rounds instead of replaying). Pure apart from reading corpus files through `corpora`.
 """
@@ -16,6 +20,7 @@ from pipeline.measure.summary import RequestRecord
 from pipeline.simulate.cost import CostModel, Launch, fit_cost, prefill_fit, round_table
 from pipeline.simulate.drafts import DraftTables
 from pipeline.simulate.predict import decode_rounds, predicted_metrics, timed
+from pipeline.simulate.prefix import PrefixCache, uncached_tokens
 from pipeline.simulate.replay import Answer, Replay, Round, replay
 from pipeline.simulate.workload import phases_for
 from serve.ngram.sam import SuffixAutomaton
@@ -26,13 +31,17 @@ __all__ = ["Simulator", "base_cost", "relative_error"]
 Corpora = Callable[[Any], Sequence[SuffixAutomaton]]  # TrialConfig -> the corpora its engine would load
 
 
-def base_cost(baseline: Sequence[RequestRecord], verify_cost: Any, concurrency: int) -> CostModel:
+def base_cost(baseline: Sequence[RequestRecord], verify_cost: Any, concurrency: int, *,
+              prefix: PrefixCache | None = None, flushed_after_warmup: bool = False) -> CostModel:
     """The cost model before any fit: the engine's measured round table (else the prior shape), the prefill from the
-    baseline's TTFTs and the client gap from its window (measured requests only)."""
+    baseline's TTFTs against the tokens each prefill computed (all of the prompt's without a prefix cache, else
+    those it did not hold: pipeline.simulate.prefix.uncached_tokens) and the client gap from its window
+    (measured requests only)."""
     measured = [r for r in baseline if r.phase == "measure" and r.ok]
     if not measured:
         raise ValueError("simulate: the baseline has no successful measured request")
-    p0, p1 = prefill_fit([r.prompt_tokens for r in measured], [r.ttft_s or 0.0 for r in measured])
+    tokens = uncached_tokens(baseline, prefix, flushed_after_warmup=flushed_after_warmup)
+    p0, p1 = prefill_fit(tokens, [r.ttft_s or 0.0 for r in measured])
     window = max(r.start_s + r.e2e_s for r in measured) - min(r.start_s for r in measured)
     clients = min(concurrency, len(measured))
     spare = clients * window - sum(r.e2e_s for r in measured)
@@ -46,11 +55,12 @@ class Simulator:
     """`answers`: prompt index -> the baseline's Answer; `warmup`/`measure`: the study's LoadRequests in order;
     `arrival`: the study's workload.arrival; `corpora`: the external corpora of a config (None: no corpus); `lag`:
     closed-loop rounds between a reply and its successor joining the engine's batch; `drafts`: draft model -> its
-    draft replay (pipeline.search.draft_replay), for STANDALONE configs."""
+    draft replay (pipeline.search.draft_replay), for STANDALONE configs; `prefix`: the engine's prefix cache
+    (pipeline.simulate.prefix.prefix_cache_of its `/server_info`; None: it has none)."""
 
     def __init__(self, answers: dict[int, Answer], warmup: Sequence[Any], measure: Sequence[Any], *,
                  arrival: Any = None, seed: int = 0, corpora: Corpora | None = None, lag: int = 0,
-                 drafts: Mapping[str, DraftTables] | None = None) -> None:
+                 drafts: Mapping[str, DraftTables] | None = None, prefix: PrefixCache | None = None) -> None:
         self.answers = answers
         self.warmup = tuple(warmup)
         self.measure = tuple(measure)
@@ -59,6 +69,7 @@ class Simulator:
         self.corpora = corpora
         self.lag = lag
         self.drafts = dict(drafts or {})
+        self.prefix = prefix
         self._replays: dict[str, Replay] = {}
         self._signatures: dict[str, str] = {}  # config -> its replay's signature
         # Pricing memo, valid for one cost model (`_cost`): a refit changes the cost, never a closed-loop replay, so
@@ -67,6 +78,12 @@ class Simulator:
         self._cost: CostModel | None = None
         self._priced: dict[str, dict[str, float]] = {}
         self._seconds: Callable[[Round], float] | None = None
+
+    @property
+    def flushed_after_warmup(self) -> bool:
+        """Whether a launch's engine was flushed between its warm-up and its measurement: only without a warm-up
+        split, where the baseline settles on the measured prompts and flushes them (engine_pass.settle_requests)."""
+        return not self.warmup
 
     @property
     def open_loop(self) -> bool:
@@ -88,7 +105,8 @@ class Simulator:
         spec = trial.spec
         tables = self.drafts.get(spec.draft_model or "") if isinstance(spec, StandaloneSpec) else None
         result = replay(spec, phases, sams=self._sams(trial), max_running=trial.max_running_requests,
-                        cost=cost.seconds if cost is not None and self.open_loop else None, drafts=tables)
+                        cost=cost.seconds if cost is not None and self.open_loop else None, drafts=tables,
+                        prefix=self.prefix)
         if cost is None or not self.open_loop:
             self._replays[key] = result
         return result
@@ -136,9 +154,17 @@ class Simulator:
         to every launch's TTFTs (a prefill does not depend on the config, so each launch is more of the same sample;
         the first launch of a study runs beside its start-up work and is slow), then k and o. Open loop: who shares a
         round depends on the cost, so the fit is repeated on the rounds its own result gives (3 times)."""
-        ttfts = [r for _, records in launched for r in records if r.phase == "measure" and r.ok and r.ttft_s]
-        if ttfts:
-            p0, p1 = prefill_fit([r.prompt_tokens for r in ttfts], [r.ttft_s or 0.0 for r in ttfts])
+        xs: list[int] = []
+        ys: list[float] = []
+        for _, records in launched:  # each launch's prefills against what its own engine had cached
+            measured = [r for r in records if r.phase == "measure" and r.ok]
+            tokens = uncached_tokens(records, self.prefix, flushed_after_warmup=self.flushed_after_warmup)
+            for r, n in zip(measured, tokens):
+                if r.ttft_s:
+                    xs.append(n)
+                    ys.append(r.ttft_s)
+        if xs:
+            p0, p1 = prefill_fit(xs, ys)
             base = base.model_copy(update={"p0_ms": p0, "p1_ms": p1})
         model = base
         for _ in range(3 if self.open_loop else 1):
