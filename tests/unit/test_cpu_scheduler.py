@@ -16,7 +16,7 @@ class _Decoder:
     """Each request finishes after `steps` steps; every step after the first is a verify step emitting 2 tokens."""
 
     def __init__(self, gate: threading.Event) -> None:
-        self.speculator = self  # counts as speculative
+        self.speculator: _Decoder | None = self  # counts as speculative
         self.log: list[str] = []
         self.released: list[str] = []
         self.resets = 0
