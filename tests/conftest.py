@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,6 +140,18 @@ def cli_environment_restored():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_restored():
+    """SIGINT's and SIGTERM's handlers as they were: a test that runs a driver's stop path in-process (which ignores
+    both while it drains) left the worker ignoring SIGINT, and every process a later test started inherited that
+    (`python -m serve.production`'s follow test then never saw its Ctrl-C)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 APPS_LEFT = "serve-apps-left.json"  # finished_study: its trial apps Serve still ran right after it
