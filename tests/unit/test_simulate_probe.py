@@ -113,3 +113,23 @@ def test_a_machine_that_stays_busy_stops_paying_a_probe_every_start(tiny_dir, mo
     assert len(measured) <= probe.PROBE_LATER_ATTEMPTS
     # a forced refresh measures again
     assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2), refresh=True)["source"] == "measured"
+
+
+def test_a_table_still_disturbed_after_the_later_attempts_is_tried_again_an_hour_after_the_last(tiny_dir, monkeypatch):
+    import json
+
+    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", -1.0)  # every measurement reads as disturbed
+    monkeypatch.setattr(probe, "PROBE_LATER_ATTEMPTS", 1)
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
+    probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))  # the one later attempt
+    (entry_path,) = (tiny_dir.parent / "cache" / "probe").glob("*.json")
+    entry = json.loads(entry_path.read_text())
+    assert entry["later_attempts"] == 1 and entry["last_attempt_at"] > 0
+    settled = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
+    assert settled["source"] == "cache" and json.loads(entry_path.read_text()) == entry  # within the hour: as it is
+    entry["last_attempt_at"] -= probe.PROBE_RETRY_S + 1  # the last attempt, an hour and a second ago
+    entry_path.write_text(json.dumps(entry))
+    probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
+    retried = json.loads(entry_path.read_text())
+    assert retried["later_attempts"] == 2 and retried["last_attempt_at"] > entry["last_attempt_at"] + probe.PROBE_RETRY_S

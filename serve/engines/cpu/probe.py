@@ -14,7 +14,8 @@ A table measured while other work held the CPU would mislead every later study o
 checks itself (`serve.replica.usage`: this process group's run-queue wait over the probe, the node's steal) and is
 taken again, at most `PROBE_ATTEMPTS` times in all; the least disturbed one is kept only until a later engine start
 measures a quieter one, and at most `PROBE_LATER_ATTEMPTS` later starts try (on a machine that is always busy, every
-start would otherwise pay ~10 s for a table no quieter than the one it has). A cached entry is checked before use (`table_problem`: it must carry a clean disturbance
+start would otherwise pay ~10 s for a table no quieter than the one it has); after them, one start an hour
+(`PROBE_RETRY_S`) tries again, so a table measured during a busy spell (a CI run, say) is not kept for good. A cached entry is checked before use (`table_problem`: it must carry a clean disturbance
 check and read as monotone, more rows never much cheaper than fewer) and measured again when it fails."""
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LONG_CONTEXT_TOKENS = 512
 PROBE_ATTEMPTS = 2
 PROBE_LATER_ATTEMPTS = 3  # later engine starts that measure a disturbed cached table once more, before it is used as is
+PROBE_RETRY_S = 3600.0  # after those, a start measures a still-disturbed table once more at most this often
 PROBE_WAIT_LIMIT = 0.15  # the share of the probe's runnable time spent waiting for a core above which it is disturbed
 PROBE_STEAL_LIMIT = 0.05
 # A STANDALONE draft's first step prefills the request's prompt (plus its first token): the draft's cost curve also
@@ -211,8 +213,8 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
 
     A table measured under load is kept only until a quieter one: while the cached entry is disturbed, the next
     `PROBE_LATER_ATTEMPTS` starts measure once more each and keep the less disturbed table; after them it is used as
-    it is (still reported `disturbed`) until `refresh`. A cached entry without a check, or out of order, is refused
-    outright."""
+    it is (still reported `disturbed`), and measured once more by the first start `PROBE_RETRY_S` after the last
+    attempt (or at `refresh`). A cached entry without a check, or out of order, is refused outright."""
     choice = runner.weights
     key = probe_key(model_dir, dtype, runner.backend, sizes, choice.mode + (f"-{choice.isa}" if choice.isa else ""))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -227,7 +229,8 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
             if refused is None:  # clean in shape, measured under load: kept unless a quieter measurement comes
                 best, best_at = stored["curve"], stored["measured_at"]
                 later = int(stored.get("later_attempts", 0))
-                if later >= PROBE_LATER_ATTEMPTS:
+                last_try = float(stored.get("last_attempt_at", best_at))
+                if later >= PROBE_LATER_ATTEMPTS and time.time() - last_try < PROBE_RETRY_S:
                     return {**best, "source": "cache", "measured_at": best_at, "disturbed": disturbance_problem(best)}
                 log.warning("verify-cost probe: the cached table %s was %s; measuring once more",
                             path, disturbance_problem(best))
@@ -253,7 +256,8 @@ def cached_verify_cost(runner: ModelRunner, model_dir: Path, dtype: str, budget_
     disturbed = disturbance_problem(best)
     extra.update({"disturbed": disturbed} if disturbed else {})
     # a disturbed table counts the later starts that tried to replace it
-    tries = {"later_attempts": later + 1} if disturbed and later is not None else {}
+    tries = {"later_attempts": later + 1, "last_attempt_at": round(time.time(), 3)} if disturbed and later is not None \
+        else {}
     if fresh is None:  # the cached table was still the quietest
         _write(path, {"key": key, "curve": best, "measured_at": best_at, **tries})
         return {**best, "source": "cache", "measured_at": best_at, **extra}
