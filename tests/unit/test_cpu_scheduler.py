@@ -45,9 +45,9 @@ def _req(rid: str, tokens: int) -> Request:
     return Request(rid=rid, prompt_ids=[1, 2], sampling=Sampling(), rules=StopRules(max_new_tokens=tokens), seed=0)
 
 
-def _run(max_running: int, requests: list[Request]):
+def _run(max_running: int, requests: list[Request], decoder_type: type[_Decoder] | None = None):
     gate = threading.Event()
-    decoder = _Decoder(gate)
+    decoder = (decoder_type or _Decoder)(gate)
     sched = Scheduler(decoder, max_running)
     done = threading.Event()
     finished: list[str] = []
@@ -234,25 +234,8 @@ class _PlainDecoder(_Decoder):
         return StepStats(verify=verify, emitted=1, proposed=0)
 
 
-def _counted(decoder_type, max_running: int, requests: list[Request]) -> dict:
-    gate = threading.Event()
-    sched = Scheduler(decoder_type(gate), max_running)
-    done = threading.Event()
-    finished: list[str] = []
-
-    def sink(req, error):
-        if req.finished:
-            finished.append(req.rid)
-            if len(finished) == len(requests):
-                done.set()
-
-    for req in requests:
-        sched.submit(req, sink)
-    sched.start()
-    gate.set()
-    assert done.wait(10)
-    sched.stop()
-    return sched.stats(False)
+def _counted(decoder_type: type[_Decoder], max_running: int, requests: list[Request]) -> dict:
+    return _run(max_running, requests, decoder_type)[1].stats(False)
 
 
 def test_lone_plain_decode_steps_are_timed_with_their_context_and_nothing_else_is():
