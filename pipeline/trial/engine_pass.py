@@ -205,9 +205,9 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
     warm += settle
     measured: list[RequestRecord] = []
     pruned: str | None = None
-    # an engine that measured its own round table and times its lone plain steps: the window's steps are judged
-    # against that calibration
-    step = plain_step(out.server_info.get("verify_cost"))
+    # plain decoding on an engine that measured its own round table and times its lone plain steps: the window's
+    # steps are judged against that calibration (a speculative engine times none, so its counters are not read)
+    step = plain_step(out.server_info.get("verify_cost")) if baseline else None
     for attempt in range(study.workload.remeasure + 1):
         _flush(url)
         phase_start = time.monotonic()

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cli_run import clean_env
-
 REPO = Path(__file__).resolve().parents[2]
 CHILD = """
 import signal, sys, threading, time
@@ -25,7 +23,7 @@ from serve.production.settings import ProductionSettings
 main = threading.main_thread().ident
 
 def poke():
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 30
     while sys._current_frames()[main].f_code.co_name != "follow":  # the main thread is waiting in follow
         if time.monotonic() > deadline:
             print("follow never started", flush=True)
@@ -41,10 +39,6 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_signal_taken_by_another_thread_stops_the_endpoint_driver(tmp_path):
-    # A clean environment (tests/cli_run.py), not the test worker's. In two default-tier runs the child printed
-    # nothing in 240 s, where alone it stops in ~1 s: a worker that ignores SIGINT after some tests passes that on
-    # (the child restores Python's handler above).
-    result = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, capture_output=True, text=True, timeout=240,
-                            env={**clean_env(tmp_path / "home"), "PYTHONPATH": str(REPO)})
+def test_a_signal_taken_by_another_thread_stops_the_endpoint_driver():
+    result = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "stopped", result.stdout + result.stderr[-2000:]
