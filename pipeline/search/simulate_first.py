@@ -236,7 +236,8 @@ class SimulateFirstPlan:
         for trial_id in self.suggested[1:]:  # after a restore: the launches that completed since
             self._remember_launch(trial_id)
         settings = study.search.simulate
-        explored = explore(self.space, study, self._predict, points=settings.points, seconds=settings.seconds)
+        explored = explore(self.space, study, self._predict, points=settings.points, seconds=settings.seconds,
+                           prepare=lambda configs, deadline: simulator.prepare(configs, deadline=deadline))
         self._cache["explored"] = explored
         self._cache["ranked"] = rank(explored.predicted, study)
         self.explored_note = _explored_line(explored, self._cache["cost"], prefix) + draft_note

@@ -29,6 +29,7 @@ from pipeline.search.space import SearchSpace, define_by_run, grid_points, resol
 __all__ = ["Explored", "Predicted", "distance", "explore", "misses", "pick", "point_key", "rank"]
 
 Predict = Callable[[TrialConfig], dict[str, float]]
+Prepare = Callable[[list[TrialConfig], float], object]  # (every config to be predicted, deadline) -> anything
 
 
 @dataclass(frozen=True)
@@ -55,23 +56,31 @@ def point_key(params: dict[str, Any]) -> str:
     return json.dumps(params, sort_keys=True, default=str)
 
 
-def explore(space: SearchSpace, study: StudyConfig, predict: Predict, *, points: int, seconds: float) -> Explored:
+def explore(space: SearchSpace, study: StudyConfig, predict: Predict, *, points: int, seconds: float,
+            prepare: Prepare | None = None) -> Explored:
+    """`prepare`, when given, is called once with every valid point's config (and the deadline, time.monotonic())
+    before they are predicted one by one: the simulator replays them in parallel there."""
     started = time.monotonic()
     try:
         grid = grid_points(space, limit=points)
     except ConfigError:
         grid = None
     if grid is not None and len(grid) <= points + 1:  # +1: the baseline, never simulated here
-        out, timed_out = [], False
+        valid = []
         for params in grid:
             if params.get("algorithm") == "none":
                 continue
+            resolution = resolve(space, params, study)
+            if resolution.valid and resolution.config is not None:
+                valid.append((params, resolution.config))
+        if prepare is not None:
+            prepare([config for _, config in valid], started + seconds)
+        out, timed_out = [], False
+        for params, config in valid:
             if time.monotonic() - started > seconds:
                 timed_out = True
                 break
-            resolution = resolve(space, params, study)
-            if resolution.valid and resolution.config is not None:
-                out.append(Predicted(params, resolution.config, predict(resolution.config)))
+            out.append(Predicted(params, config, predict(config)))
         return Explored(out, len(out), time.monotonic() - started, "every point", not timed_out)
     return _tpe(space, study, predict, points, seconds, started)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.measure.summary import RequestRecord
+from pipeline.simulate import parallel
 from pipeline.simulate.cost import CostModel, Launch, fit_cost, prefill_fit, round_table
 from pipeline.simulate.drafts import DraftTables
 from pipeline.simulate.predict import decode_rounds, predicted_metrics, timed
@@ -110,6 +111,32 @@ class Simulator:
         if cost is None or not self.open_loop:
             self._replays[key] = result
         return result
+
+    def prepare(self, trials: Sequence[Any], *, deadline: float | None = None, workers: int | None = None) -> int:
+        """Replay `trials` ahead of pricing them, in worker processes when there are enough of them and more than
+        one core (pipeline.simulate.parallel); returns how many were replayed there. Only closed-loop replays (an
+        open-loop one depends on the cost) of configs that load no external corpus (read by the caller's
+        `corpora`) are spread; the rest replay on demand."""
+        if self.open_loop:
+            return 0
+        workers = parallel.usable_cores() if workers is None else workers
+        todo, seen = [], set(self._signatures)
+        for trial in trials:
+            key = trial.model_dump_json()
+            spec = trial.spec
+            if key in seen or (isinstance(spec, NgramSpec) and spec.external_corpus is not None):
+                continue
+            seen.add(key)
+            todo.append(trial)
+        if workers < 2 or len(todo) < parallel.MIN_PARALLEL:
+            return 0
+        parts = {"answers": self.answers, "warmup": self.warmup, "measure": self.measure, "arrival": self.arrival,
+                 "seed": self.seed, "lag": self.lag, "drafts": self.drafts, "prefix": self.prefix}
+        done = parallel.replay_in_workers(parts, todo, workers=min(workers, len(todo)), deadline=deadline)
+        for key, result, signature in done:
+            self._replays[key] = result
+            self._signatures[key] = signature
+        return len(done)
 
     def signature(self, trial: Any) -> str:
         """What the cost model sees of the trial's closed-loop replay: its rounds and which requests ran in them.

@@ -89,6 +89,6 @@ class NgramDrafter:
 
     def _land(self) -> None:
         for window in self._pending:
-            self.cache.insert(window)
+            self.cache.insert_window(window)
         self._pending.clear()
         self._round += 1

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left, insort
-from collections import OrderedDict, deque
+from collections import deque
+from heapq import heapify, heappop, heappush
 from collections.abc import Sequence
 from typing import Literal
 
@@ -54,7 +55,8 @@ class _Node:
     # ranked: PROB only, rank keys of the children kept sorted (SGLang's `sorted_children`).
     # offers: PROB only, cached (freq / sum_freq, child) of the top children; None when the children changed.
     # alive: False once evicted, so that a MatchState holding it rebuilds (SGLang's NodeRef version check).
-    __slots__ = ("token", "parent", "children", "freq", "ranked", "offers", "alive")
+    # stamp: when the node was last touched; the global LRU is the order of stamps (smallest: least recent).
+    __slots__ = ("token", "parent", "children", "freq", "ranked", "offers", "alive", "stamp")
 
     def __init__(self, token: int, parent: _Node | None, ranked: list[int] | None) -> None:
         self.token = token
@@ -64,6 +66,10 @@ class _Node:
         self.ranked = ranked
         self.offers: list[tuple[float, _Node]] | None = None
         self.alive = True
+        self.stamp = 0
+
+    def __lt__(self, other: _Node) -> bool:  # never decides: stamps are unique (heap entries compare stamps first)
+        return False
 
 
 class MatchState:
@@ -137,8 +143,13 @@ class NgramCache:
         # The root is never an anchor, so it keeps no ranking: with one child per distinct token it would be the
         # largest list to maintain, for nothing.
         self._root = _Node(-1, None, None)
-        # Every non-root node, least recently used first (SGLang's global_lru_ reversed).
-        self._lru: OrderedDict[_Node, None] = OrderedDict()
+        # SGLang's global LRU as touch stamps: a node's stamp is the time of its last touch. Stamps are unique, so
+        # the LRU order is the order of stamps; eviction pops them from a heap built the first time the trie is
+        # full (with stale entries of since-touched nodes pushed again with their new stamps), so that an insert
+        # that evicts nothing -- nearly all of them -- pays no LRU bookkeeping beyond one stamp per node.
+        self._nodes = 0  # non-root nodes
+        self._clock = 0
+        self._heap: list[tuple[int, _Node]] | None = None
         self._epoch += 1  # every MatchState cached before the flush rebuilds (SGLang's trie_epoch_)
 
     @property
@@ -164,38 +175,53 @@ class NgramCache:
     @property
     def num_nodes(self) -> int:
         """Nodes in the trie, not counting the root. Always at most `capacity - 1`: the root takes one slot."""
-        return len(self._lru)
+        return self._nodes
 
     # ------------------------------------------------------------------ insert
 
     def insert(self, tokens: Sequence[int]) -> None:
         """What SGLang does after each decode verify step for one request: take the last `max_trie_depth` tokens of
         prompt+output and insert every suffix of that window (each capped at max_trie_depth)."""
-        window = self._window(tokens, "tokens")
+        self.insert_window(self._window(tokens, "tokens"))
+
+    def insert_window(self, window: list[int]) -> None:
+        """`insert` of a window already checked by `draft` (at most max_trie_depth valid token ids): the drafting
+        schedule inserts the windows it drafted from."""
         n = len(window)
         prob = self._prob
-        lru = self._lru
-        touch = lru.move_to_end
         root = self._root
+        heap = self._heap
         room = self._capacity - 1  # the root takes one slot
+        clock = self._clock
         for start in range(n):
             # The window is at most max_trie_depth long, so every suffix already fits the cap.
-            free = room - len(lru)
-            if n - start > free:
-                self._squeeze(n - start - free)
+            length = n - start
+            free = room - self._nodes
+            if length > free:
+                self._clock = clock
+                self._squeeze(length - free)
+                heap = self._heap
+            # The path is touched deepest first in SGLang, so that parents end up more recent than their children:
+            # the node at depth i of this suffix gets stamp clock + length - 1 - i.
+            stamp = clock + length
+            clock = stamp
             cursor = root
-            path = []
             for token in window[start:]:
+                stamp -= 1
                 children = cursor.children
                 node = children.get(token)
                 if node is None:
                     node = _Node(token, cursor, [] if prob else None)
                     children[token] = node
-                    lru[node] = None
+                    self._nodes += 1
+                    node.stamp = stamp
+                    if heap is not None:
+                        heappush(heap, (stamp, node))
                     if cursor.ranked is not None:  # PROB, below the root
                         cursor.offers = None
                         insort(cursor.ranked, token - _SHIFT)
                 else:
+                    node.stamp = stamp
                     if len(children) > 1:
                         children[token] = children.pop(token)  # most recent child goes last
                     ranked = cursor.ranked
@@ -209,16 +235,26 @@ class NgramCache:
                             del ranked[idx]
                             insort(ranked, old - _SHIFT, 0, idx)  # a higher count only moves it forward
                     node.freq += 1
-                path.append(node)
                 cursor = node
-            # Deepest first, so that the parents end up more recent than their children.
-            for node in reversed(path):
-                touch(node)
+        self._clock = clock
 
     def _squeeze(self, count: int) -> None:
-        pop = self._lru.popitem
-        for _ in range(count):
-            node, _ = pop(last=False)
+        heap = self._heap
+        if heap is None:
+            heap = self._heap = [(node.stamp, node) for node in self._walk()]
+            heapify(heap)
+        elif len(heap) > 4 * self._nodes + 64:  # mostly stale entries: rebuild
+            heap[:] = [(node.stamp, node) for node in self._walk()]
+            heapify(heap)
+        while count:
+            stamp, node = heappop(heap)
+            if not node.alive:
+                continue
+            if node.stamp != stamp:  # touched since this entry: its place in the LRU is later
+                heappush(heap, (node.stamp, node))
+                continue
+            count -= 1
+            self._nodes -= 1
             node.alive = False
             if node.children:
                 raise RuntimeError("ngram trie invariant broken: the least recently used node still has children")
@@ -230,6 +266,16 @@ class NgramCache:
             if ranked is not None:
                 parent.offers = None
                 del ranked[bisect_left(ranked, node.token - node.freq * _SHIFT)]
+
+    def _walk(self) -> list[_Node]:
+        """Every non-root node."""
+        out: list[_Node] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
 
     # ------------------------------------------------------------------ draft
 
