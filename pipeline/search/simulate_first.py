@@ -359,6 +359,9 @@ class SimulateFirstPlan:
     def _log_study(self) -> None:
         summary = self.summary()
         metrics = {"simulate_launches": float(len(self.suggested))}
+        explored = self._cache.get("explored")
+        if explored is not None:  # the whole space's prediction after the baseline (benchmarks/overhead.py)
+            metrics["simulate_explore_s"] = float(explored.seconds)
         if summary["median_error"] is not None:
             metrics["simulate_median_error"] = float(summary["median_error"])
         try:

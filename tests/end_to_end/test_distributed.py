@@ -84,11 +84,11 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     study_file = tmp_path / "study.yaml"
     # Trust auth ignores the password, so the storage URL can carry one that must never be shown (issue #15 item 6).
     storage = postgres.replace("specdec@", "specdec:hunter2@") + "/optuna"
-    # 2 warm-up and 4 measured prompts of 12 new tokens: short runs keep the 9 engine runs cheap; the slowed baseline
-    # makes the margin large anyway.
+    # 2 warm-up and 4 measured prompts of 8 new tokens: short runs keep the 9 engine runs cheap (the slowed
+    # baseline's 4 runs were most of the test); the slowed baseline makes the margin large anyway.
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
               f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
-              "workload: {warmup_prompts: 2, measure_prompts: 4, max_new_tokens: 12, remeasure: 0}\n"
+              "workload: {warmup_prompts: 2, measure_prompts: 4, max_new_tokens: 8, remeasure: 0}\n"
               "search: {strategy: tpe}\n"  # a search over launches resumed across drivers
               "engine: {start_timeout_s: 300, extra_flags: ['--test-fault', 'slow-steps=4@baseline']}\n")
     # The first driver only searches (finalists 0: no re-runs); the promotion policy may change on resume
@@ -109,7 +109,7 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
 
     # A third driver with another workload must not continue this study's history (issue #15 item 13).
     study_file.write_text("name: dist\nbudget: {max_trials: 4}\npromotion: {finalists: 1}\n"
-                          + common.replace("max_new_tokens: 12", "max_new_tokens: 16"))
+                          + common.replace("max_new_tokens: 8", "max_new_tokens: 16"))
     third = run_driver(study_file, tmp_path / "driver3", env, resume=True)
     assert third.returncode == 2 and "--resume refused" in third.stderr and "workload:" in third.stderr, third.stderr
     assert "hunter2" not in third.stderr

@@ -1,12 +1,13 @@
 """The closed loop end to end, as a user runs it (issue #30): `python -m pipeline.tune` tunes config A on workload X
-(templated, copy-heavy, 8-token answers: NGRAM promoted), `python -m serve.production` serves it with capture on, a
-bounded local load loop switches the traffic to workload Y (contexts twice as long, 2-token answers: the kind of
-shift a classification or routing client brings; each request's end-to-end throughput falls to a fraction of X's,
-since its prefill dominates), and `python -m pipeline.loop` flags the drift (per-request throughput below the
-study's), re-tunes on the capture, canaries the re-tune's config on live traffic and promotes it, with no failed
-request. The cycle is checked in MLflow and on `/v1/config`. A rollback, the other outcome of a canary, is checked
-on its own (tests/end_to_end/test_loop_retune.py, tests/unit/test_loop_cycle.py,
-tests/end_to_end/test_production_loop.py): a second cycle here only repeated it at the price of another re-tune.
+(the templated workload's edit requests without their file bodies, ~40 tokens; 8-token answers: NGRAM promoted),
+`python -m serve.production` serves it with capture on, a bounded local load loop switches the traffic to workload
+Y (contexts ten times as long, 2-token answers: the kind of shift a classification or routing client brings; each
+request's end-to-end throughput falls to a fraction of X's, since its prefill dominates), and `python -m
+pipeline.loop` flags the drift (per-request throughput below the study's), re-tunes on the capture, canaries the
+re-tune's config on live traffic and promotes it, with no failed request. The cycle is checked in MLflow and on
+`/v1/config`. A rollback, the other outcome of a canary, is checked on its own (tests/end_to_end/test_loop_retune.py,
+tests/unit/test_loop_cycle.py, tests/end_to_end/test_production_loop.py): a second cycle here only repeated it at
+the price of another re-tune.
 
 Which way each comparison falls is forced by CPU-engine test switches (serve/engines/cpu/faults.py), with margins a
 busy machine does not cross:
@@ -15,10 +16,11 @@ busy machine does not cross:
 - the re-tune re-measures nothing (`promotion.finalists: 0`), so it keeps its baseline, registered as the candidate
   with its study's engine flags: unslowed, about 3x production's slowed NGRAM per request in the canary (a 2x margin
   once left a candidate's score, median - 1.4826 MAD of 10 requests, under the bar on a loaded machine).
-Small on purpose: 2 trials a study, 4 measured prompts of 8 tokens (the slowed baseline's runs are most of the
-test's time), canary of one step at share 0.5 deciding on 10 candidate requests in 3 blocks. The loop's
-accept-length detector runs too (the engine's per-request counters reach the live records); Y's change shows in
-throughput.
+Small on purpose: 2 trials a study, 4 measured prompts of 8 tokens on ~40-token prompts (the slowed baseline's
+runs are most of the test's time: on the templated workload's ~200-token prompts its 6x-slowed prefills made its
+4 runs 3.5 of the test's 8.5 minutes), canary of one step at share 0.5 deciding on 10 candidate requests in 3
+blocks. The loop's accept-length detector runs too (the engine's per-request counters reach the live records);
+Y's change shows in throughput.
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ Y_ANSWER_TOKENS = 2
 DEADLINE_S = 900  # per stage; a healthy run takes 1-2 min a stage on a 2-core box
 
 
-def study_file(folder: Path, uri: str, name: str, flags: list[str], finalists: int) -> Path:
+def study_file(folder: Path, uri: str, name: str, flags: list[str], finalists: int, source: str = "templated"
+               ) -> Path:
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps({
         "name": name, "search_space": str(folder / "space.yaml"), "seed": 0, "output_dir": str(folder / name),
-        "workload": {"source": "templated", "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 8,
+        "workload": {"source": source, "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 8,
                      "remeasure": 0},
         "budget": {"max_trials": 2, "early_stopping": False}, "search": {"strategy": "tpe"},
         "promotion": {"finalists": finalists},
@@ -80,6 +83,18 @@ def study_file(folder: Path, uri: str, name: str, flags: list[str], finalists: i
 
 def faults(*specs: str) -> list[str]:
     return [part for spec in specs for part in ("--test-fault", spec)]
+
+
+def short_edits(folder: Path) -> Path:
+    """Workload X: the templated workload's edit requests with their file bodies left out (~40 tokens: the
+    instruction, the file's name, the change), as a JSONL file."""
+    path = folder / "x.jsonl"
+    rows = []
+    for p in read_prompts("templated")[0]:
+        text = p.text
+        rows.append({"id": p.id, "prompt": text[:text.index("```")] + text[text.index("Change:"):]})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def long_contexts() -> list[str]:
@@ -186,7 +201,8 @@ def test_drift_retune_canary_promote(tmp_path: Path):
     # 1. Config A tuned on workload X, registered as production.
     first = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study",
                             str(study_file(tmp_path, uri, "tuned-on-x", faults("slow-steps=3@speculative",
-                                                                              "slow-steps=6@baseline"), 1))],
+                                                                              "slow-steps=6@baseline"), 1,
+                                           source=str(short_edits(tmp_path))))],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     assert first.returncode == 0 and "decision: PROMOTE" in first.stdout, first.stdout[-4000:] + first.stderr[-3000:]
     (tmp_path / "tuned-on-x.log").write_text(first.stdout)
