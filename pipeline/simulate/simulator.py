@@ -132,7 +132,7 @@ class Simulator:
             return 0
         parts = {"answers": self.answers, "warmup": self.warmup, "measure": self.measure, "arrival": self.arrival,
                  "seed": self.seed, "lag": self.lag, "drafts": self.drafts, "prefix": self.prefix}
-        done = parallel.replay_in_workers(parts, todo, workers=min(workers, len(todo)), deadline=deadline)
+        done = parallel.replay_in_workers(Simulator, parts, todo, workers=min(workers, len(todo)), deadline=deadline)
         for key, result, signature in done:
             self._replays[key] = result
             self._signatures[key] = signature

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -24,6 +25,12 @@ from serve.closed_loop.capture import private_dir_problem
 from serve.engines.base import ENDPOINT_MALLOC_MARKER
 from serve.production.app import deploy
 from serve.production.settings import ProductionSettings, auth_problem, load_admin_keys, load_api_keys
+
+# Set by the stop signals' handler before it raises KeyboardInterrupt, and checked by `follow` every second: a
+# KeyboardInterrupt raised while the main thread was inside Ray (a Ctrl-C during the start, under load) can be lost
+# there, and the endpoint then served on through its own Ctrl-C (seen in CI: "serving ..." printed after the
+# signal, then no "stopping" line in 120 s).
+STOP_REQUESTED = threading.Event()
 
 
 def _parser() -> Any:
@@ -77,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         # SIGTERM stops the endpoint as Ctrl-C does: installed only now, since ray.init replaced any earlier handler
-        # with one that exits at once (no drain, buffered capture rows lost). A SIGKILL runs nothing here: the
+        # with one that exits at once (no drain, buffered capture rows lost); both remember the stop
+        # (STOP_REQUESTED). A SIGKILL runs nothing here: the
         # engine watchdog's owner link stops the engine then.
         signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGINT, _interrupt)
         try:
             served = deploy(settings)
         except (RuntimeError, TimeoutError) as exc:
@@ -135,6 +144,7 @@ def local_ray_environment(env: MutableMapping[str, str]) -> None:
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
+    STOP_REQUESTED.set()
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -210,6 +220,8 @@ def follow(settings: ProductionSettings, serving_version: str | None) -> None:
         # --follow-alias-s) kept the endpoint serving through its own stop signal.
         wake_at = time.monotonic() + (settings.follow_alias_s or 3600)
         while (left := wake_at - time.monotonic()) > 0:
+            if STOP_REQUESTED.is_set():  # a stop whose KeyboardInterrupt something caught on the way
+                raise KeyboardInterrupt("a stop signal arrived earlier")
             time.sleep(min(1.0, left))
         if settings.follow_alias_s:
             follower.step()

@@ -27,11 +27,14 @@ from tests.integration.conftest import TEST_THREADS
 pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 
 MEASURED = 6
+# The hung request waits it out; the 10x-slowed config's requests take ~6 s alone and must stay under it on a loaded
+# CI machine (at 20 s one did not, and the trial ended TIMEOUT instead of being stopped early).
+REQUEST_TIMEOUT_S = 30
 # draft tokens -> (fault, outcome, text in the trial's reason, text the engine wrote to its log)
 FAULTS = {
     2: ("exit-at-start", "LAUNCH_FAILED", "exited with code 3", "TEST FAULT exit-at-start: exiting with code 3"),
     # the first measured request is never answered: the trial waits out one request timeout and stops measuring
-    3: ("hang-after=1", "TIMEOUT", "timeout after 20 s",
+    3: ("hang-after=1", "TIMEOUT", f"timeout after {REQUEST_TIMEOUT_S} s",
         "TEST FAULT hang-after: generation request 2 accepted and never answered"),
     4: ("wrong-tokens", "NOT_EQUIVALENT", f"0/{MEASURED} outputs identical", "TEST FAULT armed: wrong-tokens@drafts=4"),
     # the engine dies when the second measured request arrives: a dead engine, not a verdict on its outputs
@@ -62,7 +65,7 @@ def fault_study(tmp_path_factory):
         "name": "it-faults", "output_dir": str(out), "search_space": str(space), "seed": 0,
         "search.strategy": "grid", "budget.max_trials": 14, "promotion.finalists": 0,
         "workload.warmup_prompts": 1, "workload.measure_prompts": MEASURED, "workload.max_new_tokens": 4,
-        "engine.start_timeout_s": 300, "engine.threads": TEST_THREADS, "engine.request_timeout_s": 20,
+        "engine.start_timeout_s": 300, "engine.threads": TEST_THREADS, "engine.request_timeout_s": REQUEST_TIMEOUT_S,
         "engine.extra_flags": flags, "model.drafts": {"standalone": str(out / "no-such-model")}})
     code = run_study(study, load_space(space))
     tracker = Tracker(f"sqlite:///{out / 'mlflow.db'}", study.name)

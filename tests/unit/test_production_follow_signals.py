@@ -42,3 +42,23 @@ except KeyboardInterrupt:
 def test_a_signal_taken_by_another_thread_stops_the_endpoint_driver():
     result = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "stopped", result.stdout + result.stderr[-2000:]
+
+
+SWALLOWED = """
+from serve.production import cli
+from serve.production.settings import ProductionSettings
+
+try:  # the stop signal's KeyboardInterrupt, caught by code that was running then (inside Ray, at start-up)
+    cli._interrupt(2, None)
+except KeyboardInterrupt:
+    pass
+try:
+    cli.follow(ProductionSettings(registered_model="m", follow_alias_s=0), None)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+def test_a_stop_signal_whose_interrupt_was_caught_still_stops_the_endpoint_driver():
+    result = subprocess.run([sys.executable, "-c", SWALLOWED], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "stopped", result.stdout + result.stderr[-2000:]

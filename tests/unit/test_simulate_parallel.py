@@ -53,3 +53,9 @@ def test_a_few_configs_or_one_core_replay_in_the_callers_process():
     trials = space()
     assert simulator().prepare(trials[:parallel.MIN_PARALLEL - 1], workers=2) == 0
     assert simulator().prepare(trials, workers=1) == 0
+
+
+def test_a_worker_that_fails_returns_nothing_and_says_why(caplog):
+    # a simulator the worker cannot build: its error reaches the caller's log, and no replay comes back
+    assert parallel.replay_in_workers(Simulator, {"no_such_part": 1}, space()[:4], workers=2) == []
+    assert "exited with 1" in caplog.text and "no_such_part" in caplog.text

@@ -24,6 +24,20 @@ def tiny_dir(tmp_path, monkeypatch):
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                          max_position_embeddings=1024))
     model.save_pretrained(tmp_path / "tiny")
+    real = probe.measure_round_cost
+
+    def steady(*args, **kwargs):
+        # These tests are about the cache. The tiny model's cells take well under a millisecond, so a dip from this
+        # machine's load (seen under a loaded test run) made a fresh table uncacheable and failed them: each cell is
+        # raised to the largest narrower or smaller one (first_dip's own tests cover a dip).
+        table = real(*args, **kwargs)
+        ms = [list(row) for row in table["ms"]]
+        for i, row in enumerate(ms):
+            for j in range(len(row)):
+                row[j] = max([row[j], *row[:j], *(ms[k][j] for k in range(i))])
+        return {**table, "ms": ms}
+
+    monkeypatch.setattr(probe, "measure_round_cost", steady)
     return tmp_path / "tiny"
 
 
