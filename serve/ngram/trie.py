@@ -36,8 +36,8 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left, insort
 from collections import deque
-from heapq import heapify, heappop, heappush
 from collections.abc import Sequence
+from heapq import heapify, heappop, heappush
 from typing import Literal
 
 from serve.ngram.drafttree import DraftTree, layout, place

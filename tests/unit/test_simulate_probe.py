@@ -55,6 +55,12 @@ def test_the_round_table_is_measured_once_per_key_and_the_cost_model_reads_it(ti
     assert model is not None and model.verify_ms(3, 3, 5, 200) > 0
 
 
+def busy_reading(before, after) -> dict:
+    """Every probe waited for a core half its runnable time. (A tiny model's probe can run within one tick of the
+    CPU-time counters, where the real reading is "unknown", never disturbed: a limit of -1 did not force it.)"""
+    return {"wait_share": 0.5, "steal_share": 0.0}
+
+
 def clean_table(ms):
     return {"disturbance": {"wait_share": 0.02, "steal_share": 0.0},
             "round_cost": {"batches": [1, 2], "widths": [1, 2, 3], "ms": ms}}
@@ -95,7 +101,7 @@ def test_a_poisoned_cache_entry_is_refused_and_measured_again(tiny_dir, monkeypa
 
 
 def test_a_probe_measured_under_load_is_kept_only_until_a_quieter_one(tiny_dir, monkeypatch):
-    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", -1.0)  # every measurement reads as disturbed
+    monkeypatch.setattr(probe, "probe_disturbance", busy_reading)  # every measurement reads as disturbed
     runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
     curve = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
     assert curve["source"] == "measured" and "waited for a core" in curve["disturbed"]
@@ -108,7 +114,7 @@ def test_a_probe_measured_under_load_is_kept_only_until_a_quieter_one(tiny_dir, 
 
 
 def test_a_machine_that_stays_busy_stops_paying_a_probe_every_start(tiny_dir, monkeypatch):
-    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", -1.0)  # every measurement reads as disturbed
+    monkeypatch.setattr(probe, "probe_disturbance", busy_reading)  # every measurement reads as disturbed
     runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
     first = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
     assert first["source"] == "measured"
@@ -132,7 +138,7 @@ def test_a_machine_that_stays_busy_stops_paying_a_probe_every_start(tiny_dir, mo
 def test_a_table_still_disturbed_after_the_later_attempts_is_tried_again_an_hour_after_the_last(tiny_dir, monkeypatch):
     import json
 
-    monkeypatch.setattr(probe, "PROBE_WAIT_LIMIT", -1.0)  # every measurement reads as disturbed
+    monkeypatch.setattr(probe, "probe_disturbance", busy_reading)  # every measurement reads as disturbed
     monkeypatch.setattr(probe, "PROBE_LATER_ATTEMPTS", 1)
     runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
     probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
