@@ -12,7 +12,8 @@ engine's settings (dtype float32, weights auto, every core unless --threads):
   and the child process's total.
 Each --runs times, alternating; prints medians and ranges. The draft replay's answers are the in-process baseline's.
 
-    python benchmarks/draft_replay_cost.py [--draft smollm2-135m] [--space standalone] [--runs 3] [--threads N]
+    python benchmarks/draft_replay_cost.py [--draft smollm2-135m] [--target ID] [--space standalone] [--runs 3]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def measure_phase(study, prompts: list[list[int]], max_new_tokens: list[int]) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draft", default="smollm2-135m", help="model.drafts.standalone")
+    parser.add_argument("--target", default=None, help="model.target (default: the default study's)")
     parser.add_argument("--space", default="standalone", help="search space (its STANDALONE topks and steps)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="engine.threads (default: every core)")
@@ -95,6 +97,8 @@ def main() -> int:
     overrides = {"search_space": args.space, "model.drafts": {"standalone": args.draft}}
     if args.threads:
         overrides["engine.threads"] = args.threads
+    if args.target:
+        overrides["model.target"] = args.target
     study = load_study(None, overrides)
     space = load_space(study.search_space_path())
     (model, (steps, topks)), = draft_plan(space, study).items()

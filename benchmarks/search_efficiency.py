@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -55,7 +57,8 @@ GRID_VERIFY_COST = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1
                                                                    1.88, 2.05, 2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
 
 
-def record(space_name: str, out: Path, quick: bool, runs: int, workload: str | None = None) -> None:
+def record(space_name: str, out: Path, quick: bool, runs: int, workload: str | None = None,
+           settings: dict | None = None) -> None:
     """Every point of the space measured `runs` times, run after run (all points once, then again: drift spreads
     over every point alike), after one unrecorded launch of the baseline (the machine's one-time first-launch cost),
     on fresh trials through `run_trial` with simulate-first's context (requests record
@@ -75,7 +78,7 @@ def record(space_name: str, out: Path, quick: bool, runs: int, workload: str | N
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per downloaded file otherwise
     overrides = {"name": "grid", "search_space": space_name, **({} if quick else FULL_WORKLOAD),
-                 **({"workload.source": workload} if workload else {})}
+                 **({"workload.source": workload} if workload else {}), **(settings or {})}
     study = load_study(None, overrides)
     space_path = study.search_space_path()
     space = load_space(space_path)
@@ -138,7 +141,8 @@ def record(space_name: str, out: Path, quick: bool, runs: int, workload: str | N
             "seconds": f"{time.monotonic() - started:.0f}",
             "command": "python benchmarks/search_efficiency.py record" + (" --quick" if quick else "")
             + (f" --workload {workload}" if workload else "") + (f" --space {space_name}"
-                                                                 if space_name != "grid-small" else "")}
+                                                                 if space_name != "grid-small" else "")
+            + "".join(f" --set {k}={json.dumps(v)}" for k, v in (settings or {}).items())}
     table = pa.Table.from_pylist(rows).replace_schema_metadata({k: str(v) for k, v in meta.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out)
@@ -322,6 +326,9 @@ def main() -> None:
     rec.add_argument("--runs", type=int, default=3, help="measurements of every point (>= 2: the noise)")
     rec.add_argument("--workload", help="another workload than the default study's (bundled name or file)")
     rec.add_argument("--out", type=Path, help="Parquet file (default benchmarks/data/<space>[-quick].parquet)")
+    rec.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                     help="a study key for every trial, as `pipeline.tune --set` "
+                     "(e.g. model.target=qwen2.5-coder-1.5b)")
     rep = sub.add_parser("replay", help="compare search methods on a recorded grid (fast, deterministic)")
     rep.add_argument("--quick", action="store_true", help="20 seeds instead of 100")
     rep.add_argument("--data", type=Path, help="recorded grid (default: benchmarks/data/grid-small-quick.parquet)")
@@ -347,7 +354,13 @@ def main() -> None:
             parser.error(f"--runs {args.runs}: the noise needs at least 2 measurements of a point")
         stem = Path(args.space).stem + (f"-{Path(args.workload).stem}" if args.workload else "") \
             + ("-quick" if args.quick else "")
-        record(args.space, args.out or DATA / f"{stem}.parquet", args.quick, args.runs, args.workload)
+        settings = {}
+        for item in args.settings:
+            name, sep, raw = item.partition("=")
+            if not sep or not name:
+                parser.error(f"--set {item!r}: expected KEY=VALUE, e.g. --set model.target=qwen2.5-coder-1.5b")
+            settings[name.strip()] = yaml.safe_load(raw)
+        record(args.space, args.out or DATA / f"{stem}.parquet", args.quick, args.runs, args.workload, settings)
     else:
         data = args.data or DATA / "grid-small-quick.parquet"
         if not data.exists():

@@ -16,7 +16,8 @@
    launch and the remaining configs re-ranked; if the median error exceeds `error_threshold`, the study says so and
    adds `widen_by` launches (never past budget.max_trials). A launch stopped early (PRUNED) counts as a prediction
    that missed; one that measured nothing (a failed launch, a refused config) is replaced by the next best. The
-   study's parent run carries `simulate/predictions.json` (predicted vs measured per launch, the cost model) and
+   study's parent run carries `simulate/predictions.json` (predicted vs measured per launch, the cost model),
+   `simulate/space_predictions.jsonl` (every predicted point under the last cost model, best first) and
    `simulate_median_error`.
 After the launches the searcher answers FINISHED: Tune ends, and the study finalizes as usual on measured trials.
 
@@ -44,7 +45,9 @@ from pipeline.vocabulary.outcome import NO_REPORT, Outcome
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec
 
-__all__ = ["PREDICTION_ATTR", "SimulateFirstPlan"]
+__all__ = ["PREDICTION_ATTR", "SPACE_PREDICTIONS", "SimulateFirstPlan"]
+
+SPACE_PREDICTIONS = "simulate/space_predictions.jsonl"
 
 
 class SimulateFirstPlan:
@@ -364,9 +367,13 @@ class SimulateFirstPlan:
             metrics["simulate_explore_s"] = float(self._cache["explore_s"])
         if summary["median_error"] is not None:
             metrics["simulate_median_error"] = float(summary["median_error"])
+        texts = {"simulate/predictions.json": json.dumps(summary, indent=2, default=str)}
+        if "ranked" in self._cache:  # every point's prediction under the last cost model, best first
+            texts[SPACE_PREDICTIONS] = "".join(
+                json.dumps({"rank": i, "params": p.params, "predicted": p.figures}, sort_keys=True, default=str) + "\n"
+                for i, p in enumerate(self._cache["ranked"]))
         try:
-            self.ctx.tracker.log_figures(self.ctx.parent_run_id, metrics, texts={
-                "simulate/predictions.json": json.dumps(summary, indent=2, default=str)})
+            self.ctx.tracker.log_figures(self.ctx.parent_run_id, metrics, texts=texts)
         except Exception as exc:  # noqa: BLE001
             print(f"[simulate-first] could not log the predictions: {type(exc).__name__}: {exc}")
 

@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.config import load_study
 from pipeline.search.draft_replay import run_draft_replay
+from pipeline.search.simulate_first import SPACE_PREDICTIONS
 from pipeline.search.space import BASELINE_ATTR, load_space, resolve
 from pipeline.simulate.predict import PREDICTION_ATTR
 from pipeline.simulate.simulator import Simulator
@@ -62,6 +63,12 @@ def test_the_draft_replay_predicts_and_only_the_best_is_launched(standalone_stud
     assert (replayed["draft_model"], replayed["topks"], replayed["max_steps"], replayed["requests"]) == (
         DRAFT, [1, 2], 3, 2)
     assert 0 < parent.data.metrics["simulate_draft_replay_s"] <= parent.data.metrics["simulate_draft_replay_total_s"]
+    # every point's prediction is on the study run too, best first
+    lines = Path(client.download_artifacts(parent.info.run_id, SPACE_PREDICTIONS, str(out))).read_text().splitlines()
+    every = [json.loads(line) for line in lines]
+    assert [e["rank"] for e in every] == list(range(len(every)))
+    assert sum(e["params"]["algorithm"] == "standalone" for e in every) == 12
+    assert all(e["predicted"]["tput_tok_s"] > 0 for e in every)
     assert summary["cost_model"]["draft"] is not None  # the draft's measured step enters the step cost
     trials = optuna.load_study(study_name=study.name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
     assert len(trials) == 2 + summary["widened"] <= study.budget.max_trials

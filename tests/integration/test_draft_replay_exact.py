@@ -23,7 +23,7 @@ from serve.engines.cpu.draft_replay import ReplayStats, replay_answers
 from serve.engines.cpu.runner import ModelRunner
 from serve.engines.cpu.speculators import StandaloneSpeculator
 from serve.spec import StandaloneSpec
-from tests.integration.test_simulate_exact import _engine_run
+from tests.engine_runs import engine_run
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def prompts(smol):
 def test_replayed_accept_lengths_equal_the_engine_s_request_by_request(runner, smol, prompts, pair):
     tokenizer = smol[1]
     draft = runner if pair == "self" else first_layers(runner, DRAFT_LAYERS)
-    baseline, _ = _engine_run(runner, tokenizer, None, [prompts], concurrency=1)
+    baseline, _ = engine_run(runner, tokenizer, None, [prompts], concurrency=1, max_new_tokens=NEW_TOKENS)
     answers = [Answer(tuple(p), tuple(baseline[(0, i)])) for i, p in enumerate(prompts)]
     stats = ReplayStats()
     ranks = replay_answers(draft, [(a.prompt_ids, a.output_ids) for a in answers], [1, 2, 3, 4], 4, stats=stats)
@@ -67,8 +67,8 @@ def test_replayed_accept_lengths_equal_the_engine_s_request_by_request(runner, s
     lengths: set[int] = set()
     for steps, topk, draft_tokens in PAIRS[pair]:
         spec = StandaloneSpec(draft_model="draft", num_steps=steps, topk=topk, num_draft_tokens=draft_tokens)
-        outputs, seen = _engine_run(runner, tokenizer, StandaloneSpeculator(draft, steps, topk, draft_tokens),
-                                    [prompts], concurrency=1)
+        outputs, seen = engine_run(runner, tokenizer, StandaloneSpeculator(draft, steps, topk, draft_tokens),
+                                   [prompts], concurrency=1, max_new_tokens=NEW_TOKENS)
         assert outputs == baseline  # lossless: the premise of the replay
         simulated = replay(spec, [Phase("measure", tuple(answers), ClosedLoop(1))], drafts=tables)
         for r in simulated.requests:

@@ -9,27 +9,23 @@ is what the simulator's ClosedLoop(c, lag=0) models."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from pipeline.simulate.replay import Answer, ClosedLoop, Phase, replay
 from pipeline.simulate.workload import corpus_automaton
 from pipeline.workloads import load_workload
-from serve.ngram.corpus import ExternalCorpora
-from serve.engines.cpu.decode import Decoder, Request, StopRules
-from serve.engines.cpu.engine import encoder_of, eos_ids_of
-from serve.ngram.trie import NgramCache
+from serve.engines.cpu.engine import encoder_of
 from serve.engines.cpu.runner import ModelRunner
-from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator
-from serve.engines.cpu.verify import Sampling
+from serve.ngram.corpus import ExternalCorpora
+from serve.ngram.trie import NgramCache
 from serve.spec import NgramSpec, NoSpec
+from tests.engine_runs import engine_run
 
 pytestmark = pytest.mark.integration
 
 NEW_TOKENS = 16
-DEADLINE_S = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -42,63 +38,6 @@ def prompts(smol):
     tokenizer = smol[1]
     work = load_workload("templated", seed=0, n_warmup=5, n_measure=5, max_new_tokens=NEW_TOKENS)
     return ([tokenizer.encode(p.text) for p in work.warmup], [tokenizer.encode(p.text) for p in work.measure])
-
-
-def _engine_run(runner, tokenizer, speculator, phases: list[list[list[int]]], concurrency: int):
-    """Every phase through a real Scheduler, closed loop; per request (phase, position): (output ids, kept tokens
-    of each verify step). Every submission after the first happens in a request's sink on the worker thread, so it
-    is queued before the next round admits (a phase's first requests after the previous phase's last one)."""
-    decoder = Decoder(runner, tokenizer, speculator)
-    scheduler = Scheduler(decoder, max_running_requests=16)
-    eos = eos_ids_of(runner.model, tokenizer)
-    seen: dict[tuple[int, int], list[int]] = {}
-    last: dict[tuple[int, int], int] = {}
-    outputs: dict[tuple[int, int], list[int]] = {}
-    errors: list[str] = []
-    done = threading.Event()
-    state = {"phase": 0, "sent": 0, "finished": 0}
-
-    def request(phase: int, position: int) -> Request:
-        return Request(rid=f"{phase}-{position}", prompt_ids=list(phases[phase][position]),
-                       sampling=Sampling(temperature=0.0), rules=StopRules(max_new_tokens=NEW_TOKENS, eos_ids=eos),
-                       seed=0)
-
-    def open_phase(phase: int) -> None:
-        state.update(phase=phase, sent=min(concurrency, len(phases[phase])), finished=0)
-        for position in range(state["sent"]):
-            scheduler.submit(request(phase, position), sink)
-
-    def sink(req: Request, error: str | None) -> None:  # the worker thread, after each step of `req`
-        if error is not None:
-            errors.append(error)
-            done.set()
-            return
-        key = (int(req.rid.split("-")[0]), int(req.rid.split("-")[1]))
-        if key in last:
-            seen.setdefault(key, []).append(len(req.output_ids) - last[key])
-        last[key] = len(req.output_ids)
-        if not req.finished:
-            return
-        outputs[key] = list(req.output_ids)
-        state["finished"] += 1
-        phase = state["phase"]
-        if state["sent"] < len(phases[phase]):  # this client's next request
-            scheduler.submit(request(phase, state["sent"]), sink)
-            state["sent"] += 1
-        elif state["finished"] == len(phases[phase]):
-            if phase + 1 < len(phases):
-                open_phase(phase + 1)
-            else:
-                done.set()
-
-    open_phase(0)  # before the worker starts: the first round admits all of them
-    scheduler.start()
-    try:
-        assert done.wait(DEADLINE_S), "the engine did not finish the phases in time"
-    finally:
-        scheduler.stop()
-    assert not errors, errors
-    return outputs, seen
 
 
 def _speculator(spec: NgramSpec, sams_docs: list[str] | None, tokenizer):
@@ -126,7 +65,7 @@ def test_simulated_accept_lengths_equal_the_engine_s_step_for_step(runner, smol,
     tokenizer = smol[1]
     warmup, measure = prompts
     phases = [warmup, measure]
-    baseline, _ = _engine_run(runner, tokenizer, None, phases, concurrency=1)
+    baseline, _ = engine_run(runner, tokenizer, None, phases, concurrency=1, max_new_tokens=NEW_TOKENS)
     answers = [[Answer(tuple(p), tuple(baseline[(i, j)])) for j, p in enumerate(items)]
                for i, items in enumerate(phases)]
     docs = [tokenizer.decode(p) for p in warmup]
@@ -138,8 +77,8 @@ def test_simulated_accept_lengths_equal_the_engine_s_step_for_step(runner, smol,
     assert all(r.accepted_lengths == [1] * (r.completion_tokens - 1) for r in plain.requests)
     compared = 0
     for concurrency, spec, with_corpus in CASES:
-        outputs, seen = _engine_run(runner, tokenizer, _speculator(spec, docs if with_corpus else None, tokenizer),
-                                    phases, concurrency)
+        outputs, seen = engine_run(runner, tokenizer, _speculator(spec, docs if with_corpus else None, tokenizer),
+                                   phases, concurrency, max_new_tokens=NEW_TOKENS)
         assert outputs == baseline  # lossless: the premise of the simulator
         simulated = replay(spec, [Phase("warmup", tuple(answers[0]), ClosedLoop(concurrency)),
                                   Phase("measure", tuple(answers[1]), ClosedLoop(concurrency))],
