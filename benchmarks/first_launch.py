@@ -1,19 +1,22 @@
-"""The first NGRAM launch of a simulate-first study, predicted from the baseline launch alone, against what it
-measured: with the verify-cost shape measured on the engine (its own round table, or the one measured over its HTTP
-API after the baseline's measurement, pipeline/measure/shape.py) and the prefill charged for the prompt tokens the
-engine's prefix cache did not hold (SGLang's radix cache, pipeline/simulate/prefix.py): the prediction the study
-logged. From the same baseline, two references: the prefill charged by prompt length (the model without the prefix
-cache), and the prior shape (`pipeline.simulate.cost.ALPHA`). Not a test.
+"""The first speculative launch of a simulate-first study (NGRAM; on llama-server its ngram-simple), predicted from
+the baseline launch alone, against what it measured: with the verify-cost shape measured on the engine (its own round
+table, or the one measured over its HTTP API after the baseline's measurement, pipeline/measure/shape.py) and the
+prefill charged for the prompt tokens the engine's prefix cache did not hold (SGLang's radix cache,
+pipeline/simulate/prefix.py): the prediction the study logged. From the same baseline, two references: the prefill
+charged by prompt length (the model without the prefix cache), and the prior shape (`pipeline.simulate.cost.ALPHA`).
+Not a test.
 
     python benchmarks/first_launch.py study --engine sglang --runs 3        # SGLang 0.5.23's own server on the CPU
     python benchmarks/first_launch.py study --engine cpu --runs 3           # the CPU engine (its own round table)
+    python benchmarks/first_launch.py study --engine llama_cpp --runs 3     # llama-server, ngram-simple
     python benchmarks/first_launch.py probe --engine llama_cpp --levels 1,4  # the probe alone, on a fresh engine
 
-`study`: each run is a whole study (`search_spaces/default.yaml`, the templated workload -- answers repeat across
-requests, so the trie copies -- with its defaults, `budget.max_trials: 2`: the baseline and the best predicted
-config, no finalists) under `--output`/run-<i>; then its MLflow records are read back. `probe`: one engine started
-as a replica starts it (the baseline, no speculation), the probe run against it, the table printed; the probe's own
-time against the engine's.
+`study`: each run is a whole study (`search_spaces/default.yaml`; on llama-server
+`search_spaces/llama-cpp-ngram-simple.yaml`, the llama.cpp n-gram type the simulator replays; the templated workload
+-- answers repeat across requests, so the trie copies -- with its defaults, `budget.max_trials: 2`: the baseline and
+the best predicted config, no finalists) under `--output`/run-<i>; then its MLflow records are read back. `probe`:
+one engine started as a replica starts it (the baseline, no speculation), the probe run against it, the table
+printed; the probe's own time against the engine's.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ def study_overrides(engine: str, name: str, output: Path, threads: int | None) -
                             "engine.threads": threads}
     if engine == "sglang":
         over.update({"engine.kind": "sglang", "engine.device": "cpu", "engine.start_timeout_s": 600})
+    elif engine == "llama_cpp":
+        over.update({"engine.kind": "llama_cpp", "search_space": "llama-cpp-ngram-simple.yaml"})
     return over
 
 
 def read_back(output: Path, name: str) -> dict[str, Any]:
-    """The baseline's probe and times, and the first NGRAM launch's measured throughput against its predictions from
-    the baseline alone: the one the study logged (re-derived here, with its prefill and decode parts), the same with
+    """The baseline's probe and times, and the first speculative launch's measured throughput against its predictions
+    from the baseline alone: the one the study logged (re-derived here, with its prefill and decode parts), the same with
     every prompt token's prefill charged, and with the prior shape."""
     import pyarrow.parquet as pq
 
@@ -67,7 +72,7 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
     runs = sorted((r for r in client.search_runs([tracker.experiment_id()], max_results=100)
                    if r.data.tags.get("specdec.kind") == "trial"), key=lambda r: r.info.start_time)
     baseline = next(r for r in runs if r.data.params.get("spec.algorithm") == "none")
-    launch = next(r for r in runs if r.data.params.get("spec.algorithm") == "ngram")
+    launch = next(r for r in runs if r.data.params.get("spec.algorithm") not in (None, "none"))
     with tempfile.TemporaryDirectory() as tmp:
         records = to_records(pq.read_table(client.download_artifacts(baseline.info.run_id, "requests.parquet", tmp)))
         info = json.loads(Path(client.download_artifacts(baseline.info.run_id, "server_info.json", tmp)).read_text())
@@ -202,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     study = sub.add_parser("study", help="simulate-first studies; the first launch's predictions against it")
-    study.add_argument("--engine", choices=("sglang", "cpu"), default="sglang")
+    study.add_argument("--engine", choices=("sglang", "cpu", "llama_cpp"), default="sglang")
     study.add_argument("--runs", type=int, default=3)
     study.add_argument("--threads", type=int, default=1, help="engine.threads (the engines' own tests use 1 here)")
     study.add_argument("--output", default="runs/first-launch")

@@ -20,6 +20,9 @@ before its warm-up) and lasts across the phases.
 
 A STANDALONE config (a draft model) is replayed the same way from the draft replay's tables (`drafts`,
 pipeline.simulate.drafts): its accepted drafts per round, and the draft forwards each round ran (`Round.drafts`).
+llama-server's `ngram-simple` (pipeline.simulate.lookup) drafts from each request's own tokens, cut to what the
+request may still generate; its drafts vary in length, so a round's width is the mean query count of its requests
+(llama-server decodes a batch's tokens together; at one request a round, exact).
 
 With a `RoundCost` (pipeline.simulate.cost) every round gets a duration and every request its start, first-token
 and finish times; without one only the rounds' order is known (enough for accept lengths in a closed loop).
@@ -34,12 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.simulate.drafts import DraftTables, StandaloneSteps
+from pipeline.simulate.lookup import ngram_simple_draft
 from pipeline.simulate.prefix import HeldPrefixes, PrefixCache
 from serve.ngram.drafttree import DraftTree
 from serve.ngram.sam import SuffixAutomaton
 from serve.ngram.schedule import DraftState, NgramDrafter
 from serve.ngram.trie import NgramCache
-from serve.spec import NgramSpec, NoSpec, StandaloneSpec
+from serve.spec import LlamaNgramSimpleSpec, NgramSpec, NoSpec, StandaloneSpec
 
 __all__ = ["Answer", "ClosedLoop", "OpenLoop", "Phase", "Replay", "RequestReplay", "Round", "Step", "accepted_drafts",
            "replay"]
@@ -167,6 +171,16 @@ def accepted_drafts(tree: DraftTree, continuation: Sequence[int]) -> int:
     return count
 
 
+def _matched(draft: Sequence[int], output: Sequence[int], emitted: int) -> int:
+    """A chain draft's tokens a greedy verifier accepts: its longest prefix equal to the output from `emitted`."""
+    count = 0
+    for token, expected in zip(draft, output[emitted:]):
+        if token != expected:
+            break
+        count += 1
+    return count
+
+
 @dataclass
 class _Live:
     record: RequestReplay
@@ -178,7 +192,8 @@ class _Live:
     previous: int | None = None  # STANDALONE: accepted drafts of its previous verify step
 
 
-def _drafter(spec: NgramSpec | NoSpec, sams: Sequence[SuffixAutomaton]) -> NgramDrafter | None:
+def _drafter(spec: NgramSpec | NoSpec | LlamaNgramSimpleSpec,
+             sams: Sequence[SuffixAutomaton]) -> NgramDrafter | None:
     if not isinstance(spec, NgramSpec):
         return None
     cache = NgramCache(max_trie_depth=spec.max_trie_depth, capacity=spec.capacity,
@@ -189,7 +204,7 @@ def _drafter(spec: NgramSpec | NoSpec, sams: Sequence[SuffixAutomaton]) -> Ngram
     return NgramDrafter(cache, spec.external_sam_budget if loaded else 0, (lambda: loaded) if loaded else None)
 
 
-def replay(spec: NgramSpec | NoSpec | StandaloneSpec, phases: Sequence[Phase], *,
+def replay(spec: NgramSpec | NoSpec | StandaloneSpec | LlamaNgramSimpleSpec, phases: Sequence[Phase], *,
            sams: Sequence[SuffixAutomaton] = (), max_running: int | None = None, cost: RoundCost | None = None,
            drafts: DraftTables | None = None, prefix: PrefixCache | None = None) -> Replay:
     """Run `phases` through the engine's schedule with `spec`'s drafting (NoSpec: plain decoding, one token a step).
@@ -205,6 +220,7 @@ def replay(spec: NgramSpec | NoSpec | StandaloneSpec, phases: Sequence[Phase], *
         drafter = None
     else:
         drafter = _drafter(spec, sams)
+    lookup = (spec.size_n, spec.size_m) if isinstance(spec, LlamaNgramSimpleSpec) else None
     width = spec.num_draft_tokens if isinstance(spec, (NgramSpec, StandaloneSpec)) and spec.num_draft_tokens else 1
     records: list[RequestReplay] = []
     rounds: list[Round] = []
@@ -213,13 +229,14 @@ def replay(spec: NgramSpec | NoSpec | StandaloneSpec, phases: Sequence[Phase], *
     for phase in phases:
         if isinstance(phase.admission, OpenLoop) and cost is None:
             raise ValueError("simulate: open-loop arrivals need a round cost (arrival times are in seconds)")
-        now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now, standalone, held)
+        now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now, standalone, held, lookup)
     return Replay(tuple(records), tuple(rounds))
 
 
 def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_running: int | None,
                cost: RoundCost | None, records: list[RequestReplay], rounds: list[Round], start: float,
-               standalone: StandaloneSteps | None = None, held: HeldPrefixes | None = None) -> float:
+               standalone: StandaloneSteps | None = None, held: HeldPrefixes | None = None,
+               lookup: tuple[int, int] | None = None) -> float:
     admission = phase.admission
     # open loop: requests whose arrival fell past the window are never sent (pipeline.measure.openloop)
     answers = phase.answers[:len(admission.offsets_s)] if isinstance(admission, OpenLoop) else phase.answers
@@ -289,6 +306,9 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
                                                      live.previous)
                 live.previous = drafts
                 forwards.extend(rows)
+            elif lookup is not None:
+                draft = ngram_simple_draft(live.tokens[:-1], live.tokens[-1], *lookup)[:max(0, remaining - 1)]
+                drafts, real = _matched(draft, answer.output_ids, live.emitted), len(draft)
             else:
                 drafts, real = 0, 0
             kept = min(drafts + 1, remaining)
@@ -298,7 +318,8 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
             live.tokens.extend(answer.output_ids[live.emitted:live.emitted + kept])
             live.emitted += kept
             stepped.append((live, True))
-        this = Round(tuple(prefills), width, tuple(trees), tuple(contexts), drafts=tuple(forwards))
+        this = Round(tuple(prefills), width if lookup is None or not trees else -(-sum(trees) // len(trees)) + 1,
+                     tuple(trees), tuple(contexts), drafts=tuple(forwards))
         if cost is not None:
             end = now + cost(this)
             this = dataclasses.replace(this, start_s=now, end_s=end)

@@ -143,3 +143,25 @@ def test_ngram_cache_starts_with_a_fresh_dynamic_lookup_file_and_drafts(tmp_path
         assert meta["completion_tokens"] == 16 and "spec_verify_ct" in meta
     finally:
         process.stop()
+
+
+def test_ngram_simple_drafts_and_accepts_what_the_replay_says_request_by_request(llama_engine):
+    """The acceptance replay of llama-server's ngram-simple (pipeline/simulate/lookup.py) against llama-server itself:
+    each request's proposed and accepted draft tokens (`timings.draft_n`, `draft_n_accepted`) equal the replay's of
+    the tokens it answered. ngram-simple keeps no state, so the request's own prompt and output ids fix its drafts."""
+    from pipeline.simulate.replay import Answer, ClosedLoop, Phase, replay
+    from pipeline.workloads import load_workload
+
+    url = llama_engine.url
+    work = load_workload("templated", seed=0, n_warmup=0, n_measure=4, max_new_tokens=32)
+    answers, metas = [], []
+    for prompt in work.measure:  # one at a time: concurrency 1
+        ids = httpx.post(f"{url}/tokenize", json={"content": prompt.text}, timeout=60).json()["tokens"]
+        answer = httpx.post(f"{url}/generate", timeout=300, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}).json()
+        answers.append(Answer(tuple(ids), tuple(answer["output_ids"])))
+        metas.append(answer["meta_info"])
+    replayed = replay(SPEC, [Phase("measure", tuple(answers), ClosedLoop(1))]).requests
+    got = [(m["spec_num_proposed_drafts"], m["spec_num_correct_drafts"]) for m in metas]
+    assert got == [(sum(s.tree for s in r.steps), r.spec_num_correct_drafts) for r in replayed]
+    assert sum(accepted for _, accepted in got) > 0  # templated answers repeat: drafts were found and accepted
