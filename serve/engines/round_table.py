@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MONOTONE_SLACK", "MONOTONE_SLACK_MS", "first_dip"]
+__all__ = ["MONOTONE_SLACK", "MONOTONE_SLACK_MS", "REPRODUCE_TOLERANCE", "first_dip", "reproduces"]
 
 MONOTONE_SLACK = 0.85  # a cell below this share of a narrower or smaller one (and by more than MONOTONE_SLACK_MS)
 MONOTONE_SLACK_MS = 1.0  # is not the noise of a quiet machine
+REPRODUCE_TOLERANCE = 0.15  # two clean tables whose cells agree this closely, dip included, show the engine's shape
 
 
 def first_dip(table: dict[str, Any]) -> str | None:
@@ -27,3 +28,16 @@ def first_dip(table: dict[str, Any]) -> str | None:
                 return (f"not monotone: {batches[i]} requests x width {widths[j]} measured {cell:.1f} ms, below a "
                         f"smaller batch's {smaller:.1f} ms")
     return None
+
+
+def reproduces(first: dict[str, Any], second: dict[str, Any], tolerance: float = REPRODUCE_TOLERANCE) -> bool:
+    """Whether two round tables have the same cells within `tolerance` (relative) and dip at the same cell: measured
+    twice on a quiet machine, the dip is then the engine's own."""
+    if (first.get("batches"), first.get("widths")) != (second.get("batches"), second.get("widths")) \
+            or not first.get("ms") or [len(r) for r in first["ms"]] != [len(r) for r in second.get("ms") or []]:
+        return False
+    cells = [(x, y) for row_a, row_b in zip(first["ms"], second["ms"]) for x, y in zip(row_a, row_b)]
+    if any(abs(x - y) > tolerance * max(x, y) for x, y in cells):
+        return False
+    dip_a, dip_b = first_dip(first), first_dip(second)
+    return dip_a is not None and dip_b is not None and dip_a.split(" measured")[0] == dip_b.split(" measured")[0]

@@ -10,6 +10,7 @@ import torch
 from pipeline.simulate.cost import round_table
 from serve.engines.cpu import probe
 from serve.engines.cpu.runner import ModelRunner
+from serve.engines.round_table import reproduces
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -153,3 +154,56 @@ def test_a_table_still_disturbed_after_the_later_attempts_is_tried_again_an_hour
     probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2))
     retried = json.loads(entry_path.read_text())
     assert retried["later_attempts"] == 2 and retried["last_attempt_at"] > entry["last_attempt_at"] + probe.PROBE_RETRY_S
+
+
+def dipped_table(scale: float):
+    """A round table whose width-3 cell costs more than width 4 (torch's fp32 GEMM on 3 rows can), times `scale`."""
+    def measure(runner, widths, *args, **kwargs):
+        ms = [[scale * (10.0 * w if w != 3 else 60.0) for w in widths] for _ in probe.ROUND_BATCHES]
+        for i, row in enumerate(ms):
+            ms[i] = [cell * (1 + i) for cell in row]
+        return {"batches": list(probe.ROUND_BATCHES), "widths": list(widths), "ms": ms, "lm_head_rows": [1],
+                "lm_head_ms": [0.0], "context_tokens": 128, "long_context_tokens": 512, "short_context_ms": 10.0,
+                "long_context_ms": 12.0}
+    return measure
+
+
+def test_a_dip_measured_alike_twice_on_a_quiet_machine_is_kept_as_measured(tiny_dir, monkeypatch):
+    monkeypatch.setattr(probe, "probe_disturbance", lambda before, after: {"wait_share": 0.0, "steal_share": 0.0})
+    tables = iter([dipped_table(1.0), dipped_table(1.05)])
+    monkeypatch.setattr(probe, "measure_round_cost", lambda *a, **k: next(tables)(*a, **k))
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    first = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 3, 4))
+    assert first["source"] == "measured" and "not_cached" not in first
+    assert first["round_cost"]["as_measured"] and "width 4" in first["reproduced_dip"]
+    again = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 3, 4))  # no third table to measure
+    assert again["source"] == "cache" and again["round_cost"] == first["round_cost"]
+    model = round_table(again)
+    assert model is not None and model.verify_ms(1, 3, 1, 128) > model.verify_ms(1, 4, 1, 128)  # read as measured
+
+
+def test_dips_that_do_not_reproduce_are_used_once_and_never_kept(tiny_dir, monkeypatch):
+    monkeypatch.setattr(probe, "probe_disturbance", lambda before, after: {"wait_share": 0.0, "steal_share": 0.0})
+    tables = iter([dipped_table(1.0), dipped_table(1.5)])  # the second reads 50% slower: not the same table
+    monkeypatch.setattr(probe, "measure_round_cost", lambda *a, **k: next(tables)(*a, **k))
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    result = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 3, 4))
+    assert "not monotone" in result["not_cached"] and not result["round_cost"].get("as_measured")
+    assert not list((tiny_dir.parent / "cache" / "probe").glob("*.json"))
+    first = dipped_table(1.0)(None, (1, 2, 3, 4))
+    assert reproduces(first, dipped_table(1.1)(None, (1, 2, 3, 4)))
+    assert not reproduces(first, dipped_table(1.0)(None, (1, 2, 4, 3)))  # another shape
+
+
+def test_a_dip_measured_alike_under_load_is_kept_until_a_quieter_measurement_of_it(tiny_dir, monkeypatch):
+    readings = iter([0.3, 0.25, 0.05])  # two busy attempts at the first start, a quiet one at the next
+    monkeypatch.setattr(probe, "probe_disturbance", lambda before, after: {"wait_share": next(readings),
+                                                                           "steal_share": 0.0})
+    tables = iter([dipped_table(1.0), dipped_table(1.05), dipped_table(0.97)])
+    monkeypatch.setattr(probe, "measure_round_cost", lambda *a, **k: next(tables)(*a, **k))
+    runner = ModelRunner.from_dir(tiny_dir, "float32", "fp32")
+    first = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 3, 4))
+    assert first["round_cost"]["as_measured"] and "waited for a core 25%" in first["disturbed"]
+    second = probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 3, 4))  # one more attempt, quiet
+    assert second["source"] == "measured" and "disturbed" not in second and second["round_cost"]["as_measured"]
+    assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, (1, 2, 3, 4))["source"] == "cache"
