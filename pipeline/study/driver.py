@@ -38,7 +38,7 @@ from pipeline.trial.replica_config import replica_config
 from pipeline.vocabulary.context import TrialContext
 from pipeline.vocabulary.outcome import Outcome
 from pipeline.workloads import load_workload
-from serve.engines import engine_for
+from serve.engines import engine_for, retokenizes
 
 TUNE_DIR = "tune"
 SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst value, so TPE steers away from it
@@ -127,13 +127,17 @@ def connect_ray(study_name: str, address: str | None = None) -> str:
 def workload_requests(study: StudyConfig, prompt_ids: bool = False
                       ) -> tuple[tuple[LoadRequest, ...], tuple[LoadRequest, ...]]:
     """The warm-up and measurement requests every trial of the study sends (`prompt_ids`: with text prompts'
-    token ids for the records, as simulate-first needs)."""
+    token ids for the records, as simulate-first needs; sent as the prompt to an engine that `retokenizes`)."""
     workload = load_workload(study.workload.source, seed=study.seed, n_warmup=study.workload.warmup_prompts,
                              n_measure=study.workload.measure_prompts, max_new_tokens=study.workload.max_new_tokens)
 
     def items(prompts: Any) -> tuple[LoadRequest, ...]:
         # chat prompts: rendered with the target's template
-        return requests_of(prompts, study.model.target, prompt_ids=prompt_ids)
+        made = requests_of(prompts, study.model.target, prompt_ids=prompt_ids)
+        if prompt_ids and retokenizes(study.engine.kind):  # the replay must see the tokens the engine saw
+            made = tuple(r if r.input_ids is not None or r.prompt_ids is None
+                         else dataclasses.replace(r, input_ids=r.prompt_ids) for r in made)
+        return made
 
     return items(workload.warmup), items(workload.measure)
 

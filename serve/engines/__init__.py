@@ -95,6 +95,11 @@ def replays_drafts(kind: str) -> bool:
     return engine_for(kind).replays_drafts
 
 
+def retokenizes(kind: str) -> bool:
+    """Whether an engine kind tokenizes a text its own way, unlike the model's HF tokenizer (`Engine.retokenizes`)."""
+    return engine_for(kind).retokenizes
+
+
 def tokenizer_for(model: str) -> Any:
     """The tokenizer an engine loads for `model` (clients render chat templates with it: `pipeline.measure.load`): a CPU-engine
     id, .gguf or HF dir through the CPU engine's own resolution (the same files), else an HF hub id via transformers

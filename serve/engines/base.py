@@ -218,6 +218,10 @@ class Engine:
     # Whether `draft_replay_argv` gives a command: the engine's STANDALONE drafting can be replayed on a baseline's
     # recorded tokens (pipeline.search.draft_replay), so simulate-first predicts its draft-model configs.
     replays_drafts: ClassVar[bool] = False
+    # Whether the engine's own tokenizer can split a text otherwise than the model's HF tokenizer, which records the
+    # prompt ids simulate-first replays: such an engine is sent those ids instead of the text in a simulate-first
+    # study, so that it and the replay see the same tokens (pipeline.study.driver.workload_requests).
+    retokenizes: ClassVar[bool] = False
 
     def draft_replay_argv(self, draft_model: str, dtype: str, weights: str, threads: int | None) -> list[str]:
         """The command that runs this engine's STANDALONE drafting (the draft model only) over recorded tokens on

@@ -18,6 +18,8 @@ DYNAMIC_CACHE_FILE = "lookup-dynamic.bin"
 
 class LlamaCppEngine(Engine):
     kind = "llama_cpp"
+    # llama.cpp's tokenizer split a code-edit prompt into 257 tokens where the model's HF tokenizer made 258
+    retokenizes = True
     label = "llama.cpp's llama-server"
     algorithms = frozenset({"none", *LLAMA_CPP_ALGORITHMS})
     extend_api = "completion"  # the shim forwards llama-server's own /completion as it is
