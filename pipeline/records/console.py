@@ -162,7 +162,9 @@ def _measured(event: dict[str, Any]) -> str:
     parts = [f"{name} {duration(float(timings[key]))}" for key, name in
              (("engine_start_s", "engine start"), ("warmup_s", "warm-up"), ("measure_s", "measure"))
              if isinstance(timings.get(key), (int, float))]
-    return f"{figure}, {outcome}" + (f" ({', '.join(parts)})" if parts else "")
+    window = event.get("window")  # pipeline.measure.window.flag: said unless clean (or unchecked: nothing to say)
+    noted = f", window {window}" if window in ("re-measured", "disturbed") else ""
+    return f"{figure}, {outcome}{noted}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 class PhaseWatcher:

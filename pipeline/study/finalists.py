@@ -35,6 +35,7 @@ from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures
 from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
 from pipeline.measure.summary import RequestRecord, to_table
+from pipeline.measure.window import window_record
 from pipeline.trial.lifecycle import Checked, measure_and_check
 from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, NOT_COMPARED_DETERMINISTIC, baseline_pass, effective_mode
 from pipeline.trial.replicas import launch_fresh
@@ -151,9 +152,13 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
     out.runs.append(RunFigures.from_metrics(dict(c.summary.to_metrics())) if p.measured and c.summary is not None
                     else RunFigures(tput_tok_s=0.0))
     texts = {"engine.log": m.engine_log, "timings.json": json.dumps(m.timings, indent=2)}
+    if m.windows:  # the run's window checks, as a trial's: the promotion rule decides on these figures
+        texts["windows.json"] = json.dumps([w.model_dump(mode="json") for w in m.windows], indent=2)
+    window_metrics, window_tags = window_record(m.windows)
     metrics = dict(c.summary.to_metrics()) if c.summary else {}
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
     metrics["engine_launches"] = m.launches
+    metrics.update(window_metrics)
     if report is not None:
         texts["equivalence.json"] = report.model_dump_json(indent=2)
         metrics["equiv_identical_share"] = report.identical_share
@@ -164,7 +169,7 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
         config=p.config.model_dump(mode="json"), outcome=outcome, reason=reason, metrics=metrics,
         requests=to_table(m.records) if m.records else None, texts=texts, started_at=p.started_at,
         extra_tags={"finalist": name, "concurrency": str(p.level), "engine_launch": m.launch,
-                    "arrival": ctx.study.workload.arrival.describe(p.level)})
+                    "arrival": ctx.study.workload.arrival.describe(p.level), **window_tags})
     return out
 
 

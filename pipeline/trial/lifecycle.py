@@ -15,7 +15,7 @@ from pathlib import Path
 from pipeline.config import TrialConfig
 from pipeline.decide.equivalence import EquivalenceReport
 from pipeline.measure.summary import RequestRecord, Summary, summarize, to_table
-from pipeline.measure.window import Window, window_record
+from pipeline.measure.window import Window, flag, window_record
 from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.trial_runs import baseline_trial, run_requests
@@ -163,7 +163,7 @@ def measure_and_check(ctx: TrialContext, config: TrialConfig, label: str, log_di
     if outcome is Outcome.COMPLETE and compare:
         outcome, reason, equivalence = _compare(ctx, config, m, label, log_dir)
     note_phase(log_dir, "measured", outcome=outcome.value, tput_tok_s=summary.tput_tok_s if summary else None,
-               timings=m.timings)
+               timings=m.timings, window=flag(m.windows) if m.windows else None)
     return Checked(m, outcome, reason, summary, equivalence)
 
 

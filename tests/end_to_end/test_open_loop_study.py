@@ -62,3 +62,6 @@ def test_a_poisson_study_measures_trials_and_finalists_open_loop(tmp_path):
         assert run.data.tags["early_stopping"].startswith("off (workload.arrival.mode: poisson")
     for run in finalists:
         assert run.data.tags["arrival"] == "open loop: poisson 20 req/s, arrivals within 60 s"
+        # each re-run's window checked and recorded as a trial's is: the promotion rule decides on these figures
+        assert run.data.tags["measurement_flag"] in ("clean", "re-measured", "disturbed", "unchecked")
+        assert "window_remeasured" in run.data.metrics and run.data.tags["measurement_window"]

@@ -85,6 +85,19 @@ def test_phase_echo_prints_one_line_per_measured_re_run_and_not_the_old_ones(tmp
     assert out == ["    final-baseline-run1: 10.25 tok/s, COMPLETE (engine start 3 s, warm-up 1 s, measure 3 s)"]
 
 
+@pytest.mark.parametrize("window", ["re-measured", "disturbed"])
+def test_a_re_run_line_names_a_window_that_was_not_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        window: str) -> None:
+    with phase_echo(tmp_path, interval_s=3600):
+        note_phase(tmp_path / "final-baseline-run0", "measured", outcome=Outcome.COMPLETE, tput_tok_s=10.25,
+                   timings={"measure_s": 3.1}, window=window)
+        note_phase(tmp_path / "final-baseline-run1", "measured", outcome=Outcome.COMPLETE, tput_tok_s=10.5,
+                   timings={"measure_s": 3.0}, window="clean")
+    assert capsys.readouterr().out.splitlines() == [
+        f"    final-baseline-run0: 10.25 tok/s, COMPLETE, window {window} (measure 3 s)",
+        "    final-baseline-run1: 10.50 tok/s, COMPLETE (measure 3 s)"]
+
+
 def test_note_phase_never_raises(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     note_phase(tmp_path / "file" / "inside-a-file", "engine")  # cannot be written: ignored
