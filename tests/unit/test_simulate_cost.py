@@ -59,6 +59,12 @@ def test_the_prefill_line_and_its_degenerate_cases():
     assert prefill_fit([10, 20, 30], [0.011, 0.021, 0.031]) == (pytest.approx(1.0), pytest.approx(1.0))
     assert prefill_fit([10, 10], [0.004, 0.006]) == (pytest.approx(5.0), 0.0)  # one length: the median
     assert prefill_fit([10, 20], [0.02, 0.01]) == (pytest.approx(15.0), 0.0)  # no negative slope
+    # a free fit's intercept below 0: the best line with p0 >= 0 goes through the origin (not the free slope with p0
+    # cut to 0, which prices every prefill |intercept| too high)
+    xs, ts = [208, 172, 167, 198], [0.432, 0.375, 0.386, 0.609]
+    p0, p1 = prefill_fit(xs, ts)
+    assert p0 == 0.0 and p1 == pytest.approx(sum(x * t * 1000 for x, t in zip(xs, ts)) / sum(x * x for x in xs))
+    assert p1 * 208 < 520  # the free slope (3.19 ms a token) with p0 cut to 0 said 663 ms for 208 tokens
     with pytest.raises(ValueError, match="TTFT"):
         prefill_fit([], [])
 
