@@ -181,13 +181,21 @@ def spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 180) -> None:
+    """SIGTERM to the driver alone, as `kill PID` or a service manager's main-process stop sends it; what is left of
+    its group is killed after. A SIGTERM to the whole group also stops the local Ray's own processes at once, and the
+    driver then waits out Ray's 60 s GCS reconnect before it exits (tests/end_to_end/test_production_driver.py
+    signals the group)."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=60)
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone: nothing was left
+        pass
+    process.wait(timeout=60)
 
 
 def test_drift_retune_canary_promote(tmp_path: Path):

@@ -1,8 +1,10 @@
 """A study run beside a running endpoint (issue 42): `python -m serve.production` and `python -m pipeline.tune` each
 start their own local Ray on one machine, as an operator runs them (the endpoint serving, a re-tune or a new study
-beside it), with HOME a fresh folder (no `~/.ray` left by earlier runs: each Ray makes its own token). The study
-runs to its decision, and the endpoint answers before, during and after it; neither joins or stops the other's Ray.
-One baseline trial on two short prompts: what is checked is the two processes side by side, not the study."""
+beside it), with HOME a fresh folder (no `~/.ray` left by earlier runs: each Ray makes its own token; the model and
+kernel cache stays the machine's, `SPECDEC_CACHE`, or the endpoint would fetch and convert the model again: 2 of the
+test's 4 minutes). The study runs to its decision, and the endpoint answers before, during and after it; neither
+joins or stops the other's Ray. One baseline trial on two short prompts: what is checked is the two processes side by
+side, not the study."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import psutil
 import pytest
 
 from serve.engines.base import ReplicaConfig, child_env
+from serve.engines.cpu.models import cache_root
 from serve.ports import free_port
 from serve.serving import Provenance, ServingConfig
 from tests.integration.production_helpers import alive, app_processes, wait_for
@@ -29,7 +32,8 @@ def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env = {**{k: v for k, v in child_env().items() if k not in ("SPECDEC_API_KEYS", "RAY_AUTH_MODE",
-                                                                "RAY_ADDRESS")}, "HOME": str(home)}
+                                                                "RAY_ADDRESS")}, "HOME": str(home),
+           "SPECDEC_CACHE": str(cache_root())}
     config = ServingConfig(replica=ReplicaConfig(model="smollm2-135m", threads=1),
                            provenance=Provenance(study="beside", decision="keep_baseline", source="baseline",
                                                  workload="w", workload_digest="0123456789abcdef"))
