@@ -84,11 +84,13 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     study_file = tmp_path / "study.yaml"
     # Trust auth ignores the password, so the storage URL can carry one that must never be shown (issue #15 item 6).
     storage = postgres.replace("specdec@", "specdec:hunter2@") + "/optuna"
-    # 2 warm-up and 4 measured prompts of 8 new tokens: short runs keep the 9 engine runs cheap (the slowed
-    # baseline's 4 runs were most of the test); the slowed baseline makes the margin large anyway.
+    # 2 warm-up and 4 measured prompts of 8 new tokens, from the free-text workload's one-line prompts (~10 tokens):
+    # short runs keep the 9 engine runs cheap. The slowed baseline's 4 runs are most of the test, and with the
+    # templated workload's ~200-token prompts, whose prefills the fault slows too, each took 37-40 s.
     common = (f"search_space: {space}\nray: {{address: '{address}'}}\n"
               f"storage: {{url: '{storage}'}}\ntracking: {{uri: '{postgres}/mlflow'}}\n"
-              "workload: {warmup_prompts: 2, measure_prompts: 4, max_new_tokens: 8, remeasure: 0}\n"
+              "workload: {source: free-text, warmup_prompts: 2, measure_prompts: 4, max_new_tokens: 8,"
+              " remeasure: 0}\n"
               "search: {strategy: tpe}\n"  # a search over launches resumed across drivers
               "engine: {start_timeout_s: 300, extra_flags: ['--test-fault', 'slow-steps=4@baseline']}\n")
     # The first driver only searches (finalists 0: no re-runs); the promotion policy may change on resume

@@ -35,10 +35,12 @@ TTFT_LIMIT_MS = 120_000.0
 # And one no config can meet (a first token within 1 ms with 4 requests in flight through Serve's proxy): the level
 # a serving team must hear "no config meets it" about, never a baseline marked as the winner.
 IMPOSSIBLE_MS = 1.0
-# The baseline and one NGRAM trial (the finalist), 6 new tokens a request: the finalists' 2 configs x 2 levels x 3
-# runs are 12 engine starts, so the per-request cost is paid 60 times; nothing here depends on the output length.
+# The baseline and one NGRAM trial (the finalist), 6 new tokens a request on the free-text workload's one-line
+# prompts (~10 tokens): the finalists' 2 configs x 2 levels x 3 runs are 12 engine starts, so the per-request cost is
+# paid 60 times; nothing here depends on the prompts' or the outputs' length.
 STUDY = {"name": NAME, "budget": {"max_trials": 2}, "concurrency": [1, 4],
-         "workload": {"warmup_prompts": 2, "measure_prompts": 4, "max_new_tokens": 6, "remeasure": 0},
+         "workload": {"source": "free-text", "warmup_prompts": 2, "measure_prompts": 4, "max_new_tokens": 6,
+                      "remeasure": 0},
          "objective": {"constraints": [{"metric": "ttft_p99_ms", "max_ms": TTFT_LIMIT_MS},
                                        {"metric": "ttft_p99_ms", "max_ms": IMPOSSIBLE_MS, "concurrency": 4}]},
          "promotion": {"finalists": 1, "runs": 3}, "engine": {"start_timeout_s": 300}}
