@@ -24,9 +24,13 @@ QUICK = ["--trials", "2", "--set", "workload.warmup_prompts=1", "--set", "worklo
 
 
 def clean_env(home: Path) -> dict[str, str]:
+    """A new HOME, with the machine's caches of what is built once per machine: the models, llama-server, and
+    SGLang's JIT-compiled kernels (its NGRAM worker compiles one, ~20 s, into `$SGLANG_CACHE_DIR`, else
+    ~/.cache/sglang)."""
     home.mkdir(parents=True, exist_ok=True)
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": str(home),
             "SPECDEC_CACHE": str(cache_root()), "SPECDEC_LLAMA_CPP_HOME": str(install_root()),
+            "SGLANG_CACHE_DIR": os.environ.get("SGLANG_CACHE_DIR") or os.path.expanduser("~/.cache/sglang"),
             "PYTHONUNBUFFERED": "1"}
 
 

@@ -26,6 +26,9 @@ def test_a_poisson_study_measures_trials_and_finalists_open_loop(tmp_path):
     study = load_study(None, {
         **TINY_STUDY, "name": "it-open-loop", "output_dir": str(tmp_path), "search_space": str(space), "seed": 0,
         "workload.measure_prompts": MEASURED, "budget.max_trials": 2, "promotion.finalists": 1,
+        # one-line prompts (~10 tokens): the 8 runs' four requests arrive together, and ~200-token prompts made each
+        # window mostly prefill
+        "workload.source": "free-text",
         "workload.arrival": {"mode": "poisson", "rate_per_s": RATE, "max_duration_s": BOUND}})
     schedule = poisson_schedule(MEASURED, RATE, seed=study.seed, max_duration_s=BOUND)
     assert len(schedule) == MEASURED
