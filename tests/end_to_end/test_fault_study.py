@@ -64,6 +64,8 @@ def fault_study(tmp_path_factory):
     study = load_study(None, {
         "name": "it-faults", "output_dir": str(out), "search_space": str(space), "seed": 0,
         "search.strategy": "grid", "budget.max_trials": 14, "promotion.finalists": 0,
+        # one-line prompts (~10 tokens): ~200-token ones made each of the 12 launches' windows mostly prefill
+        "workload.source": "free-text",
         "workload.warmup_prompts": 1, "workload.measure_prompts": MEASURED, "workload.max_new_tokens": 4,
         "engine.start_timeout_s": 300, "engine.threads": TEST_THREADS, "engine.request_timeout_s": REQUEST_TIMEOUT_S,
         "engine.extra_flags": flags, "model.drafts": {"standalone": str(out / "no-such-model")}})
