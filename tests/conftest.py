@@ -73,10 +73,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # first. `-n 2 --dist loadfile` hands whole files to the two workers in collection order (pyproject's addopts turn off
 # xdist's own order, most tests first, which started these one- to three-test files last, one then running alone on
 # one worker while the other had finished).
-LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_distributed.py", "test_fault_study.py",
-                 "test_sglang_contract_cpu.py", "test_levels_study.py", "test_draft_replay_exact.py",
-                 "test_baseline_requeue.py", "test_production_beside_study.py", "test_cluster.py",
-                 "test_llama_cpp_study.py", "test_open_loop_study.py", "test_production_driver.py")
+LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_fault_study.py", "test_sglang_contract_cpu.py",
+                 "test_distributed.py", "test_levels_study.py", "test_cluster.py", "test_draft_replay_exact.py",
+                 "test_llama_cpp_study.py", "test_shape_probe_engines.py", "test_baseline_requeue.py",
+                 "test_production_driver.py", "test_corpus_study.py", "test_open_loop_study.py")
 
 
 def run_order(tiers: list[list[str]], longest: tuple[str, ...]) -> list[str]:

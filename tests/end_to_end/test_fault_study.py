@@ -27,8 +27,9 @@ from tests.integration.conftest import TEST_THREADS
 pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 
 MEASURED = 6
-# The hung request waits it out; the 10x-slowed config's requests take ~6 s alone and must stay under it on a loaded
-# CI machine (at 20 s one did not, and the trial ended TIMEOUT instead of being stopped early).
+# The hung request waits it out; the 10x-slowed config's requests take ~2 s alone and must stay under it on a loaded
+# CI machine (with ~200-token prompts they took ~6 s, and at 20 s one did not: the trial ended TIMEOUT instead of
+# being stopped early).
 REQUEST_TIMEOUT_S = 30
 # draft tokens -> (fault, outcome, text in the trial's reason, text the engine wrote to its log)
 FAULTS = {
