@@ -27,6 +27,7 @@ daemons beside it; a busy core beside the study pushes it well past.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -161,12 +162,13 @@ def judge_window(before: Usage | None, after: Usage | None, records: Sequence[Re
     return Window(**out, disturbed=bool(reasons) if checked else None, reasons=tuple(reasons))
 
 
-def window_record(windows: Sequence[Window]) -> tuple[dict[str, float], dict[str, str]]:
-    """MLflow metrics and tags of a pass's windows (the recorded one last): `window_remeasured` (windows measured
-    again), the recorded window's checks and the per-request spread (`tput_spread`); tag `measurement_window` is
-    its line, `measurement_flag` "clean", "re-measured", "disturbed" or "unchecked"."""
+def window_record(windows: Sequence[Window]) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    """MLflow metrics, tags and artifact texts of a pass's windows (the recorded one last), the same for a trial and
+    a finalist re-run: `window_remeasured` (windows measured again), the recorded window's checks and the
+    per-request spread (`tput_spread`); tag `measurement_window` is its line, `measurement_flag` "clean",
+    "re-measured", "disturbed" or "unchecked"; `windows.json` every window."""
     if not windows:
-        return {}, {}
+        return {}, {}, {}
     last = windows[-1]
     metrics: dict[str, float] = {"window_remeasured": float(len(windows) - 1)}
     for name, value in (("window_wait_share", last.wait_share), ("window_steal_share", last.steal_share),
@@ -174,7 +176,8 @@ def window_record(windows: Sequence[Window]) -> tuple[dict[str, float], dict[str
                         ("window_step_ratio", last.step_ratio), ("tput_spread", last.spread)):
         if value is not None:
             metrics[name] = float(value)
-    return metrics, {"measurement_window": last.line()[:500], "measurement_flag": flag(windows)}
+    return (metrics, {"measurement_window": last.line()[:500], "measurement_flag": flag(windows)},
+            {"windows.json": json.dumps([w.model_dump(mode="json") for w in windows], indent=2)})
 
 
 def flag(windows: Sequence[Window]) -> str:

@@ -152,9 +152,9 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
     out.runs.append(RunFigures.from_metrics(dict(c.summary.to_metrics())) if p.measured and c.summary is not None
                     else RunFigures(tput_tok_s=0.0))
     texts = {"engine.log": m.engine_log, "timings.json": json.dumps(m.timings, indent=2)}
-    if m.windows:  # the run's window checks, as a trial's: the promotion rule decides on these figures
-        texts["windows.json"] = json.dumps([w.model_dump(mode="json") for w in m.windows], indent=2)
-    window_metrics, window_tags = window_record(m.windows)
+    # the run's window checks, as a trial's: the promotion rule decides on these figures
+    window_metrics, window_tags, window_texts = window_record(m.windows)
+    texts.update(window_texts)
     metrics = dict(c.summary.to_metrics()) if c.summary else {}
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
     metrics["engine_launches"] = m.launches

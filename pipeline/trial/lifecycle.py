@@ -103,9 +103,8 @@ def run_trial(ctx: TrialContext, label: str, resolution: Resolution, progress: P
              "server_info.json": json.dumps(m.server_info, indent=2, default=str),
              "effective_diff.json": json.dumps({k: list(v) for k, v in m.diffs.items()}, indent=2, default=str),
              "timings.json": json.dumps(m.timings, indent=2)}
-    if m.windows:
-        texts["windows.json"] = json.dumps([w.model_dump(mode="json") for w in m.windows], indent=2)
-    window_metrics, window_tags = window_record(m.windows)
+    window_metrics, window_tags, window_texts = window_record(m.windows)
+    texts.update(window_texts)
     if equivalence is not None:
         texts["equivalence.json"] = equivalence.model_dump_json(indent=2)
     metrics = dict(summary.to_metrics()) if summary else {}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -92,11 +93,12 @@ def test_flags_and_records_name_the_recorded_window():
     unchecked = Window(wall_s=0.0)
     assert flag([clean]) == "clean" and flag([bad, clean]) == "re-measured" and flag([bad, bad]) == "disturbed"
     assert flag([unchecked]) == "unchecked" and flag([]) == "unchecked"
-    metrics, tags = window_record([bad, clean])
+    metrics, tags, texts = window_record([bad, clean])
     assert metrics["window_remeasured"] == 1.0 and metrics["window_wait_share"] == 0.01
     assert metrics["tput_spread"] == pytest.approx(0.1)
     assert tags["measurement_flag"] == "re-measured" and tags["measurement_window"].startswith("clean")
-    assert window_record([]) == ({}, {})
+    assert [w["disturbed"] for w in json.loads(texts["windows.json"])] == [True, False]
+    assert window_record([]) == ({}, {}, {})
 
 
 def test_request_spread_skips_failed_and_empty_requests():
@@ -161,7 +163,7 @@ def test_steps_near_their_calibration_leave_the_window_clean_and_are_recorded():
                           steps=1.1)
     assert window.disturbed is False and window.step_ratio == pytest.approx(1.1)
     assert "steps 1.10x calibrated" in window.line()
-    metrics, _ = window_record([window])
+    metrics, _, _ = window_record([window])
     assert metrics["window_step_ratio"] == pytest.approx(1.1)
 
 
