@@ -31,7 +31,7 @@ from pydantic import Field
 
 from serve.spec import FrozenModel
 
-__all__ = ["LIVE_PATH", "LIVE_SUMMARY_PATH", "MAX_ITL_SAMPLES", "ARMS", "PRODUCTION_ARM", "CANDIDATE_ARM", "Arm",
+__all__ = ["LIVE_PATH", "LIVE_SUMMARY_PATH", "MAX_ITL_SAMPLES", "PRODUCTION_ARM", "CANDIDATE_ARM", "Arm",
            "LiveRecord", "LiveFeed", "LiveFigures", "LiveSummary", "bucket_of", "bucket_label", "summarize_live",
            "percentile_ms"]
 
@@ -39,7 +39,6 @@ LIVE_PATH = "/v1/live"
 LIVE_SUMMARY_PATH = "/v1/live/summary"
 MAX_ITL_SAMPLES = 256
 PRODUCTION_ARM, CANDIDATE_ARM = "production", "candidate"
-ARMS = (PRODUCTION_ARM, CANDIDATE_ARM)
 Arm = Literal["production", "candidate"]
 
 
