@@ -113,10 +113,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 # search of a 3-trial study, and the tests using it check the search, the records and the resume, not the
 # promotion rule. Tests of the promotion path ask for finalists explicitly (test_open_loop_study,
 # test_llama_cpp_study, test_levels_study, test_distributed).
-# workload.remeasure 0: two test workers share 2 cores, so most windows are disturbed; re-measuring them would only
-# triple these studies (the re-measure itself: tests/end_to_end/test_fault_study.py).
+# workload.remeasure 0 and promotion.spread_reruns 0: two test workers share 2 cores, so most windows are disturbed
+# and re-runs disagree; measuring them again would only lengthen these studies (each measured again for real:
+# tests/end_to_end/test_fault_study.py, tests/end_to_end/test_run_spread.py).
 TINY_STUDY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
               "promotion.finalists": 0, "engine.start_timeout_s": 300, "workload.remeasure": 0,
+              "promotion.spread_reruns": 0,
               "search.strategy": "tpe"}  # these studies test the search over launches (simulate-first: test_simulate*)
 TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
               "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"

@@ -90,6 +90,11 @@ class PromotionPolicy(FrozenModel):
                                                "nothing is re-measured, so the study keeps the baseline")
     runs: int = Field(3, ge=3, description="re-measurements per finalist and baseline (a freshly started engine "
                                            "each); a MAD of fewer than 3 runs is meaningless")
+    spread_limit: float = Field(1.15, gt=1, description="a config's runs must agree: when their fastest over slowest "
+                                "throughput (at the first level) exceeds this, the run farthest from their median is "
+                                "measured again in a fresh engine and replaced; the replaced run is recorded with why")
+    spread_reruns: int = Field(2, ge=0, le=5, description="extra fresh runs per config that `spread_limit` may ask "
+                               "for; 0 = keep the runs as measured (their spread is still printed)")
     margin: float = Field(0.03, ge=0, description="score must beat the baseline's median by this fraction")
     tie_tolerance: float = Field(0.01, ge=0, description="scores within this fraction of the best tie: fewer drafts "
                                                          "win")

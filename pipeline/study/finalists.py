@@ -6,7 +6,11 @@ spread a small budget over a product of spaces, and TPE would compare throughput
 config. The answer a serving team deploys is per level, so the few finalists pay for the other levels here.
 
 Launches: each run of a config starts one fresh engine (`launch_fresh`), and that engine measures the run at every
-level (flush, warm-up, measure, per level: pipeline/trial/launches.py). The baseline's runs come first, so each
+level (flush, warm-up, measure, per level: pipeline/trial/launches.py). A config's runs must agree with each other
+(`promotion.spread_limit`, fastest over slowest at the first level, pipeline/decide/spread.py): when they do not,
+the run farthest from their median is measured again in one more fresh engine and replaced, at most
+`promotion.spread_reruns` times; the replaced run is recorded too (`<label>-replaced`, tag `run_replaced` saying
+why) and the console says so. The baseline's runs come first, so each
 finalist is judged against the baseline's runs at the SAME level once its own runs are in, by the study's
 equivalence mode: `exact`, each run against the baseline's first successful run at that level; `baseline-noise`, the
 sign test over the finalist's runs at that level with the baseline's other runs there as its noise
@@ -23,6 +27,7 @@ their runs carry the offered and drawn rates (`offered_rate_per_s`, `arrival_rat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -34,6 +39,7 @@ from pipeline.config import TrialConfig
 from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures
 from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
+from pipeline.decide.spread import suspect_run
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.measure.window import window_record
 from pipeline.trial.lifecycle import Checked, measure_and_check
@@ -54,6 +60,13 @@ class Pass:
     config: TrialConfig
     checked: Checked
     started_at: float
+    replaced: str = ""  # why a fresh run replaced this one (its runs disagreed); "" = it counts
+
+    @property
+    def tput_tok_s(self) -> float:
+        """Its throughput; 0 when it was not measured."""
+        summary = self.checked.summary
+        return RunFigures.from_metrics(dict(summary.to_metrics())).tput_tok_s if self.measured and summary else 0.0
 
     @property
     def measured(self) -> bool:
@@ -81,21 +94,45 @@ def run_label(name: str, level: int, k: int, several_levels: bool) -> str:
 
 
 def measure_runs(ctx: TrialContext, name: str, config: TrialConfig, runs: int,
-                 levels: Sequence[int]) -> dict[int, list[Pass]]:
+                 levels: Sequence[int]) -> tuple[dict[int, list[Pass]], dict[int, list[Pass]]]:
     """`runs` fresh engines for `config`, each measuring at every level in turn (`measure_and_check` without the
-    search's comparison: lost requests and settings the engine rewrote are judged as in a trial)."""
+    search's comparison: lost requests and settings the engine rewrote are judged as in a trial); runs that disagree
+    beyond `promotion.spread_limit` at the first level are measured again (module docstring).
+    Returns (the runs that count, the runs replaced), per level."""
     several = len(levels) > 1
-    out: dict[int, list[Pass]] = {level: [] for level in levels}
-    for k in range(runs):
+    policy = ctx.study.promotion
+
+    def one_run(k: int) -> dict[int, Pass]:
         launch_fresh(ctx.study.name)  # a fresh engine per run; the run's other levels share it
+        got: dict[int, Pass] = {}
         for level in levels:
             at_level = TrialConfig.model_validate({**config.model_dump(), "concurrency": level})
             label = run_label(name, level, k, several)
             started_at = time.time()
             checked = measure_and_check(ctx, at_level, label, Path(ctx.output_dir) / "finalists" / label,
                                         compare=False)
-            out[level].append(Pass(label, level, at_level, checked, started_at))
-    return out
+            got[level] = Pass(label, level, at_level, checked, started_at)
+        return got
+
+    out: dict[int, list[Pass]] = {level: [] for level in levels}
+    replaced: dict[int, list[Pass]] = {level: [] for level in levels}
+    for k in range(runs):
+        for level, p in one_run(k).items():
+            out[level].append(p)
+    first = levels[0]
+    for extra in range(policy.spread_reruns):
+        suspect = suspect_run([p.tput_tok_s for p in out[first]], policy.spread_limit)
+        if suspect is None:
+            break
+        why = suspect.line(policy.spread_limit)
+        print(f"  {out[first][suspect.index].label}: {why}; measured again in a fresh engine "
+              f"({extra + 1} of at most {policy.spread_reruns})", flush=True)
+        for level, p in one_run(runs + extra).items():
+            old = out[level][suspect.index]
+            replaced[level].append(dataclasses.replace(old, label=f"{old.label}-replaced",
+                                                       replaced=f"replaced by {p.label}: {why}"))
+            out[level][suspect.index] = p
+    return out, replaced
 
 
 def _reference(passes: Sequence[Pass]) -> tuple[list[RequestRecord] | None, list[list[RequestRecord]]]:
@@ -169,13 +206,16 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
         config=p.config.model_dump(mode="json"), outcome=outcome, reason=reason, metrics=metrics,
         requests=to_table(m.records) if m.records else None, texts=texts, started_at=p.started_at,
         extra_tags={"finalist": name, "concurrency": str(p.level), "engine_launch": m.launch,
-                    "arrival": ctx.study.workload.arrival.describe(p.level), **window_tags})
+                    "arrival": ctx.study.workload.arrival.describe(p.level), **window_tags,
+                    **({"run_replaced": p.replaced[:500]} if p.replaced else {})})
     return out
 
 
 def _remeasured(ctx: TrialContext, name: str, config: TrialConfig, passes: Sequence[Pass],
-                baseline: Sequence[Pass]) -> tuple[Remeasured, EquivalenceReport | None]:
+                baseline: Sequence[Pass], replaced: Sequence[Pass] = ()) -> tuple[Remeasured, EquivalenceReport | None]:
     compared = config.spec.algorithm != "none" and ctx.study.workload.temperature == 0
+    for p in replaced:  # recorded, outside the decision: a fresh run took its place
+        _log(ctx, name, p, (None, "", None), compared=False)
     verdicts = judge_level(ctx, config, passes, baseline)
     level = Remeasured()
     for p, verdict in zip(passes, verdicts):
@@ -229,19 +269,20 @@ def measure_levels(ctx: TrialContext, baseline: TrialConfig, finalists: Sequence
                  else ctx.study.workload.arrival.describe(levels[0]))
         print(f"  {where}: baseline and {len(finalists)} finalist(s), {runs} runs each, one engine per run "
               "measuring every level", flush=True)
-    base_passes = measure_runs(ctx, "final-baseline", baseline, runs, levels)
+    base_passes, base_replaced = measure_runs(ctx, "final-baseline", baseline, runs, levels)
     base: dict[int, Remeasured] = {}
     for level in levels:
-        base[level], _ = _remeasured(ctx, "final-baseline", baseline, base_passes[level], base_passes[level])
+        base[level], _ = _remeasured(ctx, "final-baseline", baseline, base_passes[level], base_passes[level],
+                                     base_replaced[level])
     selves = [self_divergence(level, [run_outputs(p.records) for p in base_passes[level] if p.records])
               for level in levels]
     candidates: dict[int, list[Candidate]] = {level: [] for level in levels}
     divergence: dict[str, dict[int, dict[str, Any] | None]] = {}
     for name, config in finalists:
-        passes = measure_runs(ctx, name, config, runs, levels)
+        passes, replaced = measure_runs(ctx, name, config, runs, levels)
         divergence[name] = {}
         for level in levels:
-            got, report = _remeasured(ctx, name, config, passes[level], base_passes[level])
+            got, report = _remeasured(ctx, name, config, passes[level], base_passes[level], replaced[level])
             divergence[name][level] = _divergence_entry(report)
             candidates[level].append(Candidate(id=name, runs=tuple(got.runs), equivalent=got.equivalent,
                                                spec=config.spec, failures=tuple(got.failures)))

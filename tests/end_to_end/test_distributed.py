@@ -101,7 +101,7 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     assert "hunter2" not in first.stdout + first.stderr + (tmp_path / "driver1" / "study.yaml").read_text()
 
     # A second driver, elsewhere, continues the same study from the database up to 3 trials.
-    study_file.write_text("name: dist\nbudget: {max_trials: 3}\npromotion: {finalists: 1}\n" + common)
+    study_file.write_text("name: dist\nbudget: {max_trials: 3}\npromotion: {finalists: 1, spread_reruns: 0}\n" + common)
     second = run_driver(study_file, tmp_path / "driver2", env, resume=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "decision: PROMOTE" in second.stdout, second.stdout[-3000:]
@@ -110,7 +110,7 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
     assert "--speculative-algorithm" in command and "hunter2" not in command
 
     # A third driver with another workload must not continue this study's history (issue #15 item 13).
-    study_file.write_text("name: dist\nbudget: {max_trials: 4}\npromotion: {finalists: 1}\n"
+    study_file.write_text("name: dist\nbudget: {max_trials: 4}\npromotion: {finalists: 1, spread_reruns: 0}\n"
                           + common.replace("max_new_tokens: 8", "max_new_tokens: 16"))
     third = run_driver(study_file, tmp_path / "driver3", env, resume=True)
     assert third.returncode == 2 and "--resume refused" in third.stderr and "workload:" in third.stderr, third.stderr

@@ -43,7 +43,7 @@ STUDY = {"name": NAME, "budget": {"max_trials": 2}, "concurrency": [1, 4],
                       "remeasure": 0},
          "objective": {"constraints": [{"metric": "ttft_p99_ms", "max_ms": TTFT_LIMIT_MS},
                                        {"metric": "ttft_p99_ms", "max_ms": IMPOSSIBLE_MS, "concurrency": 4}]},
-         "promotion": {"finalists": 1, "runs": 3}, "engine": {"start_timeout_s": 300}}
+         "promotion": {"finalists": 1, "runs": 3, "spread_reruns": 0}, "engine": {"start_timeout_s": 300}}
 
 
 def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:

@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from serve.engines.cpu.command_line import ConfigError, parse_config
-from serve.engines.cpu.faults import (Fault, FaultSpecError, armed, before_start, parse_fault, parse_faults,
-                                      request_action)
+from serve.engines.cpu.faults import (Fault, FaultSpecError, armed, before_start, count_start, parse_fault,
+                                      parse_faults, request_action)
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -19,6 +19,7 @@ from serve.engines.cpu.faults import (Fault, FaultSpecError, armed, before_start
     ("hang-after=4@speculative", Fault(kind="hang-after", value=4, scope="speculative")),
     ("wrong-tokens@speculative", Fault(kind="wrong-tokens", scope="speculative")),
     ("slow-steps=3@baseline", Fault(kind="slow-steps", value=3, scope="baseline")),
+    ("slow-engine=2@speculative", Fault(kind="slow-engine", value=2, scope="speculative")),
 ])
 def test_specs_parse_and_print_back(text, fault):
     assert parse_fault(text) == fault
@@ -34,6 +35,7 @@ def test_specs_parse_and_print_back(text, fault):
     ("exit-at-start=0", "an exit code 1..255"),
     ("wrong-tokens=1", "wrong-tokens takes no value"),
     ("crash-after=1@warm", "unknown scope '@warm'"),
+    ("slow-engine=0", "slow-engine needs the start (1, 2, ...) that runs slow"),
 ])
 def test_bad_specs_name_the_value_and_the_fix(text, message):
     with pytest.raises(FaultSpecError, match="--test-fault") as err:
@@ -157,3 +159,12 @@ def test_busy_neighbours_start_once_at_their_request():
     actions = [request_action(faults, "POST", "/generate", count) for count in range(4)]
     assert actions == ["pass", "pass", "neighbours", "pass"]
     assert request_action(faults, "GET", "/health", 2) == "pass"
+
+
+def test_starts_are_counted_per_kind_and_scope_across_processes(tmp_path):
+    odd = parse_fault("slow-engine=2@speculative")
+    assert [count_start(odd, True, str(tmp_path)) for _ in range(3)] == [0, 1, 2]
+    assert count_start(odd, False, str(tmp_path)) == 0  # the baseline's starts are counted apart
+    assert count_start(parse_fault("hang-at-start=1"), True, str(tmp_path)) == 0  # and each kind's
+    with pytest.raises(FaultSpecError, match="SPECDEC_TEST_FAULT_STATE"):
+        count_start(odd, True, None)

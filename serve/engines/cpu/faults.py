@@ -16,6 +16,9 @@ SPEC is `KIND[=VALUE][@speculative|@baseline]`:
 - `slow-steps=FACTOR`     every scheduler round takes FACTOR (> 1) times as long: after each round the worker sleeps
                           (FACTOR - 1) x the round's own time. Outputs and accept lengths are unchanged, so the engine
                           is a correct but uniformly slower one (a config that cannot beat the baseline).
+- `slow-engine=START`     the START-th start (1, 2, ...) of this scope runs as `slow-steps=6`, the others at full
+                          speed: one engine instance slower than its siblings as a whole, which no window check sees
+                          in a speculative run (pipeline/decide/spread.py). Counted as `hang-at-start` counts.
 - `busy-neighbours=N`     when generation request N+1 arrives, busy-looping processes start beside the engine, one per
                           CPU it may run on and pinned to those CPUs, and run until the next `/flush_cache` (once per
                           engine): the engine's threads then wait for their cores as they would beside another
@@ -72,8 +75,9 @@ GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/complet
 SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
 DRAFTS_SCOPE = "drafts="  # `@drafts=N`: armed only for a speculative config of N draft tokens
 Kind = Literal["exit-at-start", "slow-start", "hang-at-start", "crash-after", "hang-after", "slow-steps",
-               "wrong-tokens", "batch-noise", "busy-neighbours"]
-STATE_ENV = "SPECDEC_TEST_FAULT_STATE"  # where `hang-at-start` counts starts across engine processes
+               "slow-engine", "wrong-tokens", "batch-noise", "busy-neighbours"]
+STATE_ENV = "SPECDEC_TEST_FAULT_STATE"  # where `hang-at-start` and `slow-engine` count starts across processes
+SLOW_ENGINE_FACTOR = 6.0  # `slow-engine`: beyond the 2.4x two runs of one config measured apart on a busy 2-core box
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
     "slow-start": ("seconds > 0", float),
@@ -82,11 +86,13 @@ _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value 
     "hang-after": ("a request count >= 0", int),
     "busy-neighbours": ("a request count >= 0", int),
     "slow-steps": ("a slow-down factor > 1", float),
+    "slow-engine": ("the start (1, 2, ...) that runs slow", int),
     "wrong-tokens": ("no value", None),
     "batch-noise": ("a logit noise scale > 0", float),
 }
 _USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, "
-          "hang-at-start=STARTS, crash-after=N, hang-after=N, busy-neighbours=N, slow-steps=FACTOR, wrong-tokens, "
+          "hang-at-start=STARTS, crash-after=N, hang-after=N, busy-neighbours=N, slow-steps=FACTOR, slow-engine=START, "
+          "wrong-tokens, "
           "batch-noise=SIGMA")
 
 
@@ -138,7 +144,7 @@ def _in_range(kind: str, value: float) -> bool:
         return 1 <= value <= 255
     if kind in ("slow-start", "batch-noise"):
         return value > 0
-    if kind == "hang-at-start":
+    if kind in ("hang-at-start", "slow-engine"):
         return value >= 1
     if kind == "slow-steps":
         return value > 1
@@ -200,18 +206,23 @@ def request_action(faults: dict[str, Fault], method: str, path: str, count: int
     return "pass"
 
 
-def hangs_this_start(fault: Fault, speculative: bool, state: str | None) -> bool:
-    """Whether this start is one of the first `fault.value` of its scope (counted, and this one recorded, in the
+def count_start(fault: Fault, speculative: bool, state: str | None) -> int:
+    """How many starts of `fault`'s kind and this scope came before this one (counted, and this one recorded, in the
     folder `state`). FaultSpecError without a folder: the count must outlive the engine process."""
     if not state:
         raise FaultSpecError(f"{FLAG}: {fault} counts starts across engine processes in a folder; set {STATE_ENV} "
                              "in the engine's environment (engine.env)")
     folder = Path(state)
     folder.mkdir(parents=True, exist_ok=True)
-    scope = "speculative" if speculative else "baseline"
-    started = len(list(folder.glob(f"hang-at-start-{scope}-*")))
-    (folder / f"hang-at-start-{scope}-{started}-{os.getpid()}").touch()
-    return started < int(fault.value or 1)
+    prefix = f"{fault.kind}-{'speculative' if speculative else 'baseline'}-"
+    started = len(list(folder.glob(f"{prefix}*")))
+    (folder / f"{prefix}{started}-{os.getpid()}").touch()
+    return started
+
+
+def hangs_this_start(fault: Fault, speculative: bool, state: str | None) -> bool:
+    """Whether this start is one of the first `fault.value` of its scope (`count_start`)."""
+    return count_start(fault, speculative, state) < int(fault.value or 1)
 
 
 def before_start(faults: Iterable[Fault], speculative: bool, sleep: Callable[[float], None] = time.sleep,
@@ -253,6 +264,10 @@ def install(app: FastAPI, engine: Any) -> None:
     if "slow-steps" in active:
         slow = _SlowSteps(engine.scheduler.decoder, float(active["slow-steps"].value or 1.0))
         engine.scheduler.decoder = slow  # type: ignore[assignment]
+    odd = active.get("slow-engine")
+    if odd is not None and count_start(odd, engine.speculative, os.environ.get(STATE_ENV)) + 1 == int(odd.value or 1):
+        log.warning("TEST FAULT slow-engine: this start runs every round %gx as long", SLOW_ENGINE_FACTOR)
+        engine.scheduler.decoder = _SlowSteps(engine.scheduler.decoder, SLOW_ENGINE_FACTOR)  # type: ignore[assignment]
 
 
 class _RequestFaults:
