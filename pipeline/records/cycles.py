@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.records.tracking import KIND_TAG, Tracker
+from pipeline.records.tracking import KIND_TAG, REPLACED_TAG, Tracker
 from pipeline.vocabulary.outcome import Outcome
 
-__all__ = ["CYCLE_KIND", "CycleRecorder", "measured_requests"]
+__all__ = ["CYCLE_KIND", "CycleRecorder", "counted_reruns", "measured_requests"]
 
 CYCLE_KIND = "loop-cycle"
 NOTE_TAG = "mlflow.note.content"
@@ -74,6 +74,11 @@ class CycleRecorder:
         client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
 
 
+def counted_reruns(runs: list[Any]) -> list[Any]:
+    """The re-runs the decision counted: COMPLETE, and not replaced by a fresh run (`REPLACED_TAG`)."""
+    return [r for r in runs if r.data.tags.get("outcome") == Outcome.COMPLETE.value and REPLACED_TAG not in r.data.tags]
+
+
 def measured_requests(tracker: Tracker, registered_model: str, version: str) -> tuple[Any, list[dict[str, Any]],
                                                                                       list[str], list[str]]:
     """(serving config, measured request rows, run ids, notes) of a registered version: the re-runs of the chosen
@@ -92,9 +97,9 @@ def measured_requests(tracker: Tracker, registered_model: str, version: str) -> 
     notes: list[str] = []
     if mv.run_id:
         experiment = client.get_run(mv.run_id).info.experiment_id
-        runs = [r for r in client.search_runs(
+        runs = counted_reruns(client.search_runs(
             [experiment], filter_string=f"tags.mlflow.parentRunId = '{mv.run_id}' and tags.finalist = '{finalist}'",
-            max_results=1000) if r.data.tags.get("outcome") == Outcome.COMPLETE.value]
+            max_results=1000))
     if not runs and prov.trial_run_id:
         runs = [client.get_run(prov.trial_run_id)]
         notes.append(f"no re-runs of {finalist!r}: figures from the search trial {prov.trial_run_id} (one run, the "

@@ -23,6 +23,7 @@ from pipeline.vocabulary.outcome import Outcome
 
 STUDY_TAG = "specdec.study"
 KIND_TAG = "specdec.kind"  # "study" | "trial" | "finalist"
+REPLACED_TAG = "run_replaced"  # a finalist run a fresh run replaced (its config's runs disagreed): why; not counted
 # A trial run is named by its config label (`pipeline.records.labels.config_label`), which two trials of one config
 # share; the Tune trial id (also its folder under trials/) is this tag.
 TRIAL_ID_TAG = "trial_id"

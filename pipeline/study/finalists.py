@@ -42,6 +42,7 @@ from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
 from pipeline.decide.spread import suspect_run
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.measure.window import window_record
+from pipeline.records.tracking import REPLACED_TAG
 from pipeline.trial.lifecycle import Checked, measure_and_check
 from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, NOT_COMPARED_DETERMINISTIC, baseline_pass, effective_mode
 from pipeline.trial.replicas import launch_fresh
@@ -207,7 +208,7 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
         requests=to_table(m.records) if m.records else None, texts=texts, started_at=p.started_at,
         extra_tags={"finalist": name, "concurrency": str(p.level), "engine_launch": m.launch,
                     "arrival": ctx.study.workload.arrival.describe(p.level), **window_tags,
-                    **({"run_replaced": p.replaced[:500]} if p.replaced else {})})
+                    **({REPLACED_TAG: p.replaced[:500]} if p.replaced else {})})
     return out
 
 

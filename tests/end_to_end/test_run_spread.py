@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import TrialConfig, load_study
+from pipeline.records.cycles import counted_reruns
 from pipeline.records.tracking import Tracker
 from pipeline.study.driver import build_context, connect_ray
 from pipeline.study.finalists import measure_levels
@@ -59,3 +60,5 @@ def test_the_run_an_engine_slowed_as_a_whole_is_measured_again_and_kept_on_recor
     assert len(level.baseline) == 3
     assert all(r.tput_tok_s > slow_tput * SLOW_ENGINE_FACTOR / 3 for r in level.baseline), (slow_tput, level.baseline)
     assert sorted(r.tput_tok_s for r in level.baseline) == sorted(r.data.metrics["tput_tok_s"] for r in counted)
+    # the loop's drift reference reads the counted runs only (pipeline.records.cycles.measured_requests)
+    assert sorted(r.info.run_name for r in counted_reruns(runs)) == sorted(r.info.run_name for r in counted)
