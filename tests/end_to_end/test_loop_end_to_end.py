@@ -75,7 +75,9 @@ def study_file(folder: Path, uri: str, name: str, flags: list[str], finalists: i
         "workload": {"source": source, "warmup_prompts": 1, "measure_prompts": 4, "max_new_tokens": 8,
                      "remeasure": 0},
         "budget": {"max_trials": 2, "early_stopping": False}, "search": {"strategy": "tpe"},
-        "promotion": {"finalists": finalists, "spread_reruns": 0},
+        # re-runs that disagree are measured again (promotion.spread_limit): beside another test's study, one NGRAM
+        # re-run of three measured 3.31 tok/s against 4.83 and 5.99, and the MAD it added kept the baseline
+        "promotion": {"finalists": finalists},
         "engine": {"threads": 1, "start_timeout_s": 300, "extra_flags": FAST + flags},
         "tracking": {"uri": uri, "registered_model": NAME}}))
     return path
