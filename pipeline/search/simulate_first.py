@@ -28,6 +28,7 @@ on first use after a restore.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,7 @@ class SimulateFirstPlan:
         print(f"[simulate-first] falls back to tpe for the rest of the budget: {reason}", flush=True)
 
     def _build(self) -> None:
+        started = time.monotonic()
         ctx, study = self.ctx, self.ctx.study
         run = baseline_trial(ctx.tracker, ctx.parent_run_id)
         if run is None:
@@ -245,6 +247,8 @@ class SimulateFirstPlan:
         self._cache["explore_s"] = explored.seconds
         self._cache["ranked"] = rank(explored.predicted, study)
         self.explored_note = _explored_line(explored, self._cache["cost"], prefix) + draft_note
+        # the one-off prediction as a whole: the baseline's records read back, the space replayed and ranked
+        self._cache["build_s"] = time.monotonic() - started
         print(f"[simulate-first] {self.explored_note}", flush=True)
 
     def _at_levels(self, launch: Predicted) -> dict[str, float]:
@@ -365,6 +369,8 @@ class SimulateFirstPlan:
         metrics = {"simulate_launches": float(len(self.suggested))}
         if "explore_s" in self._cache:  # the whole space's prediction after the baseline (benchmarks/overhead.py)
             metrics["simulate_explore_s"] = float(self._cache["explore_s"])
+        if "build_s" in self._cache:
+            metrics["simulate_build_s"] = float(self._cache["build_s"])
         if summary["median_error"] is not None:
             metrics["simulate_median_error"] = float(summary["median_error"])
         texts = {"simulate/predictions.json": json.dumps(summary, indent=2, default=str)}

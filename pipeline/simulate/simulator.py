@@ -24,6 +24,7 @@ from pipeline.simulate.predict import decode_rounds, predicted_metrics, timed
 from pipeline.simulate.prefix import PrefixCache, uncached_tokens
 from pipeline.simulate.replay import Answer, Replay, Round, replay
 from pipeline.simulate.workload import phases_for
+from serve.ngram import compiled
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec, StandaloneSpec
 
@@ -116,15 +117,18 @@ class Simulator:
         """Replay `trials` ahead of pricing them, in worker processes when there are enough of them and more than
         one core (pipeline.simulate.parallel); returns how many were replayed there. Only closed-loop replays (an
         open-loop one depends on the cost) of configs that load no external corpus (read by the caller's
-        `corpora`) are spread; the rest replay on demand."""
+        `corpora`) are spread, and NGRAM configs only on the Python trie: with the compiled one
+        (serve.ngram.compiled) a worker's start and the replays' way back cost more than the replays (docs/benchmarks.md
+        "Predict"); the rest replay on demand."""
         if self.open_loop:
             return 0
         workers = parallel.usable_cores() if workers is None else workers
+        here = compiled.available()
         todo, seen = [], set(self._signatures)
         for trial in trials:
             key = trial.model_dump_json()
             spec = trial.spec
-            if key in seen or (isinstance(spec, NgramSpec) and spec.external_corpus is not None):
+            if key in seen or (isinstance(spec, NgramSpec) and (here or spec.external_corpus is not None)):
                 continue
             seen.add(key)
             todo.append(trial)
@@ -145,7 +149,9 @@ class Simulator:
         found = self._signatures.get(key)
         if found is None:
             result = self.replay(trial)
-            shape = (result.rounds, [(r.phase, r.admitted_round, r.finished_round, r.after_round, r.completion_tokens,
+            # rounds as plain tuples: a dataclass repr is most of a signature's time
+            rounds = [(r.prefills, r.width, r.trees, r.contexts, r.start_s, r.end_s, r.drafts) for r in result.rounds]
+            shape = (rounds, [(r.phase, r.admitted_round, r.finished_round, r.after_round, r.completion_tokens,
                                       r.spec_verify_ct, r.spec_num_correct_drafts) for r in result.requests],
                      trial.spec.algorithm != "none")
             found = self._signatures[key] = hashlib.blake2b(repr(shape).encode(), digest_size=16).hexdigest()

@@ -5,6 +5,8 @@ corpora's suffix automata (`sam`, `corpus`), the draft tree (`drafttree`) and th
 It sits on the ground floor beside `serve.spec`: what an NGRAM spec makes an engine draft. The embedded CPU engine
 drafts with it (`serve.engines.cpu.speculators`), and the pipeline's acceptance simulator (`pipeline.simulate`)
 replays a baseline's recorded tokens through the same code, so a simulated draft is the engine's draft by
-construction rather than by a second implementation kept in step."""
+construction rather than by a second implementation kept in step. The one exception is speed: the simulator replays
+a whole space, so it runs the trie compiled (`compiled`, a C++ port held to the Python trie by tests that compare
+every tree, and to SGLang's own C++ by the parity tests) where a C++ compiler is present."""
 
-__all__ = ["corpus", "drafttree", "sam", "schedule", "stdheap", "trie"]
+__all__ = ["compiled", "corpus", "drafttree", "sam", "schedule", "stdheap", "trie"]

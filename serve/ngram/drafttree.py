@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DraftTree", "layout", "place"]
+__all__ = ["DraftTree", "accepted_drafts", "layout", "place"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,19 @@ def place(token: int, parent: int, cursor: int, tree_tokens: list[int], tree_par
     tree_parents.append(parent)
     tree_next.append({})
     return cursor, cursor + 1
+
+
+def accepted_drafts(tree: DraftTree, continuation: Sequence[int]) -> int:
+    """Draft nodes a greedy verifier accepts: walk from the root while a child carries the next token of
+    `continuation` (the target's greedy tokens); among siblings with one token the first is taken, as
+    `serve.engines.cpu.verify.walk_tree` takes it."""
+    first: dict[tuple[int, int], int] = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        first.setdefault((parent, token), i)
+    node, count = -1, 0
+    for token in continuation:
+        child = first.get((node, token))
+        if child is None:
+            break
+        node, count = child, count + 1
+    return count

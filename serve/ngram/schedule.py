@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from serve.ngram.compiled import CompiledNgramCache
 from serve.ngram.corpus import draft_with_corpora
-from serve.ngram.drafttree import DraftTree
+from serve.ngram.drafttree import DraftTree, accepted_drafts
 from serve.ngram.sam import SuffixAutomaton
 from serve.ngram.trie import MatchState, NgramCache
 
@@ -36,6 +38,7 @@ class DraftState:
 
     match: MatchState = field(default_factory=MatchState)
     drafted_in: int = -1
+    native: Any = None  # replay_step with the compiled trie: the request's sequence, copied there
 
 
 class NgramDrafter:
@@ -58,7 +61,11 @@ class NgramDrafter:
         self._corpora = corpora
         self._depth = cache.max_trie_depth
         self._round = 0
-        self._pending: list[list[int]] = []  # this round's insert windows, in draft order
+        self._pending: list[list[int]] = []  # this round's insert windows, in draft order (Python trie)
+        # The compiled trie queues its windows itself and lands them lazily: at the next draft after a round began
+        # (inside that draft's call: nothing reads the trie in between), so a replayed step is one call.
+        self._compiled = isinstance(cache, CompiledNgramCache)
+        self._landing = False
         self._rounds_driven = False  # has a scheduler called begin_round?
 
     def begin_round(self) -> None:
@@ -68,27 +75,64 @@ class NgramDrafter:
 
     def propose(self, state: DraftState, tokens: Sequence[int]) -> DraftTree:
         """The draft tree of a request whose sequence (prompt + output so far) is `tokens`, rooted at tokens[-1]."""
+        window, sams = self._step(state, tokens, len(tokens))
+        if sams:
+            return draft_with_corpora(self.cache, sams, self._sam_budget, window, state.match, len(tokens))
+        return self.cache.draft(window, state.match, len(tokens))
+
+    def replay_step(self, state: DraftState, sequence: Sequence[int], length: int) -> tuple[int, int]:
+        """`propose(state, sequence[:length])` for a request whose whole sequence -- prompt and every output token,
+        as a replay knows it -- is `sequence`, answered as (draft nodes a greedy verifier accepts along
+        sequence[length:], the tree's real nodes). With the compiled trie and no corpora the step is one call into
+        C++ on the request's sequence, copied there once."""
+        cache = self.cache
+        if isinstance(cache, CompiledNgramCache) and not (self._corpora is not None and self._sam_budget):
+            self._due(state)
+            if state.native is None:
+                state.native = cache.sequence(sequence)
+            landing, self._landing = self._landing, False
+            return cache.step(state.match, state.native, length, landing)
+        window, sams = self._step(state, sequence, length)
+        if sams:
+            tree = draft_with_corpora(cache, sams, self._sam_budget, window, state.match, length)
+        else:
+            tree = cache.draft(window, state.match, length)
+        return accepted_drafts(tree, sequence[length:length + len(tree.tokens)]), tree.num_real
+
+    def reset(self) -> None:
+        """`/flush_cache`: drop the pending inserts and empty the trie (corpora are kept)."""
+        self._pending.clear()
+        self._landing = False
+        self.cache.reset()  # the compiled trie drops its queue too
+
+    def _due(self, state: DraftState) -> None:
         if not self._rounds_driven or state.drafted_in == self._round:
             # No scheduler: every draft is a round of its own. A second draft in one round means a round began
             # without begin_round: land first too.
             self._land()
         state.drafted_in = self._round
-        window = list(tokens[-self._depth:])
-        sams = self._corpora() if self._corpora is not None and self._sam_budget else ()
-        if sams:
-            tree = draft_with_corpora(self.cache, sams, self._sam_budget, window, state.match, len(tokens))
-        else:
-            tree = self.cache.draft(window, state.match, len(tokens))
-        self._pending.append(window)
-        return tree
 
-    def reset(self) -> None:
-        """`/flush_cache`: drop the pending inserts and empty the trie (corpora are kept)."""
-        self._pending.clear()
-        self.cache.reset()
+    def _step(self, state: DraftState, tokens: Sequence[int], length: int
+              ) -> tuple[list[int], Sequence[SuffixAutomaton]]:
+        """Land what is due and queue this draft's insert: (the window of tokens[:length] it drafts from, the
+        corpora beside the trie)."""
+        self._due(state)
+        window = list(tokens[max(0, length - self._depth):length])
+        cache = self.cache
+        if isinstance(cache, CompiledNgramCache):
+            if self._landing:
+                self._landing = False
+                cache.land()
+            cache.queue(window)
+        else:
+            self._pending.append(window)
+        return window, self._corpora() if self._corpora is not None and self._sam_budget else ()
 
     def _land(self) -> None:
-        for window in self._pending:
-            self.cache.insert_window(window)
-        self._pending.clear()
+        if self._compiled:
+            self._landing = True
+        else:
+            for window in self._pending:
+                self.cache.insert_window(window)
+            self._pending.clear()
         self._round += 1

@@ -38,12 +38,12 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Sequence
 from heapq import heapify, heappop, heappush
-from typing import Literal
+from typing import Any, Literal
 
-from serve.ngram.drafttree import DraftTree, layout, place
+from serve.ngram.drafttree import DraftTree, accepted_drafts, layout, place
 from serve.ngram.stdheap import heap_pop, heap_push
 
-__all__ = ["DraftTree", "MatchState", "NgramCache", "layout"]
+__all__ = ["DraftTree", "MatchState", "NgramCache", "layout", "token_ids"]
 
 _MAX_TOKEN = 2**31 - 1  # SGLang stores token ids as int32
 _SHIFT = 1 << 32  # PROB rank key: token - freq * _SHIFT sorts by (freq desc, token asc) as SGLang's CompareByFreq does
@@ -79,12 +79,13 @@ class MatchState:
     `NgramCache.draft` of that request, drop it when the request ends (SGLang erases it when the request leaves the
     decode batch). A flush invalidates every state (the cache's epoch changes)."""
 
-    __slots__ = ("epoch", "processed_total_len", "anchors")
+    __slots__ = ("epoch", "processed_total_len", "anchors", "native")
 
     def __init__(self) -> None:
         self.epoch = 0  # the cache's epochs start at 1: a new state never looks current
         self.processed_total_len = 0
         self.anchors: list[_Node | None] = []
+        self.native: Any = None  # the compiled trie's twin of this state (serve.ngram.compiled)
 
 
 def _check_int(name: str, value: object, minimum: int, fix: str) -> int:
@@ -288,6 +289,13 @@ class NgramCache:
         budget = self._num_draft_tokens - 1
         return layout(*self.build(context, budget, state, total_len), budget)
 
+    def accepted(self, context: Sequence[int], continuation: Sequence[int], state: MatchState | None = None,
+                 total_len: int | None = None) -> tuple[int, int]:
+        """(draft nodes a greedy verifier accepts along `continuation`, the tree's real nodes) of `draft`'s tree: what
+        a replay needs of a step (serve.ngram.compiled answers it without building the DraftTree)."""
+        tree = self.draft(context, state, total_len)
+        return accepted_drafts(tree, continuation), tree.num_real
+
     def build(
         self, context: Sequence[int], budget: int, state: MatchState | None = None, total_len: int | None = None
     ) -> tuple[list[int], list[int]]:
@@ -419,15 +427,25 @@ class NgramCache:
     def _window(self, tokens: Sequence[int], name: str) -> list[int]:
         try:
             tail = tokens[-self._depth :]
-            window = [operator.index(t) for t in tail]
         except TypeError as err:
             raise ValueError(
                 f"ngram: {name} must be a sequence of int token ids, got {type(tokens).__name__}: {err}"
             ) from None
-        for t in window:
-            if not 0 <= t <= _MAX_TOKEN:
-                raise ValueError(f"ngram: token ids in {name} must be in [0, {_MAX_TOKEN}] (int32), got {t}")
-        return window
+        return token_ids(tail, name)
+
+
+def token_ids(tokens: Sequence[int], name: str) -> list[int]:
+    """`tokens` as a list of int32 token ids; ValueError naming `name` and the bad value otherwise."""
+    try:
+        ids = [operator.index(t) for t in tokens]
+    except TypeError as err:
+        raise ValueError(
+            f"ngram: {name} must be a sequence of int token ids, got {type(tokens).__name__}: {err}"
+        ) from None
+    for t in ids:
+        if not 0 <= t <= _MAX_TOKEN:
+            raise ValueError(f"ngram: token ids in {name} must be in [0, {_MAX_TOKEN}] (int32), got {t}")
+    return ids
 
 
 def _offer_children(heap: list, parent: int, node: _Node, prob: float, top_k: int) -> None:

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from pipeline.simulate.replay import accepted_drafts
+from serve.ngram.drafttree import accepted_drafts
 from serve.draft.acceptance import RoundTree, accepted, candidates, tree_nodes
 from serve.draft.tree import TreeBuild, prune
 

@@ -1,10 +1,14 @@
 """A space's replays spread over worker processes are the replays the simulator computes by itself, and a worker
-that cannot finish leaves its configs to be replayed on demand."""
+that cannot finish leaves its configs to be replayed on demand. Workers replay NGRAM configs only on the Python trie
+(SPECDEC_NGRAM_TRIE=python here, inherited by the workers); with the compiled trie the caller replays them itself,
+and its replays are the Python trie's."""
 
 from __future__ import annotations
 
 import itertools
 import time
+
+import pytest
 
 from pipeline.config import TrialConfig
 from pipeline.measure.load import LoadRequest
@@ -12,6 +16,7 @@ from pipeline.simulate import parallel
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.replay import Answer
 from pipeline.simulate.simulator import Simulator
+from serve.ngram import compiled
 from serve.spec import NgramSpec
 
 ANSWERS = {i: Answer((1, 2, i), tuple((i + k) % 7 for k in range(24))) for i in range(4)}
@@ -28,6 +33,11 @@ def space() -> list[TrialConfig]:
 
 def simulator() -> Simulator:
     return Simulator(ANSWERS, WARMUP, MEASURE)
+
+
+@pytest.fixture(autouse=True)
+def python_trie(monkeypatch):
+    monkeypatch.setenv(compiled.TRIE_ENV, "python")
 
 
 def test_replays_made_in_workers_equal_the_simulators_own():
@@ -59,3 +69,15 @@ def test_a_worker_that_fails_returns_nothing_and_says_why(caplog):
     # a simulator the worker cannot build: its error reaches the caller's log, and no replay comes back
     assert parallel.replay_in_workers(Simulator, {"no_such_part": 1}, space()[:4], workers=2) == []
     assert "exited with 1" in caplog.text and "no_such_part" in caplog.text
+
+
+def test_with_the_compiled_trie_the_caller_replays_what_the_python_trie_replays(monkeypatch):
+    trials = space()
+    python = simulator()
+    want = [(python.replay(trial), python.predict(trial, COST)) for trial in trials]  # on the Python trie
+    monkeypatch.delenv(compiled.TRIE_ENV)
+    if not compiled.available():
+        pytest.skip("the compiled trie does not build here")
+    native = simulator()
+    assert native.prepare(trials, workers=2) == 0  # nothing sent to workers
+    assert [(native.replay(trial), native.predict(trial, COST)) for trial in trials] == want

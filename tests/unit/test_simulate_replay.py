@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.simulate.replay import Answer, ClosedLoop, OpenLoop, Phase, accepted_drafts, replay
-from serve.ngram.drafttree import DraftTree
+from pipeline.simulate.replay import Answer, ClosedLoop, OpenLoop, Phase, replay
+from serve.ngram.drafttree import DraftTree, accepted_drafts
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec, NoSpec
 

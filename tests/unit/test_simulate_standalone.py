@@ -15,7 +15,8 @@ from pipeline.search.space import load_space
 from pipeline.search.strategy import resolve_strategy
 from pipeline.simulate.cost import CostModel, RoundTable
 from pipeline.simulate.drafts import DraftCurve, DraftTables, draft_curve
-from pipeline.simulate.replay import Answer, ClosedLoop, Phase, accepted_drafts, replay
+from pipeline.simulate.replay import Answer, ClosedLoop, Phase, replay
+from serve.ngram.drafttree import accepted_drafts
 from serve.spec import StandaloneSpec
 from tests.unit.test_draft_tree import expansion, full_build, replayed
 
