@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-MODES = {"python": ("python", 1), "compiled": ("compiled", 1), "compiled-workers": ("compiled", 0)}
+MODES = {"python": ("python", 1), "python-workers": ("python", 0), "compiled": ("compiled", 1),
+         "compiled-workers": ("compiled", 0)}
 
 
 def one(study_dir: Path, mode: str) -> dict:
@@ -69,7 +70,7 @@ def one(study_dir: Path, mode: str) -> dict:
     baseline = resolve(space, {"algorithm": "none", **baseline_point(space)}, study).config
     cost = simulator.fitted(base, [(baseline, records)])
     workers = MODES[mode][1]
-    in_workers = simulator.prepare(configs, workers=workers or None)
+    in_workers = simulator.prepare(configs, workers=workers or None, spread_ngram=not workers)
     figures = [simulator.predict(config, cost) for config in configs]
     seconds = time.perf_counter() - started
     digest = hashlib.sha256(json.dumps([simulator.signature(c) for c in configs]).encode()).hexdigest()[:16]

@@ -113,17 +113,18 @@ class Simulator:
             self._replays[key] = result
         return result
 
-    def prepare(self, trials: Sequence[Any], *, deadline: float | None = None, workers: int | None = None) -> int:
+    def prepare(self, trials: Sequence[Any], *, deadline: float | None = None, workers: int | None = None,
+                spread_ngram: bool | None = None) -> int:
         """Replay `trials` ahead of pricing them, in worker processes when there are enough of them and more than
         one core (pipeline.simulate.parallel); returns how many were replayed there. Only closed-loop replays (an
         open-loop one depends on the cost) of configs that load no external corpus (read by the caller's
         `corpora`) are spread, and NGRAM configs only on the Python trie: with the compiled one
         (serve.ngram.compiled) a worker's start and the replays' way back cost more than the replays (docs/benchmarks.md
-        "Predict"); the rest replay on demand."""
+        "Predict"; `spread_ngram` True spreads them anyway, for that benchmark); the rest replay on demand."""
         if self.open_loop:
             return 0
         workers = parallel.usable_cores() if workers is None else workers
-        here = compiled.available()
+        here = compiled.available() if spread_ngram is None else not spread_ngram
         todo, seen = [], set(self._signatures)
         for trial in trials:
             key = trial.model_dump_json()
