@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from serve.engines.cpu.command_line import ConfigError, parse_config
-from serve.engines.cpu.faults import (Fault, FaultSpecError, armed, before_start, count_start, parse_fault,
-                                      parse_faults, request_action)
+from serve.engines.cpu.faults import (SLOW_ENGINE_FACTOR, Fault, FaultSpecError, armed, before_start, count_start,
+                                      install, parse_fault, parse_faults, request_action, turns_slow)
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -20,6 +23,7 @@ from serve.engines.cpu.faults import (Fault, FaultSpecError, armed, before_start
     ("wrong-tokens@speculative", Fault(kind="wrong-tokens", scope="speculative")),
     ("slow-steps=3@baseline", Fault(kind="slow-steps", value=3, scope="baseline")),
     ("slow-engine=2@speculative", Fault(kind="slow-engine", value=2, scope="speculative")),
+    ("slow-after=8@speculative", Fault(kind="slow-after", value=8, scope="speculative")),
 ])
 def test_specs_parse_and_print_back(text, fault):
     assert parse_fault(text) == fault
@@ -36,6 +40,7 @@ def test_specs_parse_and_print_back(text, fault):
     ("wrong-tokens=1", "wrong-tokens takes no value"),
     ("crash-after=1@warm", "unknown scope '@warm'"),
     ("slow-engine=0", "slow-engine needs the start (1, 2, ...) that runs slow"),
+    ("slow-after=-1", "slow-after needs a request count >= 0"),
 ])
 def test_bad_specs_name_the_value_and_the_fix(text, message):
     with pytest.raises(FaultSpecError, match="--test-fault") as err:
@@ -168,3 +173,62 @@ def test_starts_are_counted_per_kind_and_scope_across_processes(tmp_path):
     assert count_start(parse_fault("hang-at-start=1"), True, str(tmp_path)) == 0  # and each kind's
     with pytest.raises(FaultSpecError, match="SPECDEC_TEST_FAULT_STATE"):
         count_start(odd, True, None)
+
+
+def test_slow_after_turns_slow_at_generation_request_n_plus_one():
+    faults = armed(parse_faults(["slow-after=2"]), False)
+    assert [turns_slow(faults, "POST", "/generate", count) for count in range(4)] == [False, False, True, True]
+    assert not turns_slow(faults, "GET", "/health", 5) and not turns_slow(faults, "POST", "/flush_cache", 5)
+    assert turns_slow(faults, "POST", "/v1/chat/completions", 2) and not turns_slow({}, "POST", "/generate", 9)
+
+
+def test_slow_after_slows_every_round_once_n_requests_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `install`: the middleware it adds counts the generation requests; every scheduler round that starts
+    after request N+1 arrived sleeps (factor - 1) x its own time, none before; an engine of the other scope is
+    untouched."""
+    from serve.spec import NoSpec
+
+    slept: list[float] = []
+    ticks = itertools.count(step=0.5)  # every inner round takes 0.5 s on this clock
+    monkeypatch.setattr("serve.engines.cpu.faults.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr("serve.engines.cpu.faults.time.sleep", slept.append)
+
+    class Inner:
+        def step_many(self, reqs):
+            return list(reqs)
+
+    class App:  # what `install` uses of the server's app
+        def __init__(self) -> None:
+            self.middleware: list = []
+
+        def add_middleware(self, cls, **kwargs) -> None:
+            self.middleware.append((cls, kwargs))
+
+    def engine(speculative: bool) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(test_faults=(parse_fault("slow-after=2@baseline"),),
+                                                      spec=NoSpec()),
+                               speculative=speculative, scheduler=SimpleNamespace(decoder=Inner()))
+
+    spared, spared_app = engine(speculative=True), App()
+    install(spared_app, spared)  # type: ignore[arg-type]
+    assert spared_app.middleware == [] and isinstance(spared.scheduler.decoder, Inner)
+
+    slowed, app = engine(speculative=False), App()
+    install(app, slowed)  # type: ignore[arg-type]
+    [(middleware, kwargs)] = app.middleware
+
+    async def one_round(scope, receive, send) -> None:  # the server answers each request with a scheduler round
+        assert slowed.scheduler.decoder.step_many([scope["path"]]) == [scope["path"]]
+
+    server = middleware(one_round, **kwargs)
+
+    def request(method: str, path: str) -> list[float]:
+        asyncio.run(server({"type": "http", "method": method, "path": path}, None, None))
+        return list(slept)
+
+    assert request("POST", "/v1/completions") == []
+    assert request("GET", "/health") == [] and request("POST", "/flush_cache") == []  # not generation requests
+    assert request("POST", "/generate") == []  # request N = 2: still full speed
+    slow = pytest.approx((SLOW_ENGINE_FACTOR - 1) * 0.5)
+    assert request("POST", "/v1/chat/completions") == [slow]
+    assert request("GET", "/health") == [slow, slow]  # every round from then on

@@ -19,6 +19,10 @@ SPEC is `KIND[=VALUE][@speculative|@baseline]`:
 - `slow-engine=START`     the START-th start (1, 2, ...) of this scope runs as `slow-steps=6`, the others at full
                           speed: one engine instance slower than its siblings as a whole, which no window check sees
                           in a speculative run (pipeline/decide/spread.py). Counted as `hang-at-start` counts.
+- `slow-after=N`          the first N generation requests are answered at full speed; from the arrival of request
+                          N+1 on, every scheduler round runs as under `slow-steps=6`: an engine that turns slow in
+                          service (a config measured fast whose served engine then falls behind another), or one
+                          slowed only where a trial measures, past the requests it sends first to warm it up.
 - `busy-neighbours=N`     when generation request N+1 arrives, busy-looping processes start beside the engine, one per
                           CPU it may run on and pinned to those CPUs, and run until the next `/flush_cache` (once per
                           engine): the engine's threads then wait for their cores as they would beside another
@@ -63,8 +67,8 @@ if TYPE_CHECKING:
 
     from serve.engines.cpu.decode import Decoder, Request, StepStats
 
-__all__ = ["Fault", "FaultSpecError", "parse_fault", "parse_faults", "armed", "request_action", "before_start",
-           "install", "GENERATION_ROUTES", "CRASH_EXIT_CODE", "FLAG"]
+__all__ = ["Fault", "FaultSpecError", "parse_fault", "parse_faults", "armed", "request_action", "turns_slow",
+           "before_start", "install", "GENERATION_ROUTES", "CRASH_EXIT_CODE", "FLAG"]
 
 log = logging.getLogger("serve.engines.cpu")
 
@@ -75,9 +79,10 @@ GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/complet
 SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
 DRAFTS_SCOPE = "drafts="  # `@drafts=N`: armed only for a speculative config of N draft tokens
 Kind = Literal["exit-at-start", "slow-start", "hang-at-start", "crash-after", "hang-after", "slow-steps",
-               "slow-engine", "wrong-tokens", "batch-noise", "busy-neighbours"]
+               "slow-engine", "slow-after", "wrong-tokens", "batch-noise", "busy-neighbours"]
 STATE_ENV = "SPECDEC_TEST_FAULT_STATE"  # where `hang-at-start` and `slow-engine` count starts across processes
-SLOW_ENGINE_FACTOR = 6.0  # `slow-engine`: beyond the 2.4x two runs of one config measured apart on a busy 2-core box
+# `slow-engine`, `slow-after`: beyond the 2.4x two runs of one config measured apart on a busy 2-core box
+SLOW_ENGINE_FACTOR = 6.0
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
     "exit-at-start": ("an exit code 1..255 (default 3)", int),
     "slow-start": ("seconds > 0", float),
@@ -87,12 +92,13 @@ _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value 
     "busy-neighbours": ("a request count >= 0", int),
     "slow-steps": ("a slow-down factor > 1", float),
     "slow-engine": ("the start (1, 2, ...) that runs slow", int),
+    "slow-after": ("a request count >= 0", int),
     "wrong-tokens": ("no value", None),
     "batch-noise": ("a logit noise scale > 0", float),
 }
 _USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, "
           "hang-at-start=STARTS, crash-after=N, hang-after=N, busy-neighbours=N, slow-steps=FACTOR, slow-engine=START, "
-          "wrong-tokens, "
+          "slow-after=N, wrong-tokens, "
           "batch-noise=SIGMA")
 
 
@@ -206,6 +212,13 @@ def request_action(faults: dict[str, Fault], method: str, path: str, count: int
     return "pass"
 
 
+def turns_slow(faults: dict[str, Fault], method: str, path: str, count: int) -> bool:
+    """Whether `slow-after` runs the engine slow from this incoming request on, `count` being the generation requests
+    seen before it. Pure."""
+    slow = faults.get("slow-after")
+    return slow is not None and method == "POST" and path in GENERATION_ROUTES and count >= (slow.value or 0)
+
+
 def count_start(fault: Fault, speculative: bool, state: str | None) -> int:
     """How many starts of `fault`'s kind and this scope came before this one (counted, and this one recorded, in the
     folder `state`). FaultSpecError without a folder: the count must outlive the engine process."""
@@ -252,8 +265,9 @@ def install(app: FastAPI, engine: Any) -> None:
     """Arm the request-time faults of `engine.config.test_faults` on a server that has not started yet.
     `engine` is a `serve.engines.cpu.engine.Engine`; not imported here, since the engine's config imports this."""
     active = armed(engine.config.test_faults, engine.speculative, getattr(engine.config.spec, "num_draft_tokens", None))
-    if "crash-after" in active or "hang-after" in active or "busy-neighbours" in active:
-        app.add_middleware(_RequestFaults, faults=active)
+    slow_from: threading.Event | None = threading.Event() if "slow-after" in active else None
+    if "crash-after" in active or "hang-after" in active or "busy-neighbours" in active or slow_from is not None:
+        app.add_middleware(_RequestFaults, faults=active, slow_from=slow_from)
     # The scheduler's worker calls `scheduler.decoder.step_many` for every round; nothing else steps requests.
     if "wrong-tokens" in active:
         wrong = _WrongFirstToken(engine.decoder, engine.runner.vocab_size)
@@ -268,16 +282,21 @@ def install(app: FastAPI, engine: Any) -> None:
     if odd is not None and count_start(odd, engine.speculative, os.environ.get(STATE_ENV)) + 1 == int(odd.value or 1):
         log.warning("TEST FAULT slow-engine: this start runs every round %gx as long", SLOW_ENGINE_FACTOR)
         engine.scheduler.decoder = _SlowSteps(engine.scheduler.decoder, SLOW_ENGINE_FACTOR)  # type: ignore[assignment]
+    if slow_from is not None:
+        engine.scheduler.decoder = _SlowSteps(engine.scheduler.decoder, SLOW_ENGINE_FACTOR,  # type: ignore[assignment]
+                                              when=slow_from)
 
 
 class _RequestFaults:
-    """ASGI middleware: counts generation requests and crashes or hangs as `request_action` says."""
+    """ASGI middleware: counts generation requests and crashes or hangs as `request_action` says; sets `slow_from`
+    (which the scheduler's `_SlowSteps` reads) when `turns_slow` says."""
 
-    def __init__(self, app: Any, faults: dict[str, Fault]) -> None:
+    def __init__(self, app: Any, faults: dict[str, Fault], slow_from: threading.Event | None = None) -> None:
         self.app = app
         self.faults = faults
         self.count = 0
         self.neighbours: BusyNeighbours | None = None
+        self.slow_from = slow_from
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -286,6 +305,11 @@ class _RequestFaults:
         if scope.get("path") == "/flush_cache" and self.neighbours is not None:
             self.neighbours.stop()
         action = request_action(self.faults, scope.get("method", ""), scope.get("path", ""), self.count)
+        if (self.slow_from is not None and not self.slow_from.is_set()
+                and turns_slow(self.faults, scope.get("method", ""), scope.get("path", ""), self.count)):
+            self.slow_from.set()
+            log.warning("TEST FAULT slow-after: generation request %d arrived; every round from now on runs %gx as "
+                        "long", self.count + 1, SLOW_ENGINE_FACTOR)
         if scope.get("method") == "POST" and scope.get("path") in GENERATION_ROUTES:
             self.count += 1
         if action == "neighbours" and self.neighbours is None:
@@ -331,13 +355,17 @@ class _WrongFirstToken:
 
 class _SlowSteps:
     """Decoder stand-in: each round is followed by a sleep of (factor - 1) x its own duration, in the worker thread
-    (the HTTP server keeps answering). Wraps whatever decoder the scheduler holds, so it combines with wrong-tokens."""
+    (the HTTP server keeps answering); with `when`, only rounds that start once it is set. Wraps whatever decoder the
+    scheduler holds, so it combines with wrong-tokens."""
 
-    def __init__(self, inner: Any, factor: float) -> None:
+    def __init__(self, inner: Any, factor: float, when: threading.Event | None = None) -> None:
         self._inner = inner
         self._factor = factor
+        self._when = when
 
     def step_many(self, reqs: Sequence[Request]) -> list[Any]:
+        if self._when is not None and not self._when.is_set():
+            return self._inner.step_many(reqs)
         # a round is one batched step: slowing the round slows every request in it by the same factor
         started = time.perf_counter()
         results = self._inner.step_many(reqs)
