@@ -176,14 +176,6 @@ def ray_settings_reread() -> None:
         raylet.Config.initialize("")
 
 
-def quiet_serve() -> None:
-    """Serve's client logs a "Deleting app" line per trial; importing ray.serve sets its logger to INFO, so this
-    runs after that import (and only for a real run: --dry-run imports no ray)."""
-    import ray.serve  # noqa: F401
-
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -196,8 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             dry_run(study, space, args.samples)
             return 0
         from pipeline.study.driver import run_study  # heavy imports (Ray, MLflow) only for a real run
+        from pipeline.trial.replicas import serve_api
 
-        quiet_serve()
+        serve_api()  # Serve's client quieted before the driver's first deploy
         return run_study(study, space, resume=args.resume, resume_command=resume_command(argv))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

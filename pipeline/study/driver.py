@@ -49,11 +49,6 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
     ctx.tracker.warm_up_in_background()  # a fresh Tune worker: MLflow loads while the trial waits for its replica
     from ray import tune
 
-    # This runs in Tune's worker process, whose Serve client logs one "Deleting app"/"Connecting" INFO line per
-    # deploy; Ray forwards them to the driver's terminal, between our one-line-per-trial progress.
-    import ray.serve  # noqa: F401  (its import sets the logger to INFO)
-
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     label = tune.get_context().get_trial_id()
     if recorded and label in recorded:  # a restore runs this trial again, but Tune holds its final report already:
         tune.report(recorded[label])  # report it again (Optuna is told as usual); measuring again would count it twice

@@ -34,6 +34,7 @@ from pipeline.vocabulary.outcome import Outcome, TrialFailure
 from serve.engines import engine_for, pinned_settings
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.spec_flags import effective_diff
+from serve.replica.placement import START_TIMEOUT_MARKER, log_tail
 from serve.replica.usage import Usage
 
 __all__ = ["FLUSH_DEADLINE_S", "FLUSH_WAIT_S", "flush", "lost_requests", "measure_config", "settle_requests",
@@ -76,9 +77,6 @@ def _engine_log(url: str | None, log_dir: Path) -> str:
             return response.text
     except httpx.HTTPError:
         pass
-    # here, not at the top: the deployment module imports Ray Serve, and `python -m pipeline.tune --dry-run` imports
-    # this module (through the launch plan's gate) before it may import Ray
-    from serve.replica.deployment import log_tail
     return "\n".join(log_tail(p, 200_000) for p in sorted(log_dir.glob("engine-*.log")))
 
 
@@ -132,7 +130,6 @@ def _start(ctx: TrialContext, trial: TrialConfig, label: str, config: ReplicaCon
     except TimeoutError as exc:
         raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
     except RuntimeError as exc:
-        from serve.replica.deployment import START_TIMEOUT_MARKER  # Ray Serve's import: see _engine_log
         message = str(exc)
         if ConfigRejected.MARKER in message:
             raise TrialFailure(Outcome.INVALID,

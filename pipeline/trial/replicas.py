@@ -33,6 +33,7 @@ measure a freshly started engine; its levels within one run share it).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 import httpx
 
 from serve.engines.base import ReplicaConfig
+from serve.replica.placement import actor_options, unplaceable
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,17 @@ UNANSWERED_S = 60.0  # a replica that does not answer its start route this long 
 START_POLL_S = 10.0
 
 
+def serve_api() -> Any:
+    """Ray Serve, imported on first use with its client's INFO lines quieted (its import sets that logger to INFO: a
+    "Deleting app"/"Connecting" line per deploy, which Ray forwards to the driver's terminal between the progress
+    lines). A Tune worker that drives a standby or reused replica over HTTP never imports it (~0.6 s of its first
+    trial, before the engine can start)."""
+    from ray import serve
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    return serve
+
+
 class ReplicaUnusable(RuntimeError):
     """The live replica did not answer a restart as expected (app gone, other actor options): deploy a fresh one."""
 
@@ -112,9 +125,9 @@ def standby_name(study_name: str) -> str:
 def start_standby(study_name: str, config: ReplicaConfig) -> bool:
     """Deploy the study's standby replica (no engine) without waiting; False where replicas hold GPUs (none is
     deployed). The study's apps are deleted at the end of the search, the standby with them if nobody claimed it."""
-    from ray import serve
+    serve = serve_api()
 
-    from serve.replica.deployment import EngineReplica, actor_options
+    from serve.replica.deployment import EngineReplica
 
     options = actor_options(config)
     if options.get("num_gpus"):
@@ -130,19 +143,31 @@ def claim_standby(study_name: str, serve_url: str, options: dict[str, Any], time
     """The study's standby replica, claimed for this process (waiting while it deploys), or None: there is none, it
     failed, another process claimed it, or it has other `ray_actor_options` (then it is deleted: nobody can use it)."""
     name = standby_name(study_name)
-    if _app_status_when_settled(name, timeout_s) != "RUNNING":
-        return None
-    try:
-        response = httpx.post(f"{serve_url}/{name}/replica/claim", json=options, timeout=30)
-        answer = response.json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    if response.status_code == 409:  # other actor options: of no use to this study's trials
+    # Asked over HTTP first: the standby has usually been up for seconds, and a Tune worker that never needs Serve's
+    # API never imports it. Serve's own 404/503 (still deploying) or silence: wait until the app settles, ask again.
+    status, answer = _claim(serve_url, name, options)
+    if not (isinstance(answer, dict) and "ok" in answer):
+        if _app_status_when_settled(name, timeout_s) != "RUNNING":
+            return None
+        status, answer = _claim(serve_url, name, options)
+    if status == 409:  # other actor options: of no use to this study's trials
         teardown(name, wait=False)
         return None
-    if response.status_code != 200 or not isinstance(answer, dict) or not answer.get("ok"):
+    if status != 200 or not isinstance(answer, dict) or not answer.get("ok"):
         return None
     return LiveApp(name, serve_url, options)
+
+
+def _claim(serve_url: str, name: str, options: dict[str, Any]) -> tuple[int, Any]:
+    """(HTTP status, JSON answer or None) of the standby's claim route."""
+    try:
+        response = httpx.post(f"{serve_url}/{name}/replica/claim", json=options, timeout=30)
+    except httpx.HTTPError:
+        return 0, None
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, None
 
 
 def can_reuse(live: LiveApp | None, serve_url: str, options: dict[str, Any]) -> bool:
@@ -167,8 +192,6 @@ def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaCon
     placement (the engine's start follows its phases, `wait_started`). Raises like `deploy`: TimeoutError,
     RuntimeError with the engine's reason (ConfigRejected's marker when the engine refused the config). On a raise
     the app tried stays `live_app`, so the caller can fetch its engine log before `release`."""
-    from serve.replica.deployment import actor_options
-
     options = actor_options(config)
     fresh_launch = study_name in FRESH
     FRESH.discard(study_name)
@@ -264,7 +287,7 @@ def release(study_name: str) -> None:
 def delete_study_apps(study_name: str) -> None:
     """Delete every trial app of the study (any process's), waiting for each; forget this process's. The driver calls
     it when the search ends (the Tune workers' apps) and when the study ends (its own, from the finalist re-runs)."""
-    from ray import serve
+    serve = serve_api()
 
     LIVE.pop(study_name, None)
     try:
@@ -275,7 +298,7 @@ def delete_study_apps(study_name: str) -> None:
 
 
 def app_failure(name: str) -> str:
-    from ray import serve
+    serve = serve_api()
 
     app = serve.status().applications.get(name)
     if app is None:
@@ -288,9 +311,9 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
     """Start app `live` without blocking Serve forever (serve.run has no timeout): its replica deploys without an
     engine (up to `timeout_s` for Serve to place and start it), then starts `config`'s engine like any restart
     (`restart`, its phases followed). Raises RuntimeError/TimeoutError."""
-    from ray import serve
+    serve = serve_api()
 
-    from serve.replica.deployment import EngineReplica, actor_options
+    from serve.replica.deployment import EngineReplica
 
     name = live.name
     # @serve.deployment made the class a Deployment (mypy sees the class)
@@ -315,7 +338,7 @@ _STARTING = ("DEPLOYING", "NOT_STARTED")
 def _app_status_when_settled(name: str, timeout_s: float, starting: tuple[str, ...] = _STARTING) -> str | None:
     """App `name`'s Serve status (RUNNING, DEPLOY_FAILED, UNHEALTHY, MISSING, ...) once it is not one of `starting`,
     or None when it still was after `timeout_s`."""
-    from ray import serve
+    serve = serve_api()
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -331,7 +354,7 @@ def _app_status_when_settled(name: str, timeout_s: float, starting: tuple[str, .
 def teardown(name: str, wait: bool = True) -> None:
     """Delete the app if it exists (idempotent). `wait=False` returns once the controller has the request
     (`serve.delete`'s `_blocking`, Ray 2.60, which we pin)."""
-    from ray import serve
+    serve = serve_api()
 
     try:
         if name in serve.status().applications:
@@ -345,7 +368,6 @@ def cluster_cannot_host(config: ReplicaConfig) -> str | None:
     resources until the deploy timeout."""
     import ray
 
-    from serve.replica.deployment import actor_options, unplaceable
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     return unplaceable(actor_options(config), nodes)

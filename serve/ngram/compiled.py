@@ -25,7 +25,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from serve.ngram.trie import MatchState, NgramCache, token_ids
+from serve.ngram.drafttree import token_ids
+from serve.ngram.trie import MatchState, NgramCache
 
 __all__ = ["CompiledNgramCache", "CompiledUnavailable", "SOURCE", "TRIE_ENV", "available", "build", "library",
            "ngram_cache"]
@@ -83,7 +84,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "sdt_cache_reset": ([vp], None), "sdt_cache_nodes": ([vp], i64),
         "sdt_cache_insert": ([vp, _I32P, i32], None), "sdt_state_new": ([], vp), "sdt_state_free": ([vp], None),
         "sdt_cache_build": ([vp, _I32P, i32, vp, i64, i32, _I32P, _I32P], i32),
-        "sdt_cache_accepted": ([vp, _I32P, i32, vp, i64, _I32P, i32, _I32P], i32),
         "sdt_cache_step": ([vp, _I32P, i32, i32, vp, i32, _I32P], i32), "sdt_cache_queue": ([vp, _I32P, i32], None),
         "sdt_cache_land": ([vp], None),
     }
@@ -132,8 +132,8 @@ def _ints(values: Sequence[int]) -> ctypes.Array:
 
 
 class CompiledNgramCache(NgramCache):
-    """`NgramCache` with the trie in C++: the same constructor, checks, `insert`, `draft`, `build`, `accepted` and
-    `reset`. A `MatchState` passed to it carries a C++ twin (created on first use); use a state with one cache."""
+    """`NgramCache` with the trie in C++: the same constructor, checks, `insert`, `draft`, `build` and `reset`, and
+    the replay's `step`. A `MatchState` passed to it carries a C++ twin (created on first use); use a state with one cache."""
 
     def __init__(self, **params) -> None:
         self._lib = library()
@@ -179,15 +179,6 @@ class CompiledNgramCache(NgramCache):
                                          tokens, parents)
         return list(tokens[:size]), list(parents[:size])
 
-    def accepted(self, context: Sequence[int], continuation: Sequence[int], state: MatchState | None = None,
-                 total_len: int | None = None) -> tuple[int, int]:
-        window, total = self._query(context, total_len)
-        real = ctypes.c_int32()
-        keep = state or MatchState()
-        count = self._lib.sdt_cache_accepted(self._handle, _ints(window), len(window), self._native(keep), total,
-                                             _ints(continuation), len(continuation), ctypes.byref(real))
-        return int(count), real.value
-
     def sequence(self, tokens: Sequence[int]) -> ctypes.Array:
         """A request's whole sequence copied for `step` (checked as `insert` checks token ids); a replayed space
         asks for the same sequences again and again, so the copies are kept (by value, a bounded number)."""
@@ -200,8 +191,9 @@ class CompiledNgramCache(NgramCache):
         return found
 
     def step(self, state: MatchState, sequence: ctypes.Array, length: int, land: bool) -> tuple[int, int]:
-        """`accepted(sequence[:length], sequence[length:], state)` on a `sequence()` copy, queueing the window's
-        insert (`queue`); `land` first lands what was queued before."""
+        """One replayed verify step on a `sequence()` copy: (draft nodes a greedy verifier accepts along
+        `sequence[length:]`, the tree's real nodes) of the tree drafted from `sequence[:length]` with `state`; the
+        window's insert is queued (`queue`), and `land` first lands what was queued before."""
         if not 1 <= length <= len(sequence):
             raise ValueError(f"ngram: length must be in [1, {len(sequence)}] (the sequence's tokens out so far), "
                              f"got {length}")
@@ -220,9 +212,14 @@ class CompiledNgramCache(NgramCache):
         self._lib.sdt_cache_land(self._handle)
 
 
+def wanted() -> bool:
+    """Whether the compiled trie may be used: not when `SPECDEC_NGRAM_TRIE=python`."""
+    return os.environ.get(TRIE_ENV, "").lower() != "python"
+
+
 def available() -> bool:
     """Whether `ngram_cache` returns the compiled trie here."""
-    if os.environ.get(TRIE_ENV, "").lower() == "python":
+    if not wanted():
         return False
     try:
         library()
@@ -233,7 +230,7 @@ def available() -> bool:
 
 def ngram_cache(**params) -> NgramCache:
     """The compiled trie with these parameters when it loads here, else the Python one (the reason logged once)."""
-    if os.environ.get(TRIE_ENV, "").lower() != "python":
+    if wanted():
         try:
             return CompiledNgramCache(**params)
         except CompiledUnavailable as exc:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DraftTree", "accepted_drafts", "layout", "place"]
+__all__ = ["DraftTree", "accepted_drafts", "layout", "place", "token_ids"]
+
+MAX_TOKEN = 2**31 - 1  # SGLang stores token ids as int32
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,17 @@ def accepted_drafts(tree: DraftTree, continuation: Sequence[int]) -> int:
             break
         node, count = child, count + 1
     return count
+
+
+def token_ids(tokens: Sequence[int], name: str) -> list[int]:
+    """`tokens` as a list of int32 token ids; ValueError naming `name` and the bad value otherwise."""
+    try:
+        ids = [operator.index(t) for t in tokens]
+    except TypeError as err:
+        raise ValueError(
+            f"ngram: {name} must be a sequence of int token ids, got {type(tokens).__name__}: {err}"
+        ) from None
+    for t in ids:
+        if not 0 <= t <= MAX_TOKEN:
+            raise ValueError(f"ngram: token ids in {name} must be in [0, {MAX_TOKEN}] (int32), got {t}")
+    return ids

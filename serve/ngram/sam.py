@@ -22,13 +22,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from serve.ngram.drafttree import place
+from serve.ngram.drafttree import MAX_TOKEN, place
 from serve.ngram.stdheap import heap_pop, heap_push
 
 __all__ = ["SEPARATOR_TOKEN", "SuffixAutomaton"]
 
 SEPARATOR_TOKEN = -(2**31)  # SuffixAutomaton::kSeparatorToken
-_MAX_TOKEN = 2**31 - 1
 
 
 class SuffixAutomaton:
@@ -62,9 +61,9 @@ class SuffixAutomaton:
             raise RuntimeError("Cannot append tokens after finalizing the SAM.")
         for token in tokens:
             if isinstance(token, bool) or not isinstance(token, int) or not (
-                    0 <= token <= _MAX_TOKEN or token == SEPARATOR_TOKEN):
+                    0 <= token <= MAX_TOKEN or token == SEPARATOR_TOKEN):
                 raise ValueError(
-                    f"external corpus: token ids must be ints in [0, {_MAX_TOKEN}] (or the separator "
+                    f"external corpus: token ids must be ints in [0, {MAX_TOKEN}] (or the separator "
                     f"{SEPARATOR_TOKEN}), got {token!r}"
                 )
             self._extend(token)

@@ -40,12 +40,11 @@ from collections.abc import Sequence
 from heapq import heapify, heappop, heappush
 from typing import Any, Literal
 
-from serve.ngram.drafttree import DraftTree, accepted_drafts, layout, place
+from serve.ngram.drafttree import DraftTree, layout, place, token_ids
 from serve.ngram.stdheap import heap_pop, heap_push
 
 __all__ = ["DraftTree", "MatchState", "NgramCache", "layout", "token_ids"]
 
-_MAX_TOKEN = 2**31 - 1  # SGLang stores token ids as int32
 _SHIFT = 1 << 32  # PROB rank key: token - freq * _SHIFT sorts by (freq desc, token asc) as SGLang's CompareByFreq does
 _TOKEN_MASK = _SHIFT - 1
 
@@ -289,13 +288,6 @@ class NgramCache:
         budget = self._num_draft_tokens - 1
         return layout(*self.build(context, budget, state, total_len), budget)
 
-    def accepted(self, context: Sequence[int], continuation: Sequence[int], state: MatchState | None = None,
-                 total_len: int | None = None) -> tuple[int, int]:
-        """(draft nodes a greedy verifier accepts along `continuation`, the tree's real nodes) of `draft`'s tree: what
-        a replay needs of a step (serve.ngram.compiled answers it without building the DraftTree)."""
-        tree = self.draft(context, state, total_len)
-        return accepted_drafts(tree, continuation), tree.num_real
-
     def build(
         self, context: Sequence[int], budget: int, state: MatchState | None = None, total_len: int | None = None
     ) -> tuple[list[int], list[int]]:
@@ -432,20 +424,6 @@ class NgramCache:
                 f"ngram: {name} must be a sequence of int token ids, got {type(tokens).__name__}: {err}"
             ) from None
         return token_ids(tail, name)
-
-
-def token_ids(tokens: Sequence[int], name: str) -> list[int]:
-    """`tokens` as a list of int32 token ids; ValueError naming `name` and the bad value otherwise."""
-    try:
-        ids = [operator.index(t) for t in tokens]
-    except TypeError as err:
-        raise ValueError(
-            f"ngram: {name} must be a sequence of int token ids, got {type(tokens).__name__}: {err}"
-        ) from None
-    for t in ids:
-        if not 0 <= t <= _MAX_TOKEN:
-            raise ValueError(f"ngram: token ids in {name} must be in [0, {_MAX_TOKEN}] (int32), got {t}")
-    return ids
 
 
 def _offer_children(heap: list, parent: int, node: _Node, prob: float, top_k: int) -> None:

@@ -66,7 +66,8 @@ def engine_deployment(settings: ProductionSettings, replica: ReplicaConfig, name
     """One engine deployment (Serve application node) of `replica`: on a roll, `surge` starts the new replica
     before the old one stops (100% surge: twice the resources meanwhile); without it the old one stops first
     (`serve.production.roll`)."""
-    from serve.replica.deployment import EngineBackend, actor_options
+    from serve.replica.deployment import EngineBackend
+    from serve.replica.placement import actor_options
 
     # @serve.deployment made EngineBackend a Deployment (mypy sees the class).
     return EngineBackend.options(  # type: ignore[attr-defined]

@@ -72,7 +72,7 @@ def plan_roll(new: ServingConfig, running: ServingConfig | None, num_replicas: i
               free: Sequence[dict[str, float]], threads: int | None = None) -> Roll:
     """SURGE when a second copy of every engine that changes fits beside what runs now (or nothing runs: a first
     deploy replaces nothing), else STOP_THEN_START. Pure: `free` is each node's free resources now."""
-    from serve.replica.deployment import actor_options
+    from serve.replica.placement import actor_options
 
     if running is None:
         return SURGE

@@ -44,36 +44,11 @@ from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, c
 from serve.engines.phases import StartState
 from serve.ports import free_port
 from serve.replica.engine_start import TrialStarts
+from serve.replica.placement import START_TIMEOUT_MARKER, actor_options, log_tail
 from serve.replica.usage import read_usage
 
-START_TIMEOUT_MARKER = "engine not ready after"  # a start past its timeout: the trial's TIMEOUT
-
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
-LOG_TAIL_BYTES = 8000
 STOP_GRACE_S = 10.0  # x2 (SIGTERM wait, then SIGKILL wait) stays inside graceful_shutdown_timeout_s below
-
-
-def actor_options(config: ReplicaConfig) -> dict[str, Any]:
-    """`ray_actor_options` of the replica that owns `config`'s engine (its engine kind decides)."""
-    return engine_for(config.engine).actor_options(config)
-
-
-def unplaceable(options: dict[str, Any], nodes: list[dict[str, float]]) -> str | None:
-    """Why no node of the cluster could ever host a replica with these `ray_actor_options` (None: one can).
-
-    Ray would keep such a replica pending until the trial's deploy timeout (minutes for big models): an SGLang
-    replica on a cluster without GPUs is the usual case. `nodes` are the alive nodes' total resources. Pure."""
-    needs = {"CPU": float(options.get("num_cpus") or 0), "GPU": float(options.get("num_gpus") or 0),
-             **{k: float(v) for k, v in (options.get("resources") or {}).items()}}
-    needs = {k: v for k, v in needs.items() if v > 0}
-    if any(all(node.get(k, 0) >= v for k, v in needs.items()) for node in nodes):
-        return None
-    offered = "; ".join(", ".join(f"{k}={v:g}" for k, v in sorted(n.items()) if k in needs or k in ("CPU", "GPU"))
-                        or "nothing" for n in nodes) or "no nodes"
-    wanted = ", ".join(f"{k}={v:g}" for k, v in sorted(needs.items()))
-    return (f"no Ray node can host this replica: it needs {wanted} on one node, and the nodes offer: {offered}. "
-            f"For SGLang run the study on a cluster with GPU nodes (infra/README.md) or set engine.kind: cpu; check "
-            f"engine.tp_size, engine.replica_cpus and engine.replica_resources")
 
 
 def write_shipped_corpus(config: ReplicaConfig, folder: str | Path) -> ReplicaConfig:
@@ -95,14 +70,6 @@ def write_shipped_corpus(config: ReplicaConfig, folder: str | Path) -> ReplicaCo
     os.replace(tmp, target)
     return config.model_copy(update={"spec": spec.model_copy(update={"external_corpus": str(target)}),
                                      "corpus_documents": None})
-
-
-def log_tail(path: str | Path, limit: int = LOG_TAIL_BYTES) -> str:
-    try:
-        data = Path(path).read_bytes()
-    except OSError:
-        return ""
-    return data[-limit:].decode("utf-8", "replace")
 
 
 class EngineProcess:

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from serve.engines.base import ReplicaConfig
-from serve.replica.deployment import EngineProcess, log_tail
+from serve.replica.deployment import EngineProcess
+from serve.replica.placement import log_tail
 from serve.spec import LlamaNgramSimpleSpec
 from tests.engine_contract import EngineContract, generate
 from tests.integration.llama_cpp_helpers import require_llama_server

@@ -23,7 +23,7 @@ from pipeline.trial.replicas import (
 )
 from pipeline.study.driver import connect_ray
 from serve.engines.base import ReplicaConfig
-from serve.replica.deployment import actor_options
+from serve.replica.placement import actor_options
 from tests.integration.conftest import SMOL, TEST_THREADS
 
 pytestmark = pytest.mark.integration

@@ -79,7 +79,7 @@ def test_engine_env_values_never_leave_in_logged_or_written_forms(tmp_path):
 
 
 def test_a_replica_no_node_can_host_fails_fast_with_what_is_missing():
-    from serve.replica.deployment import unplaceable
+    from serve.replica.placement import unplaceable
 
     cpu_only = [{"CPU": 2.0, "memory": 1e9}]
     problem = unplaceable({"num_cpus": 2.0, "num_gpus": 1, "resources": {}}, cpu_only)

@@ -410,16 +410,6 @@ int32_t sdt_cache_build(void* cache, const int32_t* window, int32_t n, void* sta
   return size;
 }
 
-// Draft with the whole budget (num_draft_tokens - 1) and walk the tree along `cont`: returns the accepted drafts,
-// the tree's real nodes in *num_real.
-int32_t sdt_cache_accepted(void* cache, const int32_t* window, int32_t n, void* state, int64_t total_len,
-                           const int32_t* cont, int32_t cont_n, int32_t* num_real) {
-  auto* c = static_cast<Cache*>(cache);
-  const int32_t budget = c->num_draft_tokens - 1;
-  *num_real = c->build(window, n, *static_cast<State*>(state), total_len, budget) - 1;
-  return c->accepted(cont, cont_n, budget);
-}
-
 // One replayed verify step of a request whose whole sequence (prompt + every output token) is seq[0..end) and of
 // which `length` tokens are out: land the queued inserts first when `land` (a round began since), draft from the
 // window ending at seq[length - 1] (total_len = length), walk the tree along seq[length..] and queue the window's
