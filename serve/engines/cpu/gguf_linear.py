@@ -20,12 +20,13 @@ kernel (as on a machine without it), `avx2` / `avx512` force a build.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -261,17 +262,36 @@ def load_kernel(verbose: bool = False) -> tuple[Any, str]:
             directory = build_dir(isa)
             directory.mkdir(parents=True, exist_ok=True)
             try:
-                _LOADED[isa] = load(
-                    name=f"specdec_gguf_mm_{isa}", sources=[str(SOURCE)], build_directory=str(directory),
-                    # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, serial without it;
-                    # -ffp-contract=off: only the FMAs written in the source, so both builds' sums are as written
-                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS[isa]],
-                    extra_ldflags=["-fopenmp"], verbose=verbose)
+                with environment_ninja():
+                    _LOADED[isa] = load(
+                        name=f"specdec_gguf_mm_{isa}", sources=[str(SOURCE)], build_directory=str(directory),
+                        # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, serial without it;
+                        # -ffp-contract=off: only the FMAs written in the source, so both builds' sums are as written
+                        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS[isa]],
+                        extra_ldflags=["-fopenmp"], verbose=verbose)
             except Exception as err:  # compiler or ninja missing, build error: the reason is the message
                 text = " ".join(str(err).split())
                 raise KernelUnavailable(f"building the {isa} kernel in {directory} failed: {text[-600:]} (needs g++ "
                                         "and ninja: pip install ninja)") from err
     return _LOADED[isa], isa
+
+
+@contextlib.contextmanager
+def environment_ninja() -> Iterator[None]:
+    """torch's build runs the first `ninja` on PATH: make it the one installed beside this interpreter (the `cpu`
+    extra's) whether or not the venv is activated. Two ninja versions on one build dir each discard the other's log
+    (1.11 writes v5, 1.13 v7: "log version too old; starting over") and rebuild the kernel, ~25 s of an engine start,
+    whenever a shell with the venv activated and one without take turns."""
+    here = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if not (here / "ninja").is_file() or path.split(os.pathsep)[0] == str(here):
+        yield
+        return
+    os.environ["PATH"] = f"{here}{os.pathsep}{path}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 # ------------------------------------------------------------------------------------------------------ the choice
