@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.search_replay import key, read_grid  # noqa: E402
 from pipeline.records.tracking import Tracker  # noqa: E402
 from pipeline.search.simulate_first import SPACE_PREDICTIONS  # noqa: E402
+from pipeline.vocabulary.outcome import Outcome  # noqa: E402
 
 
 def describe(params: dict) -> str:
@@ -48,7 +49,7 @@ def main() -> int:
     measured: dict = {}
     seconds: dict = {}
     for row in table.to_pylist():
-        if row["outcome"] == "COMPLETE" and row["tput_tok_s"]:
+        if row["outcome"] == Outcome.COMPLETE.value and row["tput_tok_s"]:
             point = key(json.loads(row["params"]))
             measured.setdefault(point, []).append(row["tput_tok_s"])
             seconds.setdefault(point, []).append(row["time_total_s"] or 0.0)
