@@ -368,6 +368,5 @@ def cluster_cannot_host(config: ReplicaConfig) -> str | None:
     resources until the deploy timeout."""
     import ray
 
-
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     return unplaceable(actor_options(config), nodes)

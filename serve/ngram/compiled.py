@@ -29,7 +29,7 @@ from serve.ngram.drafttree import token_ids
 from serve.ngram.trie import MatchState, NgramCache
 
 __all__ = ["CompiledNgramCache", "CompiledUnavailable", "SOURCE", "TRIE_ENV", "available", "build", "library",
-           "ngram_cache"]
+           "ngram_cache", "wanted"]
 
 SOURCE = Path(__file__).with_name("csrc") / "ngram_trie.cpp"
 TRIE_ENV = "SPECDEC_NGRAM_TRIE"  # "python": never the compiled trie
@@ -133,7 +133,8 @@ def _ints(values: Sequence[int]) -> ctypes.Array:
 
 class CompiledNgramCache(NgramCache):
     """`NgramCache` with the trie in C++: the same constructor, checks, `insert`, `draft`, `build` and `reset`, and
-    the replay's `step`. A `MatchState` passed to it carries a C++ twin (created on first use); use a state with one cache."""
+    the replay's `step`. A `MatchState` passed to it carries a C++ twin (created on first use); use a state with one
+    cache."""
 
     def __init__(self, **params) -> None:
         self._lib = library()
