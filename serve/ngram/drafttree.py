@@ -6,7 +6,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DraftTree", "accepted_drafts", "layout", "place", "token_ids"]
+__all__ = ["MAX_TOKEN", "DraftTree", "accepted_drafts", "layout", "place", "token_ids"]
 
 MAX_TOKEN = 2**31 - 1  # SGLang stores token ids as int32
 

@@ -33,7 +33,6 @@ added, where SGLang follows the hash order of a `std::unordered_map` (the same t
 
 from __future__ import annotations
 
-import operator
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Sequence
