@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from serve.engines import sglang_verdicts as verdicts
 from serve.engines.base import ReplicaConfig, child_env
 from serve.engines.spec_flags import effective_diff
 
@@ -36,16 +37,17 @@ def installed_version(python: str | None = None) -> str | None:
     return found[-1].name[len("sglang-"):-len(".dist-info")] if found else None
 
 
+def _preflight_extra(python: str | None) -> dict[str, str]:
+    """No GPU: CUDA_VISIBLE_DEVICES="" keeps SGLang's resolution from touching the replica's GPUs. With another
+    interpreter (the SGLang CPU venv's), SGLang resolves as its CPU platform does at launch (SGLANG_USE_CPU_ENGINE=1)."""
+    return {"CUDA_VISIBLE_DEVICES": "", **({"SGLANG_USE_CPU_ENGINE": "1"} if python is not None else {})}
+
+
 def _preflight_process(request: dict[str, Any], timeout_s: float, sglang_path: str | None,
                        python: str | None = None) -> subprocess.CompletedProcess | str:
     """Run serve.engines.sglang_preflight with `python` (default this interpreter) and SGLang importable from
-    `sglang_path` (a `pip install --target` dir) or that interpreter's environment. No GPU: CUDA_VISIBLE_DEVICES=""
-    keeps SGLang's resolution from touching the replica's GPUs. With another interpreter (the SGLang CPU venv's),
-    SGLang resolves as its CPU platform does at launch (SGLANG_USE_CPU_ENGINE=1)."""
-    extra = {"CUDA_VISIBLE_DEVICES": ""}
-    if python is not None:
-        extra["SGLANG_USE_CPU_ENGINE"] = "1"
-    env = child_env(extra)
+    `sglang_path` (a `pip install --target` dir) or that interpreter's environment (`_preflight_extra`)."""
+    env = child_env(_preflight_extra(python))
     if sglang_path:
         env["PYTHONPATH"] = os.pathsep.join([sglang_path, env["PYTHONPATH"]])
     try:
@@ -66,22 +68,31 @@ def server_arg_fields(sglang_path: str | None = None, python: str | None = None)
     it is absent. Flags are rendered from these, so a setting the installed version lacks is refused before launch."""
     if sglang_path is None and installed_version(python) is None:
         return None
+    record = verdicts.sglang_record(sglang_path, python)
+    digest = verdicts.key({"fields": True}, record, _preflight_extra(python)) if record else None
+    kept = verdicts.read(digest) if digest else None
+    if isinstance(kept, list):
+        return frozenset(kept)
     done = _preflight_process({"fields": True}, PREFLIGHT_TIMEOUT_S, sglang_path, python)
     data = None if isinstance(done, str) else _last_json(done)
     if not data or "fields" not in data:
         return None
+    if digest:
+        verdicts.write(digest, data["fields"])
     return frozenset(data["fields"])
 
 
 @dataclass(frozen=True)
 class Preflight:
     """What SGLang itself said about an argv: accepted or not (its error verbatim), and what it resolved.
-    `stage` is parse/resolve/check for SGLang's verdicts, import/crash/timeout when the preflight could not run."""
+    `stage` is parse/resolve/check for SGLang's verdicts, import/crash/timeout when the preflight could not run;
+    `cached`: SGLang gave this verdict to the same question before (`serve.engines.sglang_verdicts`)."""
 
     ok: bool
     stage: str
     error: str | None
     resolved: dict[str, Any] = field(default_factory=dict)
+    cached: bool = False
 
     @property
     def rejected(self) -> bool:
@@ -92,7 +103,8 @@ class Preflight:
         return effective_diff(config.spec, config.max_running_requests, self.resolved) if self.ok else {}
 
     def as_record(self) -> dict[str, Any]:
-        return {"ok": self.ok, "stage": self.stage, "error": self.error, "resolved": self.resolved}
+        return {"ok": self.ok, "stage": self.stage, "error": self.error, "resolved": self.resolved,
+                "cached": self.cached}
 
 
 def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s: float = PREFLIGHT_TIMEOUT_S,
@@ -101,16 +113,40 @@ def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s
     """SGLang's own parser (and, unless parse_only, resolution + checks) on each server-flag list, in one subprocess
     of `python` (default this interpreter), resolving as a GPU of `gpu_arch` would (one for all argvs or one per
     argv; None: as SGLang resolves `--device cuda` on this machine). Argvs may include a launcher prefix. None when
-    SGLang is absent there."""
+    SGLang is absent there. A verdict SGLang gave the same question before is read back instead
+    (`serve.engines.sglang_verdicts`); only the others go to the subprocess."""
     if sglang_path is None and installed_version(python) is None:
         return None
-    request = {"argvs": [_strip_launcher(a) for a in argvs], "parse_only": parse_only, "gpu_arch": gpu_arch}
+    stripped = [_strip_launcher(a) for a in argvs]
+    archs = gpu_arch if isinstance(gpu_arch, list) else [gpu_arch] * len(argvs)
+    record = verdicts.sglang_record(sglang_path, python)
+    extra = _preflight_extra(python)
+    digests = [verdicts.key(verdicts.preflight_question(a, parse_only, arch), record, extra) if record else None
+               for a, arch in zip(stripped, archs)]
+    kept = [verdicts.read(d) if d else None for d in digests]
+    results = {i: Preflight(**k, cached=True) for i, k in enumerate(kept) if isinstance(k, dict)}
+    asked = [i for i in range(len(argvs)) if i not in results]
+    if asked:
+        fresh = _ask(stripped, archs, asked, parse_only, timeout_s, sglang_path, python)
+        for i, result in zip(asked, fresh):
+            results[i] = result
+            digest = digests[i]
+            if digest and result.stage in ("parse", "resolve", "check"):  # SGLang's verdict, not a failed run
+                verdicts.write(digest, {"ok": result.ok, "stage": result.stage, "error": result.error,
+                                        "resolved": result.resolved})
+    return [results[i] for i in range(len(argvs))]
+
+
+def _ask(argvs: list[list[str]], archs: list[str | None], asked: list[int], parse_only: bool, timeout_s: float,
+         sglang_path: str | None, python: str | None) -> list[Preflight]:
+    """The subprocess's verdicts on argvs[i] for i in `asked`."""
+    request = {"argvs": [argvs[i] for i in asked], "parse_only": parse_only, "gpu_arch": [archs[i] for i in asked]}
     done = _preflight_process(request, timeout_s, sglang_path, python)
     if isinstance(done, str):
-        return [Preflight(False, "timeout", done)] * len(argvs)
+        return [Preflight(False, "timeout", done)] * len(asked)
     data = _last_json(done)
     if not data or "results" not in data:
-        return [Preflight(False, "crash", f"preflight exited {done.returncode}: {done.stderr[-2000:]}")] * len(argvs)
+        return [Preflight(False, "crash", f"preflight exited {done.returncode}: {done.stderr[-2000:]}")] * len(asked)
     return [Preflight(r["ok"], r["stage"], r["error"], r.get("resolved") or {}) for r in data["results"]]
 
 

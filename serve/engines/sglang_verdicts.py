@@ -1,0 +1,158 @@
+"""SGLang's answers kept on disk, so that the same question does not import SGLang again.
+
+A preflight (`sglang_check.run_preflight`) and the list of `ServerArgs` fields each run a subprocess that imports
+SGLang's argument code: 8-15 s on a 2-core CPU machine, paid at every engine start of a trial, of the production
+endpoint and of the study's deploy files. Their answer is a function of what the key below holds, and of nothing
+else: the question (an argv, its ports left out, with the GPU architecture it resolves as), the installed SGLang
+(its dist-info RECORD: every installed file with its hash, so another version or a reinstall is another SGLang), our
+own preflight code (`OWN_SOURCES`), the files the argv names (a model folder's JSON files, an adaptive config), the
+`SGLANG_*` environment (but where SGLang keeps its caches), and the machine's CPU count and memory. Only SGLang's
+verdicts are kept (accepted, or refused at parse, resolve or check), never a run that could not answer (import error,
+crash, timeout); a record says when its verdict came from here (`Preflight.cached`). `SPECDEC_SGLANG_VERDICTS=0`
+asks SGLang every time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from serve.engines.base import PROJECT_ROOT
+
+ENV_SWITCH = "SPECDEC_SGLANG_VERDICTS"
+FOLDER = "sglang-verdicts"
+# The argv's ports are drawn per start and change nothing SGLang resolves (neither is among the resolved keys).
+PORT_FLAGS = ("--port", "--nccl-port")
+# Our code the preflight subprocess runs (`python -m serve.engines.sglang_preflight` and what it imports from this
+# project; tests/unit/test_sglang_verdicts.py checks the list against the subprocess's own imports).
+OWN_SOURCES = ("serve/__init__.py", "serve/spec.py", "serve/engines/__init__.py", "serve/engines/base.py",
+               "serve/engines/sglang_backend.py", "serve/engines/sglang_preflight.py", "serve/engines/spec_flags.py")
+# A named file above this size is known by its size and time, not its bytes (a corpus: SGLang's resolution reads
+# no corpus, and hashing gigabytes would cost more than the import it saves).
+HASHED_FILE_BYTES = 1 << 20
+KEPT_FILES = 4000  # past it, the older half is removed
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def folder() -> Path:
+    from serve.engines.cpu.models import cache_root
+
+    return cache_root() / FOLDER
+
+
+def sglang_record(sglang_path: str | None, python: str | None) -> Path | None:
+    """The installed SGLang's dist-info RECORD: in `sglang_path` (a `pip install --target` folder), else in the
+    environment of `python` (None: this interpreter's import path, first hit, as `import sglang` resolves)."""
+    if sglang_path:
+        roots = [Path(sglang_path)]
+    elif python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
+        roots = [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    else:
+        roots = sorted((Path(python).parent.parent / "lib").glob("python3*/site-packages"))
+    for root in roots:
+        found = sorted(root.glob("sglang-*.dist-info/RECORD"))
+        if found:
+            return found[-1]
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    if size > HASHED_FILE_BYTES:
+        return f"{size}:{mtime_ns}"
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    stat = path.stat()
+    return _file_digest(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def named_files(argv: list[str]) -> dict[str, str]:
+    """{path: digest} for every argv value that names a file (its bytes) or a folder (its top-level JSON files:
+    a model's config, tokenizer config, generation config)."""
+    out: dict[str, str] = {}
+    for value in argv:
+        if value.startswith("-") or os.sep not in value:
+            continue
+        path = Path(value)
+        if path.is_file():
+            out[value] = file_digest(path)
+        elif path.is_dir():
+            for child in sorted(path.glob("*.json")):
+                out[str(child)] = file_digest(child)
+    return out
+
+
+def without_ports(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            out.append("<port>")
+            skip = False
+            continue
+        skip = token in PORT_FLAGS
+        out.append(token)
+    return out
+
+
+def machine() -> dict[str, Any]:
+    memory = ""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        memory = next((line for line in meminfo.read_text().splitlines() if line.startswith("MemTotal")), "")
+    return {"cpus": os.cpu_count(), "memory": memory}
+
+
+def key(question: dict[str, Any], record: Path, extra_env: dict[str, str]) -> str:
+    """The digest of everything an answer depends on (module docstring)."""
+    env = {**os.environ, **extra_env}
+    parts = {
+        "question": question,
+        "sglang": file_digest(record),
+        "ours": {name: file_digest(PROJECT_ROOT / name) for name in OWN_SOURCES},
+        "env": sorted((k, v) for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"
+                      or (k.startswith(("SGLANG", "SGL_")) and not k.endswith("CACHE_DIR"))),
+        "machine": machine(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def preflight_question(argv: list[str], parse_only: bool, gpu_arch: str | None) -> dict[str, Any]:
+    return {"argv": without_ports(argv), "files": named_files(argv), "parse_only": parse_only, "gpu_arch": gpu_arch}
+
+
+def read(digest: str) -> Any | None:
+    if not enabled():
+        return None
+    try:
+        return json.loads((folder() / f"{digest}.json").read_text())["answer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write(digest: str, answer: Any) -> None:
+    """Keep `answer` (atomically: another process may read or write the same key); a failure to keep it is not an
+    error, the next question just asks SGLang again."""
+    if not enabled():
+        return
+    where = folder()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = where / f".{digest}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"answer": answer}))
+        os.replace(tmp, where / f"{digest}.json")
+        kept = list(where.glob("*.json"))
+        if len(kept) > KEPT_FILES:
+            for old in sorted(kept, key=lambda p: p.stat().st_mtime)[:len(kept) // 2]:
+                old.unlink(missing_ok=True)
+    except OSError:
+        return
