@@ -68,8 +68,7 @@ def server_arg_fields(sglang_path: str | None = None, python: str | None = None)
     it is absent. Flags are rendered from these, so a setting the installed version lacks is refused before launch."""
     if sglang_path is None and installed_version(python) is None:
         return None
-    record = verdicts.sglang_record(sglang_path, python)
-    digest = verdicts.key({"fields": True}, record, _preflight_extra(python)) if record else None
+    digest = verdicts.key({"fields": True}, verdicts.package_roots(sglang_path, python), _preflight_extra(python))
     kept = verdicts.read(digest) if digest else None
     if isinstance(kept, list):
         return frozenset(kept)
@@ -119,9 +118,8 @@ def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s
         return None
     stripped = [_strip_launcher(a) for a in argvs]
     archs = gpu_arch if isinstance(gpu_arch, list) else [gpu_arch] * len(argvs)
-    record = verdicts.sglang_record(sglang_path, python)
-    extra = _preflight_extra(python)
-    digests = [verdicts.key(verdicts.preflight_question(a, parse_only, arch), record, extra) if record else None
+    roots, extra = verdicts.package_roots(sglang_path, python), _preflight_extra(python)
+    digests = [verdicts.key(verdicts.preflight_question(a, parse_only, arch), roots, extra)
                for a, arch in zip(stripped, archs)]
     kept = [verdicts.read(d) if d else None for d in digests]
     results = {i: Preflight(**k, cached=True) for i, k in enumerate(kept) if isinstance(k, dict)}

@@ -4,8 +4,8 @@ A preflight (`sglang_check.run_preflight`) and the list of `ServerArgs` fields e
 SGLang's argument code: 8-15 s on a 2-core CPU machine, paid at every engine start of a trial, of the production
 endpoint and of the study's deploy files. Their answer is a function of what the key below holds, and of nothing
 else: the question (an argv, its ports left out, with the GPU architecture it resolves as), the installed SGLang
-(its dist-info RECORD: every installed file with its hash, so another version or a reinstall is another SGLang), our
-own preflight code (`OWN_SOURCES`), the files the argv names (a model folder's JSON files, an adaptive config), the
+(its dist-info RECORD: every installed file with its hash, so another version or a reinstall is another SGLang) and
+every other installed distribution's version, our own preflight code (`OWN_SOURCES`), the files the argv names (a model folder's JSON files, an adaptive config), the
 `SGLANG_*` environment (but where SGLang keeps its caches), and the machine's CPU count and memory. Only SGLang's
 verdicts are kept (accepted, or refused at parse, resolve or check), never a run that could not answer (import error,
 crash, timeout); a record says when its verdict came from here (`Preflight.cached`). `SPECDEC_SGLANG_VERDICTS=0`
@@ -48,20 +48,29 @@ def folder() -> Path:
     return cache_root() / FOLDER
 
 
-def sglang_record(sglang_path: str | None, python: str | None) -> Path | None:
-    """The installed SGLang's dist-info RECORD: in `sglang_path` (a `pip install --target` folder), else in the
-    environment of `python` (None: this interpreter's import path, first hit, as `import sglang` resolves)."""
-    if sglang_path:
-        roots = [Path(sglang_path)]
-    elif python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
+def package_roots(sglang_path: str | None, python: str | None) -> list[Path]:
+    """Where the preflight's packages are found, in import order: `sglang_path` (a `pip install --target` folder, put
+    before the path), then the import path of `python` (None: this interpreter)."""
+    if python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
         roots = [Path(p) for p in sys.path if p and Path(p).is_dir()]
     else:
         roots = sorted((Path(python).parent.parent / "lib").glob("python3*/site-packages"))
+    return ([Path(sglang_path)] if sglang_path else []) + roots
+
+
+def sglang_record(roots: list[Path]) -> Path | None:
+    """The dist-info RECORD of the SGLang that `import sglang` finds first in `roots`."""
     for root in roots:
         found = sorted(root.glob("sglang-*.dist-info/RECORD"))
         if found:
             return found[-1]
     return None
+
+
+def distributions(roots: list[Path]) -> list[str]:
+    """Every installed distribution with its version (dist-info folder names): SGLang's verdict can depend on what
+    else is installed (a refusal that names a missing or too old module must not outlive the fix)."""
+    return sorted(d.name for root in roots for d in root.glob("*.dist-info"))
 
 
 @functools.lru_cache(maxsize=32)
@@ -112,12 +121,17 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "memory": memory}
 
 
-def key(question: dict[str, Any], record: Path, extra_env: dict[str, str]) -> str:
-    """The digest of everything an answer depends on (module docstring)."""
+def key(question: dict[str, Any], roots: list[Path], extra_env: dict[str, str]) -> str | None:
+    """The digest of everything an answer depends on (module docstring); None where no SGLang is found in `roots`
+    (nothing to key the answer on: it is never kept)."""
+    record = sglang_record(roots)
+    if record is None:
+        return None
     env = {**os.environ, **extra_env}
     parts = {
         "question": question,
         "sglang": file_digest(record),
+        "packages": distributions(roots),
         "ours": {name: file_digest(PROJECT_ROOT / name) for name in OWN_SOURCES},
         "env": sorted((k, v) for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"
                       or (k.startswith(("SGLANG", "SGL_")) and not k.endswith("CACHE_DIR"))),

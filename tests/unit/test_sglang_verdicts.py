@@ -66,16 +66,19 @@ def test_the_own_sources_are_what_the_preflight_subprocess_imports():
     assert imported <= set(verdicts.OWN_SOURCES), imported - set(verdicts.OWN_SOURCES)
 
 
-def test_another_gpu_another_sglang_variable_or_another_model_file_is_another_question(tmp_path, monkeypatch):
+def test_another_gpu_sglang_variable_install_package_or_model_file_is_another_question(tmp_path, monkeypatch):
     model = model_folder(tmp_path)
-    record = tmp_path / "RECORD"
+    site = tmp_path / "site"
+    record = site / "sglang-9.9.9.dist-info" / "RECORD"
+    record.parent.mkdir(parents=True)
     record.write_text("sglang/__init__.py,,\n")
 
-    def digest(arch: str = "sm90") -> str:
-        return verdicts.key(verdicts.preflight_question(argv(model), False, arch), record, {})
+    def digest(arch: str = "sm90", port: int = 30000) -> str | None:
+        return verdicts.key(verdicts.preflight_question(argv(model, port), False, arch), [site], {})
 
     first = digest()
-    assert digest() == first == verdicts.key(verdicts.preflight_question(argv(model, port=1), False, "sm90"), record, {})
+    assert first is not None and digest() == first == digest(port=1)
+    assert verdicts.key({"fields": True}, [tmp_path], {}) is None  # no SGLang there: nothing is ever kept
     assert digest("sm100") != first
     monkeypatch.setenv("SGLANG_TEST_VERDICT_KEY", "1")
     assert digest() != first
@@ -85,6 +88,10 @@ def test_another_gpu_another_sglang_variable_or_another_model_file_is_another_qu
     record.write_text("sglang/__init__.py,sha256=x,1\n")  # another install
     assert digest() != first
     record.write_text("sglang/__init__.py,,\n")
+    assert digest() == first
+    (site / "transformers-9.9.9.dist-info").mkdir()  # another package installed or upgraded
+    assert digest() != first
+    (site / "transformers-9.9.9.dist-info").rmdir()
     model_folder(tmp_path, num_hidden_layers=3)
     assert digest() != first
 
