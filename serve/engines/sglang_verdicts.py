@@ -5,8 +5,9 @@ SGLang's argument code: 8-15 s on a 2-core CPU machine, paid at every engine sta
 endpoint and of the study's deploy files. Their answer is a function of what the key below holds, and of nothing
 else: the question (an argv, its ports left out, with the GPU architecture it resolves as), the installed SGLang
 (its dist-info RECORD: every installed file with its hash, so another version or a reinstall is another SGLang) and
-every other installed distribution's version, our own preflight code (`OWN_SOURCES`), the files the argv names (a model folder's JSON files, an adaptive config), the
-`SGLANG_*` environment (but where SGLang keeps its caches), and the machine's CPU count and memory. Only SGLang's
+every other installed distribution's version, our own preflight code (`OWN_SOURCES`), the files the argv names (a
+model folder's JSON files, an adaptive config), the `SGLANG_*` environment (but where SGLang keeps its caches), and
+the machine's CPU count and memory. Only SGLang's
 verdicts are kept (accepted, or refused at parse, resolve or check), never a run that could not answer (import error,
 crash, timeout); a record says when its verdict came from here (`Preflight.cached`). `SPECDEC_SGLANG_VERDICTS=0`
 asks SGLang every time.
