@@ -39,7 +39,8 @@ def installed_version(python: str | None = None) -> str | None:
 
 def _preflight_extra(python: str | None) -> dict[str, str]:
     """No GPU: CUDA_VISIBLE_DEVICES="" keeps SGLang's resolution from touching the replica's GPUs. With another
-    interpreter (the SGLang CPU venv's), SGLang resolves as its CPU platform does at launch (SGLANG_USE_CPU_ENGINE=1)."""
+    interpreter (the SGLang CPU venv's), SGLang resolves as its CPU platform does at launch
+    (SGLANG_USE_CPU_ENGINE=1)."""
     return {"CUDA_VISIBLE_DEVICES": "", **({"SGLANG_USE_CPU_ENGINE": "1"} if python is not None else {})}
 
 

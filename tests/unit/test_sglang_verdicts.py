@@ -14,12 +14,9 @@ import pytest
 
 from serve.engines import sglang_verdicts as verdicts
 from serve.engines.base import PROJECT_ROOT, ReplicaConfig
-from serve.engines.sglang import installed_version, run_preflight, server_arg_fields, sglang_argv
-from serve.engines.sglang_check import server_arg_fields as fields_uncached
+from serve.engines.sglang import run_preflight, server_arg_fields, sglang_argv
 from serve.spec import EagleSpec, NgramSpec
-from tests.unit.test_sglang_flags import TINY_LLAMA
-
-needs_sglang = pytest.mark.skipif(installed_version() is None, reason="sglang is not installed (CI installs it --no-deps)")
+from tests.unit.test_sglang_flags import TINY_LLAMA, needs_sglang
 
 
 @pytest.fixture
@@ -117,16 +114,16 @@ def test_the_same_question_is_answered_from_disk_and_a_changed_one_asks_sglang(t
 @pytest.fixture
 def fields_recomputed():
     """server_arg_fields' in-process memo emptied before and after (the test below plants a list in it)."""
-    fields_uncached.cache_clear()
+    server_arg_fields.cache_clear()
     yield
-    fields_uncached.cache_clear()
+    server_arg_fields.cache_clear()
 
 
 @needs_sglang
 def test_the_field_list_is_kept_too(kept, fields_recomputed):
     first = server_arg_fields()
     assert first and len(list(kept.glob("*.json"))) == 1
-    fields_uncached.cache_clear()
+    server_arg_fields.cache_clear()
     (only,) = kept.glob("*.json")
     only.write_text(json.dumps({"answer": sorted(first)[:3]}))  # what a second call reads, if it reads the disk
     assert server_arg_fields() == frozenset(sorted(first)[:3])
