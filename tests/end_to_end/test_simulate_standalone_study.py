@@ -23,7 +23,7 @@ from pipeline.simulate.predict import PREDICTION_ATTR
 from pipeline.simulate.simulator import Simulator
 from pipeline.simulate.workload import answers_of
 from pipeline.study.driver import run_study, workload_requests
-from tests.integration.test_simulate_study import JUDGED, requests_of_run, runs_of, widening_of
+from tests.integration.test_simulate_study import JUDGED, MAX_TRIALS, requests_of_run, runs_of, widening_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 
@@ -41,7 +41,8 @@ def standalone_study(tmp_path_factory):
     study = load_study(None, {"name": "it-simulate-standalone", "output_dir": str(out), "search_space": str(space),
                               "seed": 0, "model.drafts": {"standalone": DRAFT}, "workload.warmup_prompts": 3,
                               "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
-                              "promotion.finalists": 0, "engine.start_timeout_s": 300, **JUDGED})
+                              "promotion.finalists": 0, "engine.start_timeout_s": 300,
+                              "budget.max_trials": MAX_TRIALS, **JUDGED})
     assert study.search.strategy == "auto"
     code = run_study(study, load_space(space))
     return study, load_space(space), out, code
