@@ -69,30 +69,33 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"{len(files):5d}  {reason}")
         terminalreporter.write_line(f"       ({', '.join(sorted(set(files)))})")
 
-# The files that take longest (worker-seconds in a CI run's --junitxml; docs/benchmarks.md, CI section), longest
-# first. `-n 2 --dist loadfile` hands whole files to the two workers in collection order (pyproject's addopts turn off
-# xdist's own order, most tests first, which started these one- to three-test files last, one then running alone on
-# one worker while the other had finished).
-LONGEST_FIRST = ("test_loop_end_to_end.py", "test_sglang_study.py", "test_fault_study.py", "test_sglang_contract_cpu.py",
-                 "test_distributed.py", "test_levels_study.py", "test_cluster.py", "test_draft_replay_exact.py",
-                 "test_llama_cpp_study.py", "test_shape_probe_engines.py", "test_baseline_requeue.py",
-                 "test_production_driver.py", "test_corpus_study.py", "test_open_loop_study.py")
+# Each test file's worker-seconds (set-up, call and teardown summed) in a run of every tier: the file order's input.
+# Refreshed by a run with `--record-durations tests/durations.json` (docs/benchmarks.md, CI section).
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
-def run_order(tiers: list[list[str]], longest: tuple[str, ...]) -> list[str]:
-    """File order: tier after tier; within a tier, each of `longest` (longest first) followed by one other file.
+def pytest_addoption(parser) -> None:
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test file's worker-seconds in this run to PATH (JSON, merged into what PATH "
+                          "holds for files that still exist): tests/durations.json orders the files")
 
-    xdist's worker runs a test only once it holds the next one, so a worker left with 2 or fewer pending tests is
-    sent the next file at once, to wait behind the running one: a long file followed by another long one would run
-    both on one worker, one after the other, while the other worker ran everything else. Pure."""
-    order: list[str] = []
-    for files in tiers:
-        long = sorted((f for f in files if Path(f).name in longest), key=lambda f: longest.index(Path(f).name))
-        rest = [f for f in files if Path(f).name not in longest]
-        for i, name in enumerate(long):
-            order += [name, *rest[i:i + 1]]
-        order += rest[len(long):]
-    return order
+
+def recorded_durations(path: Path = DURATIONS) -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def run_order(tiers: list[list[str]], seconds: dict[str, float]) -> list[str]:
+    """File order: tier after tier; within a tier, longest first by `seconds` (a file without a figure first: a new
+    file may be long), ties in collected order.
+
+    `-n 2 --dist loadfile` hands each worker the next file once it has 2 or fewer tests left, so every worker holds
+    one file ahead: with the longest first, what is handed out last is short, and the two workers end close together
+    (a file order kept by hand left them 88 s apart). Pure."""
+    unknown = float("inf")
+    return [name for files in tiers for name in sorted(files, key=lambda f: -seconds.get(f, unknown))]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -101,12 +104,38 @@ def pytest_collection_modifyitems(config, items) -> None:
     roots = [(Path(config.rootpath, "tests", tier)).resolve() for tier in TIERS]
     tiers: list[list[str]] = [[] for _ in range(len(roots) + 1)]
     for item in items:
-        folder, name = item.path.resolve().parent, str(item.path)
+        folder, name = item.path.resolve().parent, relative(config.rootpath, item.path)
         tier = next((i for i, root in enumerate(roots) if folder == root or root in folder.parents), len(roots))
         if name not in tiers[tier]:
             tiers[tier].append(name)
-    rank = {name: i for i, name in enumerate(run_order(tiers, LONGEST_FIRST))}
-    items.sort(key=lambda item: rank[str(item.path)])
+    rank = {name: i for i, name in enumerate(run_order(tiers, recorded_durations()))}
+    items.sort(key=lambda item: rank[relative(config.rootpath, item.path)])
+
+
+def relative(root: Path, path: Path) -> str:
+    """A test file's name as `tests/durations.json` keys it (its path from the repository root)."""
+    try:
+        return Path(path).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+SPENT: dict[str, float] = defaultdict(float)  # this run's worker-seconds per file (`--record-durations`)
+
+
+def pytest_runtest_logreport(report) -> None:
+    # on the xdist controller too: workers' reports are replayed there, so the controller sees every file
+    SPENT[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    path = session.config.getoption("record_durations")
+    if not path or hasattr(session.config, "workerinput"):  # written once, by the controller (or a run without xdist)
+        return
+    root = session.config.rootpath
+    merged = {name: s for name, s in recorded_durations(Path(path)).items() if (root / name).exists()}
+    merged.update({name: round(s, 1) for name, s in SPENT.items()})
+    Path(path).write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
 # Search only (promotion.finalists 0): the promotion's re-runs (2 x promotion.runs fresh replicas) cost twice the

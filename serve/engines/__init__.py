@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve.engines.base import Engine
+if TYPE_CHECKING:  # not at run time: `python -m serve.engines.watchdog` starts every engine and needs
+    # nothing of this package (pydantic alone is 0.1 s of each start)
+    from serve.engines.base import Engine
 
 
 def engine_for(kind: str) -> Engine:

@@ -26,8 +26,26 @@ PREFLIGHT_TIMEOUT_S = 300.0
 def installed_version(python: str | None = None) -> str | None:
     """SGLang's version for `python` (None = this interpreter), None when it has none. Interpreters are told apart by
     their environment (the folder above `bin/`), not by what their symlinks resolve to: every venv of one base Python
-    resolves to the same binary."""
-    if python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute():
+    resolves to the same binary. Kept until a folder it looks in changes (an install does): rendering a search
+    space's argvs asks once per argv."""
+    own = python is None or Path(python).absolute().parent.parent == Path(sys.prefix).absolute()
+    if own:
+        folders = [p for p in sys.path if p]
+    else:
+        folders = [str(p) for p in Path(str(python)).parent.parent.glob("lib/python3*/site-packages")]
+    return _installed_version(None if own else python, tuple(_stamp(f) for f in folders))
+
+
+def _stamp(folder: str) -> tuple[str, int]:
+    try:
+        return folder, os.stat(folder).st_mtime_ns
+    except OSError:
+        return folder, -1
+
+
+@functools.lru_cache(maxsize=16)
+def _installed_version(python: str | None, stamps: tuple[tuple[str, int], ...]) -> str | None:
+    if python is None:
         try:
             return metadata.version("sglang")
         except metadata.PackageNotFoundError:
@@ -120,19 +138,22 @@ def run_preflight(argvs: list[list[str]], *, parse_only: bool = False, timeout_s
     stripped = [_strip_launcher(a) for a in argvs]
     archs = gpu_arch if isinstance(gpu_arch, list) else [gpu_arch] * len(argvs)
     roots, extra = verdicts.package_roots(sglang_path, python), _preflight_extra(python)
-    digests = [verdicts.key(verdicts.preflight_question(a, parse_only, arch), roots, extra)
+    shared = verdicts.context(roots, extra)  # once: the installed packages are the same for every argv
+    digests = [None if shared is None else verdicts.digest_of(verdicts.preflight_question(a, parse_only, arch), shared)
                for a, arch in zip(stripped, archs)]
     kept = [verdicts.read(d) if d else None for d in digests]
     results = {i: Preflight(**k, cached=True) for i, k in enumerate(kept) if isinstance(k, dict)}
     asked = [i for i in range(len(argvs)) if i not in results]
     if asked:
         fresh = _ask(stripped, archs, asked, parse_only, timeout_s, sglang_path, python)
+        answers = {}
         for i, result in zip(asked, fresh):
             results[i] = result
             digest = digests[i]
             if digest and result.stage in ("parse", "resolve", "check"):  # SGLang's verdict, not a failed run
-                verdicts.write(digest, {"ok": result.ok, "stage": result.stage, "error": result.error,
-                                        "resolved": result.resolved})
+                answers[digest] = {"ok": result.ok, "stage": result.stage, "error": result.error,
+                                   "resolved": result.resolved}
+        verdicts.write_many(answers)
     return [results[i] for i in range(len(argvs))]
 
 

@@ -1,21 +1,42 @@
-"""The suite's file order under `-n 2 --dist loadfile` (tests/conftest.py): tiers in order, and within one the long
-files first, each followed by a short one, never two long ones in a row (xdist queues the next file behind a
-running one-test file on the same worker)."""
+"""The suite's file order under `-n 2 --dist loadfile` (tests/conftest.py): tiers in order, and within one the
+longest files first by their recorded worker-seconds (tests/durations.json), so that what xdist hands out last is
+short; `--record-durations` refreshes the record."""
 
 from __future__ import annotations
 
-from tests.conftest import run_order
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import DURATIONS, recorded_durations, run_order
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_long_files_lead_their_tier_each_followed_by_a_short_one():
-    tiers = [["unit/a.py", "unit/b.py"], ["it/x.py", "it/slow2.py", "it/y.py", "it/slow1.py", "it/z.py"], []]
-    order = run_order(tiers, ("slow1.py", "slow2.py"))
-    assert order == ["unit/a.py", "unit/b.py", "it/slow1.py", "it/x.py", "it/slow2.py", "it/y.py", "it/z.py"]
+def test_each_tier_runs_longest_first_and_a_file_without_a_figure_leads_its_tier():
+    seconds = {"unit/a.py": 1.0, "unit/b.py": 3.0, "it/x.py": 5.0, "it/slow.py": 90.0, "it/y.py": 5.0}
+    tiers = [["unit/a.py", "unit/b.py"], ["it/x.py", "it/slow.py", "it/new.py", "it/y.py"], []]
+    assert run_order(tiers, seconds) == ["unit/b.py", "unit/a.py", "it/new.py", "it/slow.py", "it/x.py", "it/y.py"]
 
 
-def test_more_long_files_than_short_ones_keeps_every_file_once():
-    order = run_order([["it/s1.py", "it/x.py", "it/s2.py", "it/s3.py"]], ("s1.py", "s2.py", "s3.py"))
-    assert order == ["it/s1.py", "it/x.py", "it/s2.py", "it/s3.py"]
+def test_the_record_names_test_files_that_exist():
+    recorded = recorded_durations()
+    assert len(recorded) > 100 and all((REPO / name).is_file() for name in recorded), DURATIONS
+    assert recorded_durations(DURATIONS.with_name("no-such-file.json")) == {}
+
+
+def test_a_run_records_its_files_and_keeps_other_existing_files_figures(tmp_path):
+    out = tmp_path / "durations.json"
+    out.write_text(json.dumps({"tests/unit/test_atomic.py": 999.0, "tests/unit/test_run_order.py": 7.0,
+                               "tests/unit/test_gone.py": 5.0}))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                           "tests/unit/test_atomic.py", "--record-durations", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    recorded = json.loads(out.read_text())
+    assert set(recorded) == {"tests/unit/test_atomic.py", "tests/unit/test_run_order.py"}  # the gone file dropped
+    assert recorded["tests/unit/test_atomic.py"] < 999.0 and recorded["tests/unit/test_run_order.py"] == 7.0
 
 
 def test_a_run_names_the_tiers_its_paths_did_not_reach(tmp_path):
