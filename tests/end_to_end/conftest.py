@@ -1,8 +1,8 @@
 """The end-to-end tier: the closed loop (capture, re-tune, canary, promotion), the level study, distributed mode on
 PostgreSQL, a 2-node cluster, `serve deploy`, the production driver, and whole studies of a feature (open loop,
 corpus, every fault kind). Not in the default test run: `python -m pytest -q -n 2 --dist loadfile tests` runs every
-tier. The integration tier's fixtures apply here too, and `ray_head` (one `ray start --head` per test worker) is
-shared by the files that need a cluster."""
+tier. The integration tier's fixtures apply here too, and `ray_head` (a `ray start --head` for a test file) serves the
+files that need a cluster."""
 
 from __future__ import annotations
 
@@ -38,9 +38,11 @@ def accepts(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_head(tmp_path_factory) -> Iterator[RayHead]:
-    """One `ray start --head` per test worker, owned by this fixture: `--block` keeps it in the foreground and SIGTERM
+    """One `ray start --head` per test file that uses it, owned by this fixture (a head kept for the session idled
+    at ~7% of a core with its dashboard and Serve's controller from the first file's end to the run's, longer than a
+    second start costs): `--block` keeps it in the foreground and SIGTERM
     stops its own processes (`ray stop` would stop every Ray on the machine, killing other test sessions' drivers).
     Its own token in the environment the drivers inherit (~/.ray/auth_token exists only once something generated it,
     so relying on it made tests pass or fail with the machine's history). No drain on SIGTERM: Ray 2.60 waits up to
