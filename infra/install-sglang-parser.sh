@@ -5,8 +5,8 @@
 # sglang 0.5.23 goes into that venv; 0.5.22 into ~/.cache/specdec-tuner/sglang/0.5.22 (SPECDEC_SGLANG_PARSERS).
 set -euo pipefail
 PY=${1:-.venv/bin/python}
-"$PY" -m pip install --quiet --no-deps "sglang==0.5.23" "triton==3.9.0" "compressed-tensors==0.18.0"
-"$PY" -m pip install --quiet msgspec orjson pybase64 pyzmq pillow ipython loguru dill regex
+"$PY" -m pip install --quiet --no-compile --no-deps "sglang==0.5.23" "triton==3.9.0" "compressed-tensors==0.18.0"
+"$PY" -m pip install --quiet --no-compile msgspec orjson pybase64 pyzmq pillow ipython loguru dill regex
 # Older parsers side by side (flags are rendered from each installed version's ServerArgs fields; the flag tests
 # check every bundled point against each). Not importable by default: only the tests put them on PYTHONPATH.
 PARSERS=${SPECDEC_SGLANG_PARSERS:-$HOME/.cache/specdec-tuner/sglang}

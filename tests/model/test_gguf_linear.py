@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from serve.engines.cpu import gguf_linear as gl
+from serve.engines.cpu import kernel_store
 from serve.engines.cpu import probe
 from serve.engines.cpu.llama import KERNEL_MAX_ROWS
 from serve.engines.cpu.models import fetch_gguf, resolve_model
@@ -114,6 +117,30 @@ def test_the_blocks_cache_is_read_back_not_rewritten(model_dir, blocks, fp32):
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
+
+def test_a_venv_that_never_built_the_kernel_imports_the_kept_build(kernel, tmp_path):
+    # The kept build of this ISA exists (the fixture loaded or built it); a process whose own build folder is empty,
+    # as in a fresh venv, imports it from there and builds nothing.
+    isa = "avx512" if kernel.lanes() == 16 else "avx2"
+    script = ("import pathlib, sys\nfrom serve.engines.cpu import kernel_store\n"
+              "kernel_store.build_dir = lambda folder: pathlib.Path(sys.argv[1]) / folder\n"
+              "from serve.engines.cpu.gguf_linear import load_kernel\nprint(load_kernel()[0].__file__)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, gl.KERNEL_ENV: isa})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert Path(done.stdout.strip()).parent.name.startswith(f"specdec_gguf_mm_{isa}-")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_kept_build_is_keyed_by_source_and_flags(tmp_path):
+    one, other = tmp_path / "one.cpp", tmp_path / "other.cpp"
+    one.write_text("int f() { return 1; }\n")
+    other.write_text("int f() { return 2; }\n")
+    same = kernel_store.kept_library("k", one, ["-O3"])
+    assert kernel_store.kept_library("k", one, ["-O3"]) == same
+    assert kernel_store.kept_library("k", other, ["-O3"]) != same
+    assert kernel_store.kept_library("k", one, ["-O2"]) != same
+
 
 @pytest.mark.parametrize("key", ["0.qkv", "7.o", "12.gate_up", "29.down", "head"])
 def test_kernel_multiplies_by_exactly_the_fp32_weights(kernel, fp32, blocks, key):

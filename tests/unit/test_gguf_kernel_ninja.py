@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 
-from serve.engines.cpu.gguf_linear import environment_ninja
+from serve.engines.cpu.kernel_store import environment_ninja
 
 
 def test_the_build_finds_the_ninja_beside_the_interpreter_first_and_path_is_restored(tmp_path, monkeypatch):

@@ -9,7 +9,8 @@ thread equals 2 (fp32 `F.linear` has neither property). It is compute-bound, so 
 (decode, verify, drafting: `llama.KERNEL_MAX_ROWS`); prefill stays on `F.linear` over the fp32 tensors.
 
 The kernel is C++ built once per machine with `torch.utils.cpp_extension.load` (g++, ninja; ~25-30 s) under
-`cache_root()/kernels/`, one build per ISA, the ISA in the extension's name: AVX-512 (16 lanes) where torch reports
+`cache_root()/kernels/` and kept by its content (`kernel_store`: another venv with the same Python and torch imports it
+without building), one build per ISA, the ISA in the extension's name: AVX-512 (16 lanes) where torch reports
 it, else AVX2 + FMA + F16C (8 lanes), else none. `SPECDEC_GGUF_KERNEL` overrides the choice: `off` disables the
 kernel (as on a machine without it), `avx2` / `avx512` force a build.
 
@@ -20,13 +21,11 @@ kernel (as on a machine without it), `avx2` / `avx512` force a build.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import json
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,8 +33,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from serve.engines.cpu import kernel_store
 from serve.engines.cpu.llama import KERNEL_MAX_ROWS, LlamaShape, unsupported_reason
-from serve.engines.cpu.models import SOURCE_MARKER, cache_root
+from serve.engines.cpu.models import SOURCE_MARKER
 
 __all__ = ["GgufWeight", "KernelUnavailable", "WeightsError", "WeightsChoice", "KERNEL_ENV",
            "WEIGHTS_MODES", "choose_weights", "resolve_weights", "gguf_source", "cached_model_weights", "prepare_dir",
@@ -240,58 +240,31 @@ _LOADED: dict[str, Any] = {}
 _LOAD_LOCK = threading.Lock()
 
 
-def build_dir(isa: str) -> Path:
-    """Per ISA, Python, torch build and environment: a home shared between machines or venvs never mixes builds.
-    The environment (sys.prefix) is in the key because torch's build file names the venv's include paths: two venvs
-    sharing one build dir would rebuild it (~25 s) whenever the other one ran, even under an engine loading it."""
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
-    return cache_root() / "kernels" / f"{py}-torch{torch.__version__.replace('+', '_')}-{env}" / f"gguf_mm_{isa}"
+def build_folder(isa: str) -> str:
+    return f"gguf_mm_{isa}"
 
 
 def load_kernel(verbose: bool = False) -> tuple[Any, str]:
-    """(the loaded extension, its ISA), building it on first use (torch's file lock in the build dir serialises
-    concurrent builds of several engines). KernelUnavailable with the reason if this machine cannot run it."""
+    """(the loaded extension, its ISA): the build kept for this source, flags, Python and torch (any venv's), else
+    built now (torch's file lock in the build dir serialises concurrent builds of several engines).
+    KernelUnavailable with the reason if this machine cannot run it."""
     isa, why = kernel_isa()
     if isa is None:
         raise KernelUnavailable(why)
     with _LOAD_LOCK:
         if isa not in _LOADED:
-            from torch.utils.cpp_extension import load
-
-            directory = build_dir(isa)
-            directory.mkdir(parents=True, exist_ok=True)
             try:
-                with environment_ninja():
-                    _LOADED[isa] = load(
-                        name=f"specdec_gguf_mm_{isa}", sources=[str(SOURCE)], build_directory=str(directory),
-                        # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, serial without it;
-                        # -ffp-contract=off: only the FMAs written in the source, so both builds' sums are as written
-                        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS[isa]],
-                        extra_ldflags=["-fopenmp"], verbose=verbose)
+                _LOADED[isa] = kernel_store.load_or_build(
+                    f"specdec_gguf_mm_{isa}", SOURCE,
+                    # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, serial without it;
+                    # -ffp-contract=off: only the FMAs written in the source, so both builds' sums are as written
+                    ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS[isa]], ["-fopenmp"], build_folder(isa),
+                    verbose)
             except Exception as err:  # compiler or ninja missing, build error: the reason is the message
                 text = " ".join(str(err).split())
-                raise KernelUnavailable(f"building the {isa} kernel in {directory} failed: {text[-600:]} (needs g++ "
-                                        "and ninja: pip install ninja)") from err
+                raise KernelUnavailable(f"building the {isa} kernel in {kernel_store.build_dir(build_folder(isa))} "
+                                        f"failed: {text[-600:]} (needs g++ and ninja: pip install ninja)") from err
     return _LOADED[isa], isa
-
-
-@contextlib.contextmanager
-def environment_ninja() -> Iterator[None]:
-    """torch's build runs the first `ninja` on PATH: make it the one installed beside this interpreter (the `cpu`
-    extra's) whether or not the venv is activated. Two ninja versions on one build dir each discard the other's log
-    (1.11 writes v5, 1.13 v7: "log version too old; starting over") and rebuild the kernel, ~25 s of an engine start,
-    whenever a shell with the venv activated and one without take turns."""
-    here = Path(sys.executable).parent
-    path = os.environ.get("PATH", "")
-    if not (here / "ninja").is_file() or path.split(os.pathsep)[0] == str(here):
-        yield
-        return
-    os.environ["PATH"] = f"{here}{os.pathsep}{path}"
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = path
 
 
 # ------------------------------------------------------------------------------------------------------ the choice
@@ -369,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     except KernelUnavailable as err:
         print(f"gguf kernel: not available here (engines use fp32 weights): {err}", file=sys.stderr)
         return 1
-    print(f"gguf kernel: {isa} ({kernel.lanes()} lanes) in {build_dir(isa)}")
+    print(f"gguf kernel: {isa} ({kernel.lanes()} lanes) from {kernel.__file__}")
     for model_dir in args.model_dirs:
         choice = prepare_dir(Path(model_dir))
         print(f"gguf kernel: {model_dir}: weights {choice.mode} ({choice.reason})")
