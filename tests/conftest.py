@@ -35,10 +35,6 @@ LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract,
                           "open-loop, corpus and STANDALONE simulate-first studies, an interrupted study resumed, "
                           "a study beside an endpoint, a baseline queued again, re-runs that disagree"}
 EVERY_TIER = "python -m pytest -q -n 2 --dist loadfile tests"
-# Tiers whose files are handed out as one pool (longest first over both): the engines tier's SGLang and llama-server
-# files keep both cores busy (4% idle while two ran side by side in a full run), the end-to-end files wait on engine
-# starts, timeouts and polls (14% idle while two ran side by side), so mixed, one fills the other's waits.
-POOLED = {"end_to_end": "engines"}
 
 
 def left_out_tiers(rootpath: Path, args: list[str]) -> dict[str, int]:
@@ -103,14 +99,13 @@ def run_order(tiers: list[list[str]], seconds: dict[str, float]) -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tiers in `TIERS` order (a broken unit shows within minutes; `POOLED` tiers as one), the files of each in
-    `run_order`; the tests of a file keep their collected order (the sort is stable)."""
+    """Tiers in `TIERS` order (a broken unit shows within minutes), the files of each in `run_order`; the tests of a
+    file keep their collected order (the sort is stable)."""
     roots = [(Path(config.rootpath, "tests", tier)).resolve() for tier in TIERS]
-    pool = [TIERS.index(POOLED.get(tier, tier)) for tier in TIERS] + [len(roots)]
     tiers: list[list[str]] = [[] for _ in range(len(roots) + 1)]
     for item in items:
         folder, name = item.path.resolve().parent, relative(config.rootpath, item.path)
-        tier = pool[next((i for i, root in enumerate(roots) if folder == root or root in folder.parents), len(roots))]
+        tier = next((i for i, root in enumerate(roots) if folder == root or root in folder.parents), len(roots))
         if name not in tiers[tier]:
             tiers[tier].append(name)
     rank = {name: i for i, name in enumerate(run_order(tiers, recorded_durations()))}

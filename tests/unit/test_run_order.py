@@ -50,16 +50,3 @@ def test_a_run_names_the_tiers_its_paths_did_not_reach(tmp_path):
     assert left_out_tiers(tmp_path, default) == {"engines": 2, "end_to_end": 3}
     assert left_out_tiers(tmp_path, ["tests"]) == {}
     assert left_out_tiers(tmp_path, [*default, "tests/engines/test_0.py::test_x"]) == {"end_to_end": 3}
-
-
-def test_the_engines_and_end_to_end_files_are_one_pool_after_the_faster_tiers():
-    files = ["tests/end_to_end/test_window_steps.py", "tests/engines/test_sglang_study.py", "tests/unit/test_atomic.py",
-             "tests/end_to_end/test_loop_end_to_end.py"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:]
-    order = list(dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line))
-    seconds = recorded_durations()
-    pooled = sorted(files[:2] + files[3:], key=lambda f: -seconds[f])
-    assert order == ["tests/unit/test_atomic.py", *pooled]
-    assert order[1:] != sorted(files[:2] + files[3:], key=lambda f: ("end_to_end" in f, -seconds[f]))  # not tier by tier
