@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from serve.engines.cpu.models import resolve_model  # noqa: E402
+from serve.model_store import resolve_model  # noqa: E402
 from serve.engines.cpu.runner import ModelRunner, chain_visibility  # noqa: E402
 
 PREFIX = 128

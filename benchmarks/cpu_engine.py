@@ -37,7 +37,7 @@ from pipeline.workloads import read_prompts, split_prompts  # noqa: E402
 from serve.engines.cpu.convert import load_model  # noqa: E402
 from serve.ngram.corpus import ExternalCorpora  # noqa: E402
 from serve.engines.cpu.decode import Decoder, Request, StopRules  # noqa: E402
-from serve.engines.cpu.models import resolve_model  # noqa: E402
+from serve.model_store import resolve_model  # noqa: E402
 from serve.ngram.trie import NgramCache  # noqa: E402
 from serve.engines.cpu.probe import measure_verify_cost  # noqa: E402
 from serve.engines.cpu.runner import ModelRunner  # noqa: E402

@@ -43,7 +43,7 @@ def measure_phase(study, prompts: list[list[int]], max_new_tokens: list[int]) ->
     from serve.engines.cpu.convert import load_tokenizer
     from serve.engines.cpu.decode import Decoder, Request, StopRules
     from serve.engines.cpu.engine import eos_ids_of
-    from serve.engines.cpu.models import resolve_model
+    from serve.model_store import resolve_model
     from serve.engines.cpu.runner import ModelRunner
     from serve.engines.cpu.scheduler import Scheduler
     from serve.engines.cpu.verify import Sampling

@@ -58,7 +58,7 @@ def main() -> int:
 
     from serve.engines.cpu.convert import load_tokenizer
     from serve.engines.cpu.draft_replay import ReplayStats, replay_answers
-    from serve.engines.cpu.models import resolve_model
+    from serve.model_store import resolve_model
     from serve.engines.cpu.runner import ModelRunner
     from serve.engines.cpu.speculators import StandaloneSpeculator
 

@@ -17,7 +17,7 @@ measurements, and is deterministic for a seed.
     python benchmarks/search_efficiency.py replay --quick   # 20 seeds, ~1 min
 
 `replay` prints a second table: trials and engine-seconds to within 2% of the best, early stopping
-(`pipeline.search.stopping`) off and on, and the rule's stop rates on the grid (false stops: points within 2% of the best).
+(`pipeline.decide.stopping`) off and on, and the rule's stop rates on the grid (false stops: points within 2% of the best).
     python benchmarks/search_efficiency.py replay           # 100 seeds
 """
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.search_replay import (METHODS, EarlyStop, Surface, engine_seconds, key, promote,  # noqa: E402
                                       read_grid, run_method, stop_rates, trials_to_reach, warmup_requests)
-from pipeline.search.stopping import StoppingPolicy, VerifyCost  # noqa: E402
+from pipeline.decide.stopping import StoppingPolicy, VerifyCost  # noqa: E402
 from pipeline.vocabulary.outcome import Outcome  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
@@ -51,7 +51,7 @@ DATA = ROOT / "benchmarks" / "data"
 # measured prompts and tokens, so each point's number is steadier.
 FULL_WORKLOAD = {"workload.warmup_prompts": 8, "workload.measure_prompts": 8, "workload.max_new_tokens": 48}
 # The CPU engine's verify-cost curve for the early-stopping replay of a grid recorded without one (a recording keeps its
-# engine's own curve in its metadata): the verify-cost curve `benchmarks/cpu_engine_ab.py --only verify` measured (2
+# engine's own curve in its metadata): the verify-cost curve `benchmarks/cpu_engine_ab.py --only verify` at commit 04695d1 measured (2
 # threads) for the forward the first grid was recorded with; the cheaper (more lenient) of the two measured curves.
 GRID_VERIFY_COST = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1.19, 1.45, 1.38, 1.75, 1.78, 1.78,
                                                                    1.88, 2.05, 2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
@@ -273,7 +273,7 @@ def replay_early_stopping(path: Path, seeds: int, budget: int | None, startup: i
     base_mean = surface.mean[surface.baseline]
     grid_total = sum(start_s + (warmup_requests(p) + on.requests) * on.tokens / (v or base_mean)
                      for p, v in surface.mean.items())
-    print(f"\n- early stopping: `pipeline.search.stopping` (alpha {on.policy.alpha}, >= {on.policy.min_requests} requests, "
+    print(f"\n- early stopping: `pipeline.decide.stopping` (alpha {on.policy.alpha}, >= {on.policy.min_requests} requests, "
           f"per-request spread floor {on.policy.request_spread_floor}), checked after each of the first "
           f"{on.requests - 1} of {on.requests} measured requests x {on.tokens} tokens; per-request spread "
           f"{request_sigma} (assumed: the grid has no per-request traces); verify cost "
@@ -346,7 +346,7 @@ def main() -> None:
     rep.add_argument("--measure-requests", type=int, help="early-stopping table: measured requests per trial "
                      "(default: the recorded workload's measure_prompts); more requests give the rule more looks")
     rep.add_argument("--alpha", type=float, help="early-stopping table: the rule's one-sided miss probability per "
-                     "bound and look (default: pipeline.search.stopping.StoppingPolicy's)")
+                     "bound and look (default: pipeline.decide.stopping.StoppingPolicy's)")
     rep.add_argument("--stop-repeats", type=int, default=200, help="fresh trials per point for the stop rates")
     args = parser.parse_args()
     if args.step == "record":

@@ -12,7 +12,7 @@ Methods, each starting with the baseline as trial 0, as the pipeline does:
 - `tier`: one knob at a time (SGLang auto_benchmark's tier 1, run to convergence): from the space's defaults, sweep
   each knob with the others at the incumbent, move to the best observed, repeat passes until nothing is new.
 
-Early stopping (`EarlyStop`, the rule in `pipeline.search.stopping`): the recorded grid holds per-point means, the noise and
+Early stopping (`EarlyStop`, the rule in `pipeline.decide.stopping`): the recorded grid holds per-point means, the noise and
 accept lengths, not per-request traces. So a replayed trial's requests are modelled: the trial's run-level value v
 is drawn as above, then each of `requests` requests gets throughput v * exp(request_sigma * e), e ~ N(0, 1), and
 the point's recorded accept length (the same for every request: the grid has no per-request figure). The rule is
@@ -36,7 +36,7 @@ import numpy as np
 from pipeline.config import PromotionPolicy
 from pipeline.decide.decision import Finalist, decide
 from pipeline.measure.summary import RequestRecord
-from pipeline.search.stopping import BaselineFigures, StoppingPolicy, VerifyCost, check
+from pipeline.decide.stopping import BaselineFigures, StoppingPolicy, VerifyCost, check
 from pipeline.search.space import (FixedParam, SearchSpace, baseline_point, define_by_run, enqueue_baseline,
                                    grid_points, tpe_sampler)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SGLang 0.5.23's own server for a CPU machine, in a venv of its own (serve/engines/sglang_cpu/__init__.py says why):
+# SGLang 0.5.23's own server for a CPU machine, in a venv of its own (serve/engines/sglang/cpu/__init__.py says why):
 # torch 2.13.0's CPU build and the pinned, CUDA-free working set of infra/requirements-sglang-cpu.txt, --no-deps.
 # Idempotent: returns at once when the venv already holds exactly that set (a stamp of the requirements file).
 # Usage: bash infra/install-sglang-cpu.sh [PYTHON]   (PYTHON: a 3.11 interpreter for the venv, default python3.11)

@@ -18,9 +18,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipeline.config import SlaConstraint
+from pipeline.cli_common import add_version, program
+from pipeline.config import SlaConstraint, load_study
+from pipeline.decide.headline import decision_sentence, impossible_lines, level_table
 from pipeline.decide.levels import LevelsDecision
+from pipeline.decide.sla import limits_at, row_verdicts
 from pipeline.errors import PipelineError, UserError
+from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.records.trial_runs import rows_from_runs, study_levels
 from pipeline.vocabulary.row import ROW_METRICS, TrialRow
 
@@ -28,8 +32,6 @@ from pipeline.vocabulary.row import ROW_METRICS, TrialRow
 def mark_constraints(rows: Sequence[TrialRow], constraints: Sequence[SlaConstraint], level: int) -> list[TrialRow]:
     """The rows with their SLA verdicts at the search `level` (`sla`: verdict texts) and `feasible` (False when a
     COMPLETE trial breaks a limit; None when no limit holds at that level). Pure."""
-    from pipeline.decide.sla import limits_at, row_verdicts
-
     checkable = limits_at(constraints, level)
     out = []
     for row in rows:
@@ -41,18 +43,25 @@ def mark_constraints(rows: Sequence[TrialRow], constraints: Sequence[SlaConstrai
 
 def format_table(rows: Sequence[TrialRow]) -> str:
     """The trials as a terminal table: each config's label (its settings: `pipeline.records.labels`), outcome,
-    throughput, ratio to the baseline, accept length, TTFT p50; a failed trial's reason and broken limits below it."""
-    width = max([len(r.name) for r in rows] + [6])
-    lines = [f"{'config':<{width}}  {'outcome':<14} {'tok/s':>7} {'vs base':>7} {'accept':>6} {'ttft p50':>8}"]
+    throughput, speed-up (`TrialRow.speedup`: the finalist stage's figure where it exists, the search's beside it),
+    accept length, TTFT p50; a failed trial's reason and broken limits below it. Column headers as the level table
+    (`pipeline.decide.headline.level_table`) spells them."""
+    from tabulate import tabulate
+
+    cells = []
     for r in rows:
-        ratio = f"{r.vs_baseline:.2f}x" if r.vs_baseline else "-"
-        accept = f"{r.accept_len:.2f}" if r.accept_len else "-"
-        ttft = f"{r.ttft_p50_ms:.0f}ms" if r.ttft_p50_ms else "-"
-        mark = "  <- baseline" if r.baseline else ""
-        if r.feasible is False:
-            mark += "  INFEASIBLE (SLA)"
-        tput = f"{r.tput_tok_s:.2f}" if r.tput_tok_s else "-"
-        lines.append(f"{r.name:<{width}}  {r.outcome_text:<14} {tput:>7} {ratio:>7} {accept:>6} {ttft:>8}{mark}")
+        marks = ["<- baseline"] if r.baseline else []
+        marks += [f"re-measured ({r.search_note})"] if r.search_note else []
+        marks += ["INFEASIBLE (SLA)"] if r.feasible is False else []
+        cells.append([r.name, r.outcome_text, f"{r.tput_tok_s:.2f}" if r.tput_tok_s else "-",
+                      f"{r.speedup:.2f}x" if r.speedup else "-", f"{r.accept_len:.2f}" if r.accept_len else "-",
+                      f"{r.ttft_p50_ms:.0f}ms" if r.ttft_p50_ms else "-", "  ".join(marks)])
+    table = tabulate(cells, headers=["config", "outcome", "tok/s", "speed-up", "accept", "ttft p50", ""],
+                     tablefmt="plain", colalign=("left", "left", "right", "right", "right", "right", "left"),
+                     disable_numparse=True).splitlines()
+    lines = table[:1]
+    for r, line in zip(rows, table[1:]):
+        lines.append(line)
         if not r.complete and r.reason:
             lines.append(f"{'':<4}-> {r.reason[:160]}")
         for text in r.sla or ():
@@ -64,8 +73,6 @@ def format_table(rows: Sequence[TrialRow]) -> str:
 def level_text(levels: LevelsDecision) -> str:
     """The per-level decision for a terminal: the level table with labels, then the policy and what no config could
     do (`pipeline.decide.headline`)."""
-    from pipeline.decide.headline import decision_sentence, impossible_lines, level_table
-
     lines = [level_table(levels), f"decision: {decision_sentence(levels)}"]
     lines += [f"not possible: {line}" for r in levels.levels for line in impossible_lines(levels, r)]
     lines.append(f"policy: {levels.policy.text}")
@@ -77,7 +84,8 @@ def format_rows(rows: Sequence[TrialRow], fmt: str) -> str:
         return json.dumps([row.record() for row in rows], indent=2)
     if fmt == "csv":
         out = io.StringIO()
-        fields = ["name", "baseline", "algorithm", "outcome", *ROW_METRICS, "vs_baseline", "feasible", "sla",
+        fields = ["name", "baseline", "algorithm", "outcome", *ROW_METRICS, "vs_baseline", "decided_vs_baseline",
+                  "feasible", "sla",
                   "settings", "reason", "run_id"]
         writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -88,18 +96,19 @@ def format_rows(rows: Sequence[TrialRow], fmt: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=program("specdec-compare", "pipeline.compare"),
+                                     description=__doc__.splitlines()[0])
+    add_version(parser)
     parser.add_argument("--study", metavar="FILE", help="the study file the study was run with")
     parser.add_argument("--name", help="study name (default: from the study file, else 'default')")
     parser.add_argument("--output", help="output folder of the study (default: ./runs/<name>)")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the output folder)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: the study file's tracking.uri, else "
+                                               "$MLFLOW_TRACKING_URI, else sqlite under the output folder)")
     parser.add_argument("--format", choices=["table", "csv", "json"], default="table")
     parser.add_argument("--finalists", action="store_true", help="show the finalists' re-measurements instead")
     parser.add_argument("--levels", action="store_true", help="show only the per-concurrency decision (table or json)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact read, on stdout
-    from pipeline.config import load_study
-    from pipeline.records.tracking import Tracker, default_tracking_uri
 
     overrides = {k: v for k, v in {"name": args.name, "output_dir": args.output,
                                    "tracking.uri": args.tracking_uri}.items() if v}

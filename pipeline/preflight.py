@@ -8,7 +8,9 @@ writes, creates or connects to anything:
   or a server URL; MLflow 3's file store (`file://`, a bare path) is refused, since MLflow keeps it in maintenance
   mode and fails inside the study; the Optuna storage URL likewise when it is SQLite;
 - the model (and the draft models of the search space's algorithms) exist, when given as local paths and the
-  engines run on this machine;
+  engines run on this machine; a model id the engine does not know is refused with the close match and the known
+  ids; on this machine, a model too big for the CPU SGLang would run on, and an engine that is not installed, are
+  refused with the install command (`pipeline/preflight_engine.py`);
 - the workload loads (a missing, empty or malformed file is refused here, not after two failed trials) and no
   prompt is longer than `MAX_PROMPT_CHARS`.
 So a study that starts can write its files; one that cannot leaves nothing behind (no identity.json, optuna.db or
@@ -26,6 +28,10 @@ from typing import TYPE_CHECKING
 
 from pipeline.config import StudyConfig
 from pipeline.errors import PipelineError
+from pipeline.preflight_engine import engine_problems
+from pipeline.records.tracking import default_tracking_uri
+from pipeline.workloads import load_workload, read_prompts
+from serve.engines import engine_for
 
 if TYPE_CHECKING:
     from pipeline.search.space import SearchSpace
@@ -38,16 +44,20 @@ __all__ = ["MAX_PROMPT_CHARS", "check_study", "check_output", "check_tracking_ur
 MAX_PROMPT_CHARS = 1_000_000
 
 
-def check_study(study: StudyConfig, space: SearchSpace | None = None) -> None:
+def check_study(study: StudyConfig, space: SearchSpace | None = None, install: bool = True) -> None:
     """Every up-front check, in the order a user fixes them; raises PipelineError at the first problem. `space`: the
-    study's search space (its algorithms say which draft models are used; None = all of them)."""
+    study's search space (its algorithms say which draft models are used; None = all of them). `install`: check the
+    engine's install here too (the dry run reports it with its other findings instead, `engine_problems`)."""
     out = study.output_path()
     check_output(out)
-    from pipeline.records.tracking import default_tracking_uri
 
     check_tracking_uri(study.tracking.uri or default_tracking_uri(out), "tracking.uri (--tracking-uri)")
     if study.storage.url:
         check_sqlite_url(study.storage.url, "storage.url (--storage)")
+
+    problems = engine_problems(study, install=install)  # model ids; on this machine: the CPU's size, the install
+    if problems:
+        raise PipelineError(problems[0])
     if study.ray.address is None:  # the engines run here: a path the model names must exist here
         check_model(study, None if space is None else space.algorithms)
     check_workload(study)
@@ -108,8 +118,6 @@ def check_model(study: StudyConfig, algorithms: Sequence[str] | None = None) -> 
     """The target, and the draft of each of `algorithms` (None: every draft named): a draft model.drafts names for
     an algorithm the search space never proposes is not used, so not checked (an NGRAM-only study keeps the
     study file's EAGLE-3 path for another space)."""
-    from serve.engines import engine_for
-
     engine = engine_for(study.engine.kind)
     named = [("model.target (--model)", study.model.target),
              *((f"model.drafts.{algorithm}", path) for algorithm, path in sorted(study.model.drafts.items())
@@ -122,8 +130,6 @@ def check_model(study: StudyConfig, algorithms: Sequence[str] | None = None) -> 
 
 def check_workload(study: StudyConfig) -> None:
     """Bound each prompt's length (any line of the file), then load the workload as the study will (its split)."""
-    from pipeline.workloads import load_workload, read_prompts
-
     settings = study.workload
     prompts, _ = read_prompts(settings.source, max_new_tokens=settings.max_new_tokens)
     for prompt in prompts:

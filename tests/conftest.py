@@ -15,6 +15,7 @@ import signal
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,10 +146,10 @@ def pytest_sessionfinish(session) -> None:
 # workload.remeasure 0 and promotion.spread_reruns 0: two test workers share 2 cores, so most windows are disturbed
 # and re-runs disagree; measuring them again would only lengthen these studies (each measured again for real:
 # tests/end_to_end/test_fault_study.py, tests/end_to_end/test_run_spread.py).
-TINY_STUDY = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2, "workload.max_new_tokens": 12,
-              "promotion.finalists": 0, "engine.start_timeout_s": 300, "workload.remeasure": 0,
-              "promotion.spread_reruns": 0,
-              "search.strategy": "tpe"}  # these studies test the search over launches (simulate-first: test_simulate*)
+TINY_STUDY: dict[str, Any] = {"workload.warmup_prompts": 2, "workload.measure_prompts": 2,
+                              "workload.max_new_tokens": 12, "promotion.finalists": 0,
+                              "engine.start_timeout_s": 300, "workload.remeasure": 0, "promotion.spread_reruns": 0,
+                              "search.strategy": "tpe"}  # these studies test the search over launches (simulate-first: test_simulate*)
 TINY_SPACE = ("algorithms: [none, ngram]\ncommon:\n  warmup_requests: {type: fixed, value: 1}\n"
               "branches:\n  ngram:\n    num_draft_tokens: {type: int, low: 2, high: 4}\n"
               "    max_bfs_breadth: {type: int, low: 1, high: 2}\n"

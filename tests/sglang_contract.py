@@ -11,7 +11,7 @@ import threading
 
 import httpx
 
-from serve.engines import pinned_settings
+from serve.engines import engine_for
 from serve.engines.spec_flags import effective_diff, effective_settings
 from tests.engine_contract import PROMPT, EngineContract, generate
 
@@ -28,7 +28,7 @@ class SglangContract(EngineContract):
         effective = effective_settings(info)
         # Defects 2.2 and 2.5: the pinned attention backend and the running-request cap are what SGLang runs, for
         # the baseline's value of the cap too (48, SGLang's speculative default, rendered explicitly).
-        pinned = pinned_settings(engine_config)
+        pinned = engine_for(engine_config.engine).pinned_settings(engine_config)
         assert {k: effective[k] for k in pinned} == pinned
         assert effective["effective_max_running_requests_per_dp"] == pinned["max_running_requests"]
         assert effective_diff(engine_config.spec, engine_config.max_running_requests, info, pinned) == {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.engines import sglang_cpu
+from serve.engines.sglang import cpu as sglang_cpu
 from serve.engines.base import PROJECT_ROOT, ReplicaConfig
 
 needs_sglang_cpu = pytest.mark.skipif(

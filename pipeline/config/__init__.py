@@ -9,7 +9,7 @@ from pipeline.config.policy import (
 )
 from pipeline.config.study import (
     DEFAULT_STUDY_NAME, SEARCH_SPACES_DIR, RaySettings, StorageSettings, StudyConfig, TrackingSettings, known_keys,
-    load_study, read_yaml, resolve_space_path, set_dotted, study_to_yaml,
+    load_study, read_yaml, resolve_space_path, resolve_study, set_dotted, study_to_yaml,
 )
 from pipeline.config.search import SearchSettings, SimulateSettings
 from pipeline.config.trial import TrialConfig, validate_trial
@@ -19,6 +19,6 @@ __all__ = [
     "DEFAULT_STUDY_NAME", "MAX_NEW_TOKENS_LIMIT", "OBJECTIVE_METRICS", "SEARCH_SPACES_DIR", "SLA_METRICS",
     "ArrivalSettings", "BudgetSettings", "EngineSettings", "ModelSettings", "ObjectiveSettings", "PromotionPolicy",
     "RaySettings", "SearchSettings", "SimulateSettings", "SlaConstraint", "StorageSettings", "StudyConfig", "TrackingSettings", "TrialConfig",
-    "WorkloadSettings", "known_keys", "load_study", "owned_flag_problem", "read_yaml", "resolve_space_path",
+    "WorkloadSettings", "known_keys", "load_study", "owned_flag_problem", "read_yaml", "resolve_space_path", "resolve_study",
     "set_dotted", "study_to_yaml", "validate_trial",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
@@ -9,6 +10,18 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 from serve.engines.base import EngineKind, redact_env
 from serve.engines.spec_flags import ENGINE_OWNED_FLAGS
 from serve.spec import DRAFT_MODEL_ALGORITHMS, FrozenModel
+
+# What a POSIX shell accepts as a variable name: the deploy script references each env name as `NAME="$NAME"`.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_name_problem(name: str) -> str | None:
+    """Why `name` cannot be an engine environment variable (None: it can). Pure."""
+    if ENV_NAME.fullmatch(name):
+        return None
+    return (f"the name {name!r} is not a variable name (letters, digits and _, not starting with a "
+            "digit: [A-Za-z_][A-Za-z0-9_]*); a shell could not set it and the deploy script could not name it. "
+            "Fix: rename the key")
 
 
 def owned_flag_problem(item: str) -> str | None:
@@ -58,12 +71,16 @@ class EngineSettings(FrozenModel):
     attention_backend: str | None = Field(
         None, description="sglang --attention-backend, the same for the baseline and every trial; None = decided at "
         "study start: on a GPU what SGLang 0.5.23 picks on engine.gpu_arch for the model and the widest tree of the "
-        "search space (triton where that one's verify ignores the tree mask; docs/configuration.md); cpu: "
-        "torch_native")
+        "search space (flashinfer for MHA, triton for MLA where that one's verify would ignore the mask of one of "
+        "the space's trees; docs/configuration.md); cpu: torch_native")
     gpu_arch: Literal["auto", "sm80", "sm90", "sm100", "sm120"] = Field(
         "auto", description="sglang: the GPU architecture the attention backend is chosen for; auto = this "
         "machine's GPU, else a GPU node of the Ray cluster (set it to see the backend in --dry-run elsewhere)")
     tp_size: int = Field(1, ge=1, description="GPUs per replica (sglang)")
+    serving_gpus: int | None = Field(
+        None, ge=1, description="GPUs production has for the served engines (all its nodes together). A split "
+        "across concurrency levels runs two engines of tp_size GPUs each and is chosen only where they fit; "
+        "None = the GPU count of the largest node of the study's Ray cluster, else tp_size (one engine)")
     replica_cpus: float | None = Field(None, ge=0, description="CPUs reserved per engine replica; None = the engine's "
                                        "default (sglang: 2 per GPU, since NGRAM drafts on the host; cpu: 0.1)")
     replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
@@ -79,6 +96,14 @@ class EngineSettings(FrozenModel):
                                 "printed or written (names only)")
 
     _redact = field_serializer("env")(redact_env)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        problems = [p for p in map(env_name_problem, value) if p]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @field_validator("extra_flags")
     @classmethod

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pipeline.measure.summary import Summary
+from serve.latency import LATENCY_FIELDS
 from serve.spec import FrozenModel
 
 
@@ -18,15 +19,14 @@ class BudgetSettings(FrozenModel):
     # On by default: on the recorded grid's replay it never stopped a point within 2% of the best nor one faster than
     # the baseline (docs/configuration.md "Early stopping").
     early_stopping: bool = Field(True, description="measure trials request by request and stop (PRUNED) one that "
-                                 "provably cannot beat the baseline (pipeline/search/stopping.py); search concurrency 1")
+                                 "provably cannot beat the baseline (pipeline/decide/stopping.py); search concurrency 1")
     early_stopping_sigma: float = Field(0.05, ge=0, le=1, description="run-to-run sd of log throughput the rule "
                                         "allows for (the recorded grid's pooled figure is 0.034)")
 
 
-# Latency figures an SLA limit may name, and every numeric figure an objective may name: taken from what
-# `pipeline.measure.summary.Summary` reports, so a misspelt name is an error at load, not a silent None per trial.
-SLA_METRICS: tuple[str, ...] = tuple(
-    name for name in Summary.model_fields if name.endswith("_ms") and name.split("_")[0] in ("ttft", "itl", "e2e"))
+# Latency figures an SLA limit may name (`serve.latency`), and every numeric figure an objective may name: taken from
+# what `pipeline.measure.summary.Summary` reports, so a misspelt name is an error at load, not a silent None per trial.
+SLA_METRICS: tuple[str, ...] = LATENCY_FIELDS
 OBJECTIVE_METRICS: tuple[str, ...] = tuple(
     name for name, field in Summary.model_fields.items()
     if name not in ("seed", "n_boot", "concurrency", "offered_rate_per_s", "arrival_rate_per_s")  # load, not result
@@ -108,6 +108,9 @@ class PromotionPolicy(FrozenModel):
     equivalence_alpha: float = Field(0.05, description="baseline-noise only: significance level of the sign test "
                                      "(the chance of refusing a lossless config, at most)")
     require_equivalence: bool = Field(True, description="a finalist that failed an equivalence check cannot win")
+    promote_when_disturbed: bool = Field(True, description="when every re-run the decision rests on was measured "
+                                         "in a disturbed window (other work held the CPU), still promote (the "
+                                         "decision is marked provisional); false = keep the baseline then")
 
     @field_validator("tie_tolerance")
     @classmethod

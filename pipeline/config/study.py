@@ -3,23 +3,28 @@ and raises `ConfigError` with every problem named (file, dotted key, value, fix)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from pipeline.cli_common import env_tracking_uri
 from pipeline.config.engine import EngineSettings, ModelSettings, dtype_problem
+from pipeline.config.engine_defaults import EngineDefault, apply_engine_defaults
 from pipeline.config.policy import BudgetSettings, ObjectiveSettings, PromotionPolicy, check_equivalence_setup
 from pipeline.config.search import SearchSettings
 from pipeline.config.workload import WorkloadSettings
+from pipeline.config.yamlfile import DuplicateKeyError, safe_load_unique
 from pipeline.errors import ConfigError, format_validation_error
 from pipeline.redact import mask_study_dict
-from serve.engines import engine_for
+from serve.engines import engine_for, gpu_here
 from serve.engines.base import ReplicaConfig
 from serve.spec import FrozenModel
 
 DEFAULT_STUDY_NAME = "default"
+SEED_MAX = 2**32 - 1
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 
 
@@ -27,6 +32,9 @@ class TrackingSettings(FrozenModel):
     uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite under the output folder")
     experiment: str | None = Field(None, description="None = the study name")
     registered_model: str | None = Field(None, description="None = specdec-<study name>")
+    deploy_uri: str | None = Field(None, description="the MLflow tracking URI the serving cluster reaches the registry "
+                                   "at, named in the deploy files; None = `uri` where it is a server (http/https), "
+                                   "else the deploy files say what to set")
     alias: Literal["production", "candidate"] = Field(
         "production", description="where the result goes: production (a promotion moves it) or candidate "
                                   "(registered beside production, which stays: a re-tune, docs/loop.md)")
@@ -58,6 +66,15 @@ class StudyConfig(FrozenModel):
     storage: StorageSettings = Field(default_factory=StorageSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
     output_dir: str | None = Field(None, description="None = ./runs/<name> in the current directory")
+
+    @field_validator("seed")
+    @classmethod
+    def _numpy_seed(cls, value: int) -> int:
+        # numpy's generators (the bootstrap, the workload's sampling) take 0..2**32-1 and raise mid-study otherwise
+        if not 0 <= value <= SEED_MAX:
+            raise ValueError(f"seed={value} is outside 0..{SEED_MAX} (numpy's seed range). Fix: a seed in that "
+                             "range, e.g. --seed 0")
+        return value
 
     @field_validator("concurrency")
     @classmethod
@@ -138,7 +155,9 @@ def read_yaml(path: Path, what: str) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load_unique(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{what} {path}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from None
     if data is None:
@@ -171,16 +190,28 @@ def known_keys(model: type[FrozenModel], prefix: str = "") -> dict[str, list[str
     return table
 
 
-def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudyConfig:
-    """Defaults < file < overrides (dotted keys, e.g. {"budget.max_trials": 4}). Raises ConfigError."""
+def resolve_study(path: str | Path | None, overrides: dict[str, Any] | None = None,
+                  has_gpu: Callable[[], bool] = gpu_here) -> tuple[StudyConfig, tuple[EngineDefault, ...]]:
+    """Defaults < engine defaults < $MLFLOW_TRACKING_URI (tracking.uri only) < file < overrides (dotted keys, e.g.
+    {"budget.max_trials": 4}), and the engine defaults applied (pipeline/config/engine_defaults.py: an SGLang study on
+    a GPU). Raises ConfigError."""
     data: dict[str, Any] = read_yaml(Path(path), "study file") if path else {}
     for dotted, value in (overrides or {}).items():
         set_dotted(data, dotted, value)
+    tracking = data.get("tracking")
+    if env_tracking_uri() and not (isinstance(tracking, dict) and tracking.get("uri")):
+        set_dotted(data, "tracking.uri", env_tracking_uri())  # MLflow's own variable, below the file and the CLI
+    data, applied = apply_engine_defaults(data, has_gpu)
     source = f"study file {path}" if path else "study (defaults + command line)"
     try:
-        return StudyConfig.model_validate(data)
+        return StudyConfig.model_validate(data), applied
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source, known_keys(StudyConfig))) from None
+
+
+def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudyConfig:
+    """Defaults < engine defaults < file < overrides (`resolve_study`). Raises ConfigError."""
+    return resolve_study(path, overrides)[0]
 
 
 def study_to_yaml(study: StudyConfig) -> str:

@@ -9,7 +9,7 @@ so when the served config is adaptive, the per-level table says what each bucket
   it there (it ran those); SGLang's default candidates where neither says more.
 
 Buckets are the study's levels (a batch routes to the largest bucket at or below its size, so the lowest level also
-serves smaller batches). The engine command in `deploy/` names the file (serve/engines/sglang.py); SGLang's own loader
+serves smaller batches). The engine command in `deploy/` names the file (serve/engines/sglang/engine.py); SGLang's own loader
 (`_load_adaptive_config`) checks it when the study writes it. Pure.
 """
 

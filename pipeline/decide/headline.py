@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipeline.decide.disturbance import disturbance
 from pipeline.decide.levels import BASELINE, LevelResult, LevelRow, LevelsDecision
 from pipeline.decide.sla import Verdict
 
@@ -49,9 +50,18 @@ class Headline:
     impossible: tuple[str, ...] = ()
     deploy: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    caveat: str = ""  # what the decision's measurements are worth when other work disturbed them (`disturbance`)
+    provisional: bool = False  # every run the decision rests on was disturbed
+
+    @property
+    def label(self) -> str:
+        """`PROMOTE`, `KEEP_BASELINE (PROVISIONAL)`, ..."""
+        return self.kind.upper() + (" (PROVISIONAL)" if self.provisional else "")
 
     def lines(self) -> list[str]:
-        out = [f"decision: {self.kind.upper()} -- {self.decision}"]
+        out = [f"decision: {self.label} -- {self.decision}"]
+        if self.caveat:
+            out.append(f"  Caveat: {self.caveat}")
         out += [f"  {line}" for line in self.levels]
         out += [f"  Not possible: {line}" for line in self.impossible]
         out += [f"  Note: {line}" for line in self.notes]
@@ -64,7 +74,9 @@ class Headline:
 
     def markdown(self) -> str:
         """For the MLflow run description (rendered as Markdown by the UI)."""
-        parts = [f"**Decision ({self.kind.upper()}):** {self.decision}"]
+        parts = [f"**Decision ({self.label}):** {self.decision}"]
+        if self.caveat:
+            parts.append(f"**Caveat:** {self.caveat}")
         if self.levels:
             parts.append("\n".join(f"- {line}" for line in self.levels))
         parts += [f"**Not possible:** {line}" for line in self.impossible]
@@ -99,7 +111,10 @@ def _row(result: LevelResult, config_id: str) -> LevelRow:
 
 
 def speedup_spread(result: LevelResult, row: LevelRow) -> tuple[float, float] | None:
-    """The lowest and highest of the row's re-runs over the baseline's median at that level; None without runs."""
+    """The lowest and highest of the row's re-runs over their paired baseline runs (`LevelRow.run_ratios`), else
+    over the baseline's median at that level; None without runs."""
+    if row.run_ratios:
+        return min(row.run_ratios), max(row.run_ratios)
     base = _row(result, BASELINE).median_tok_s
     if not row.runs_tok_s or base <= 0:
         return None
@@ -133,6 +148,8 @@ def _why_not(result: LevelResult, row: LevelRow, decision: LevelsDecision) -> st
         broken = [v for v in row.verdicts if not v.ok]
         return "breaks " + ", ".join(f"{_limit(v)} ({_ms(v.figure_ms)})" for v in broken)
     score = next((c for c in result.decision.candidates if c.id == row.id), None)
+    if decision.policy.unsplit and result.winner == row.id:
+        return "it wins here, but one config serves every level (two engines do not fit)"
     if score is None or score.lost_because is None:
         return "not served here by the policy"
     if not score.equivalent and result.decision.policy.require_equivalence:
@@ -237,9 +254,24 @@ def _keep_reason(decision: LevelsDecision) -> str:
             f"{display_name(decision, best.id)} {speedup_text(low, best)}{need}){later}")
 
 
+def unsplit_sentence(decision: LevelsDecision) -> str:
+    """The sentence of a policy that serves one config at every level because the two engines the levels call for
+    do not fit the serving side (`ServingPolicy.unsplit`)."""
+    policy = decision.policy
+    why = (f"one engine only, because the levels call for a second one and {policy.unsplit} (set engine.serving_gpus "
+           "if production has room for both)")
+    if policy.config is None:
+        return (f"keep the baseline at every level: {why}; no finalist is within the margin of the baseline at "
+                "every level.")
+    return (f"serve {display_name(decision, policy.config)} at every measured level "
+            f"({_at(decision, policy.config, list(decision.levels))}): {why}.")
+
+
 def decision_sentence(decision: LevelsDecision) -> str:
     policy = decision.policy
     levels = list(decision.levels)
+    if policy.unsplit:
+        return unsplit_sentence(decision)
     if policy.config is None:
         return f"keep the baseline: {_keep_reason(decision)}."
     name = display_name(decision, policy.config)
@@ -257,7 +289,9 @@ def decision_sentence(decision: LevelsDecision) -> str:
 
 
 def levels_headline(decision: LevelsDecision, deploy: Deploy) -> Headline:
-    """The headline of a study whose finalists were re-measured at every level."""
+    """The headline of a study whose finalists were re-measured at every level, with its caveat when other work
+    disturbed the re-runs (`pipeline.decide.disturbance`)."""
+    disturbed = disturbance(decision)
     what = ("the baseline" if decision.policy.config is None
             else f"{display_name(decision, decision.policy.config)}"
             + (" up to the switch" if deploy.high_command else ""))
@@ -265,7 +299,7 @@ def levels_headline(decision: LevelsDecision, deploy: Deploy) -> Headline:
                     decision=decision_sentence(decision),
                     levels=tuple(level_line(decision, r) for r in decision.levels),
                     impossible=tuple(line for r in decision.levels for line in impossible_lines(decision, r)),
-                    deploy=deploy.text(what))
+                    deploy=deploy.text(what), caveat=disturbed.caveat(), provisional=disturbed.provisional)
 
 
 def search_only_headline(reason: str, baseline_tok_s: float | None, level: int, deploy: Deploy | None,

@@ -10,6 +10,15 @@ So the runs are judged against each other: when the fastest over the slowest exc
 from the median (in ratio) is the suspect; the caller measures it again in a fresh engine and replaces it, recording
 the replaced run with its flag (`pipeline.study.finalists`). Only measured runs count: a failed run is a failure,
 recorded as one, not an outlier.
+
+The order the runs are measured in (`run_order`): whatever moves the machine over a finalist stage's minutes (the
+page cache, other work, the engine's own slow first minutes) must move the baseline and the finalists alike, so their
+fresh engines are interleaved, ABBA-style: round k starts one engine per config, the baseline's first and the
+finalists' in turn, and every odd round runs reversed (B F1 F2 | F2 F1 B | B F1 F2 ...). The baseline's first run
+still leads the stage (the equivalence checks compare against it). Run k of a finalist is paired with run k of the
+baseline, the baseline run adjacent to its round, and the ratio and its spread come from those pairs
+(`paired_ratios`): a drift moves one pair by at most the finalists' count of slots, in turn up and down, where the
+sequential order (every baseline run, then each finalist's) moves every pair by the whole stage one way.
 """
 
 from __future__ import annotations
@@ -18,8 +27,12 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["MIN_RUNS", "Suspect", "spread", "suspect_run"]
+__all__ = ["MIN_RUNS", "ORDERS", "RunOrder", "Suspect", "paired_ratios", "run_order", "spread", "suspect_run"]
+
+RunOrder = Literal["interleaved", "sequential"]
+ORDERS: tuple[RunOrder, ...] = ("interleaved", "sequential")
 
 MIN_RUNS = 3  # with two runs, neither can be told to be the odd one
 
@@ -56,3 +69,25 @@ def suspect_run(throughputs: Sequence[float], limit: float) -> Suspect | None:
     median = statistics.median(t for _, t in measured)
     index, tput = max(measured, key=lambda item: (abs(math.log(item[1] / median)), -item[0]))
     return Suspect(index=index, tput_tok_s=tput, median_tok_s=median, spread=ratio)
+
+
+def run_order(configs: int, runs: int, order: RunOrder = "interleaved") -> list[tuple[int, int]]:
+    """The stage's measuring order as (config index, run k), config 0 being the baseline (module docstring).
+    "sequential": every run of config 0, then of config 1, ... (kept for comparing the two orders)."""
+    if configs < 1 or runs < 1:
+        raise ValueError(f"run_order needs configs >= 1 and runs >= 1, got configs={configs}, runs={runs}")
+    if order == "sequential":
+        return [(c, k) for c in range(configs) for k in range(runs)]
+    if order != "interleaved":
+        raise ValueError(f"run order {order!r} is not one of {list(ORDERS)}")
+    out: list[tuple[int, int]] = []
+    for k in range(runs):
+        round_ = [(c, k) for c in range(configs)]
+        out += reversed(round_) if k % 2 else round_
+    return out
+
+
+def paired_ratios(baseline: Sequence[float], runs: Sequence[float]) -> list[float]:
+    """Each run's throughput over its paired baseline run's (run k with baseline run k), for the pairs where both
+    were measured (throughput > 0)."""
+    return [t / b for t, b in zip(runs, baseline) if t > 0 and b > 0]

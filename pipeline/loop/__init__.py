@@ -9,9 +9,11 @@ the result out by canary. One module per job:
 - `state`     the state file, the one-loop lock, the operator's commands;
 - `client`    the endpoint's routes (`serve.closed_loop.live`, `serve.closed_loop.control`);
 - `cycle`     the state machine, with its `settings`; `drift_check` the seeded simulation behind the drift test's
-  stated rates.
-`python -m pipeline.loop` runs it; `python -m pipeline.retune` is its re-tune step alone.
+  stated rates;
+- `retune`    one re-tune on the capture since the promotion, its result registered as alias `candidate`.
+`python -m pipeline.loop` runs it; `python -m pipeline.retune` (a thin entry point over `retune`) is its re-tune step
+alone.
 """
 
-__all__ = ["canary", "client", "control", "cycle", "drift", "drift_check", "reference", "seed", "settings", "shift",
-           "split", "state"]
+__all__ = ["canary", "client", "control", "cycle", "drift", "drift_check", "reference", "retune", "seed", "settings",
+           "shift", "split", "state"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.cli_common import add_version, env_tracking_uri, program
 from pipeline.errors import UserError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -47,12 +48,15 @@ def _count(low: int) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.loop",
+        prog=program("specdec-loop", "pipeline.loop"),
         description="The closed loop: watch production's live figures for drift, re-tune on its captured traffic "
                     "(every --every, or on drift), canary the result on live traffic, then promote or roll back. "
                     "Each cycle is an MLflow run. See docs/loop.md.")
     parser.add_argument("--endpoint", required=True, help="production endpoint base URL")
-    parser.add_argument("--tracking-uri", required=True, help="MLflow tracking URI of production's registry")
+    add_version(parser)
+    uri = env_tracking_uri()
+    parser.add_argument("--tracking-uri", required=uri is None, default=uri,
+                        help="MLflow tracking URI of production's registry (default: $MLFLOW_TRACKING_URI)")
     parser.add_argument("--registered-model", help="registry name (default: the endpoint's)")
     parser.add_argument("--api-key", help="the endpoint's admin key (default: $SPECDEC_ADMIN_KEY)")
     parser.add_argument("--every", default="6h", help="re-tune this long after the last cycle (default 6h; off = on "
@@ -78,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace, name: str) -> Any:
+    # lazy: keeps `python -m pipeline.loop --help` light (numpy, pyarrow)
     from pipeline.config import load_study
     from pipeline.loop.settings import LoopSettings
 
@@ -98,13 +103,14 @@ def _settings(args: argparse.Namespace, name: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # lazy: the loop's stack (FastAPI, httpx, numpy, pyarrow) only past --help
     from pipeline.loop.client import EndpointClient
     from pipeline.loop.cycle import Loop
+    from pipeline.loop.retune import RetuneOptions, retune
     from pipeline.loop.state import LoopLock, load_state
     from pipeline.records.tracking import Tracker
-    from pipeline.retune import RetuneOptions, retune
 
-    args = _parser().parse_args(argv)
     key = args.api_key or os.environ.get("SPECDEC_ADMIN_KEY")
     try:
         poll = duration_s(args.poll) or 30.0

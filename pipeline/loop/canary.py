@@ -36,7 +36,8 @@ from pipeline.config import PromotionPolicy, SlaConstraint
 from pipeline.decide.decision import MAD_TO_SIGMA, Decision, Finalist, decide, promotion_bar, run_stats
 from pipeline.decide.sla import Verdict
 from serve.closed_loop.control import MAX_LEASE_S
-from serve.closed_loop.live import LiveRecord, bucket_of, percentile_ms
+from serve.closed_loop.live import LiveRecord, bucket_of
+from serve.latency import percentile_ms
 from serve.spec import FrozenModel, SpecConfig
 
 __all__ = ["CanarySettings", "ArmFigures", "CanaryDecision", "canary_decision", "block_throughputs", "sla_figure"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import PipelineError
@@ -34,8 +35,6 @@ class EndpointClient:
 
     def _call(self, method: str, path: str, body: BaseModel | None = None, params: dict[str, Any] | None = None,
               raw: bool = False) -> Any:
-        import httpx
-
         try:
             response = httpx.request(method, f"{self.url}{path}", headers=self.headers, params=params,
                                      content=body.model_dump_json() if body is not None else None,

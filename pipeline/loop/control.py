@@ -37,6 +37,7 @@ def add_canary_arguments(parser: argparse.ArgumentParser, group: Any) -> None:
 
 
 def status_text(folder: Path) -> str:
+    # lazy: keeps `python -m pipeline.loop --help` light (numpy)
     from pipeline.loop.state import load_state, scan_commands
 
     state = load_state(folder)
@@ -65,6 +66,7 @@ def status_text(folder: Path) -> str:
 
 def canary_main(args: argparse.Namespace) -> int:
     """Run one `--canary` command; returns the exit code."""
+    # lazy: keeps `python -m pipeline.loop --help` light (httpx, numpy)
     from pipeline.loop.client import EndpointClient
     from pipeline.loop.state import send_command
 

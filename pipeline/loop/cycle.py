@@ -2,7 +2,7 @@
 
 idle     poll the live feed, feed the drift detectors (production's records only); start a cycle on a drift alarm
          (after `min_gap_s` since the last cycle) or when `every_s` has passed, unless paused
-retune   `pipeline.retune.retune` on the capture since the promotion (resumes its study after a restart); a result
+retune   `pipeline.loop.retune.retune` on the capture since the promotion (resumes its study after a restart); a result
          equal to production's config ends the cycle "confirmed" (its figures, measured on the new traffic, become
          the drift reference); a new config is the candidate
 canary   start it on the endpoint at the first share, then per poll: operator commands, the step's records (kept in
@@ -32,6 +32,8 @@ from pipeline.loop.shift import ShiftReport, shift_report
 from pipeline.loop.settings import LoopSettings
 from pipeline.loop.state import STATE_FILE, LoopState, save_state, scan_commands, set_aside
 from pipeline.records.cycles import CycleRecorder
+from pipeline.records.registry import (load_serving_config, PRODUCTION, alias_version, set_production, CANDIDATE,
+                                       remove_alias, tag_version)
 from serve.closed_loop.control import CandidateRef, CanaryStart, DriftLine, DriftReport
 from serve.closed_loop.live import CANDIDATE_ARM, PRODUCTION_ARM, LiveRecord, bucket_of
 
@@ -46,8 +48,8 @@ def detector_key(metric: str, bucket: int) -> str:
 
 
 class Loop:
-    """One loop over one endpoint. `retune` runs a re-tune for a cycle (`pipeline.retune.retune` by default):
-    called with the cycle's output folder and whether to resume, it returns a `pipeline.retune.RetuneResult`."""
+    """One loop over one endpoint. `retune` runs a re-tune for a cycle (`pipeline.loop.retune.retune` by default):
+    called with the cycle's output folder and whether to resume, it returns a `pipeline.loop.retune.RetuneResult`."""
 
     def __init__(self, settings: LoopSettings, client: EndpointClient, tracker: Any,
                  retune: Callable[[Path, bool], Any], clock: Callable[[], float] = time.time) -> None:
@@ -267,8 +269,6 @@ class Loop:
                           step_started_ms=None, retune_output=result.output)
 
     def _candidate_spec(self, version: str) -> Any:
-        from pipeline.records.registry import load_serving_config
-
         return load_serving_config(self.tracker.tracking_uri,
                                    f"models:/{self.settings.registered_model}/{version}").replica.spec
 
@@ -354,8 +354,6 @@ class Loop:
                                        "canary_candidate_tput": decision.candidate.median}, state.step)
 
     def _promote(self, state: LoopState) -> LoopState:
-        from pipeline.records.registry import PRODUCTION, alias_version, set_production
-
         candidate = state.candidate_version or ""
         name = self.settings.registered_model
         if alias_version(self.tracker, name, PRODUCTION) != candidate:
@@ -382,13 +380,9 @@ class Loop:
         return self._end(state, "rolled_back", state.reason or "rolled back")
 
     def _drop_candidate_alias(self) -> None:
-        from pipeline.records.registry import CANDIDATE, remove_alias
-
         remove_alias(self.tracker, self.settings.registered_model, CANDIDATE)
 
     def _end(self, state: LoopState, outcome: str, reason: str) -> LoopState:
-        from pipeline.records.registry import tag_version
-
         run_id = state.cycle_run_id
         if state.candidate_version:
             tag_version(self.tracker, self.settings.registered_model, state.candidate_version,

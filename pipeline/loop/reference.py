@@ -13,7 +13,9 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
+from pipeline.errors import PipelineError
 from pipeline.loop.drift import METRICS, Metric, MetricReference, metric_reference
+from pipeline.records.cycles import measured_requests
 from serve.spec import FrozenModel
 
 __all__ = ["LevelReference", "ReferenceProfile", "reference_from_rows", "load_reference", "MAX_LENGTHS"]
@@ -91,9 +93,6 @@ def load_reference(tracker: Any, registered_model: str, version: str) -> Referen
     """The profile of `registered_model` version `version`, from its study's MLflow runs
     (`pipeline.records.cycles.measured_requests`). Raises `pipeline.errors.PipelineError` when they hold no
     measured requests."""
-    from pipeline.errors import PipelineError
-    from pipeline.records.cycles import measured_requests
-
     serving, rows, runs, notes = measured_requests(tracker, registered_model, version)
     prov = serving.provenance
     if not rows:

@@ -73,6 +73,7 @@ def production_point(space: SearchSpace, serving: ServingConfig, study: StudyCon
 def seed_study(study: StudyConfig, space: SearchSpace, storage_url: str, point: dict[str, Any], label: str) -> bool:
     """Create (or load) the study's Optuna study and enqueue the baseline, then `point` with `SEEDED_ATTR` = label,
     unless a live or finished seeded trial exists (a resumed re-tune). Returns True when `point` was enqueued."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
     from optuna.trial import TrialState
 

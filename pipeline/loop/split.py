@@ -29,6 +29,8 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeline.workloads import Prompt, split_prompts
+from serve.closed_loop.files import open_regular
 from serve.spec import FrozenModel
 
 __all__ = ["CaptureRow", "SplitReport", "CaptureSplit", "row_time_ms", "prompt_key", "select_since", "split_capture",
@@ -161,8 +163,6 @@ def workload_rows(split: CaptureSplit, seed: int) -> list[dict[str, Any]]:
     """The measurement and warm-up rows in the file order that makes `pipeline.workloads.load_workload(file,
     seed=seed, n_warmup=len(warmup), n_measure=len(measure))` give back exactly this split (its own seeded split is
     asked where each position lands). Prompts only: no `output` column."""
-    from pipeline.workloads import Prompt, split_prompts
-
     n = len(split.measure) + len(split.warmup)
     slots = [Prompt(index=i, id=str(i), text=str(i), max_new_tokens=1) for i in range(n)]
     warm_slots, measure_slots, notes = split_prompts(slots, seed=seed, n_warmup=len(split.warmup),
@@ -180,9 +180,11 @@ def workload_rows(split: CaptureSplit, seed: int) -> list[dict[str, Any]]:
 def write_workload(rows: Sequence[Mapping[str, Any]], path: str | Path, with_output: bool = False) -> Path:
     """The rows as a Parquet workload file (the capture's schema; `output` only when asked), 0600 from its first
     byte like the capture it comes from (`serve.closed_loop.capture.write_private`)."""
+    # lazy: pyarrow only where Parquet is read or written, not for a command's --help
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    # lazy: keeps `python -m pipeline.retune --help` light (FastAPI)
     from serve.closed_loop.capture import write_private
 
     columns = WORKLOAD_COLUMNS + (("output",) if with_output else ())
@@ -197,10 +199,11 @@ def write_workload(rows: Sequence[Mapping[str, Any]], path: str | Path, with_out
 def read_capture(directory_or_file: str | Path) -> list[dict[str, Any]]:
     """Every row of a capture directory's parts (`part-*.parquet`, regular files only: a FIFO or a link named like a
     part is skipped, never opened) or of one merged capture file."""
+    # lazy: pyarrow only where Parquet is read or written, not for a command's --help
     import pyarrow.parquet as pq
 
+    # lazy: keeps `python -m pipeline.retune --help` light (FastAPI)
     from serve.closed_loop.capture import part_files
-    from serve.closed_loop.files import open_regular
 
     path = Path(directory_or_file)
     parts = part_files(path) if path.is_dir() else [path] if path.is_file() else []

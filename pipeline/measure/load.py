@@ -12,8 +12,8 @@ traffic gives it, while `/generate` still returns the per-request spec counters 
 route's `usage` has none). tests/integration/test_chat_workload.py holds the two routes to equal prompt tokens and
 equal greedy output.
 
-The SSE stream is read as raw bytes by `SseDecoder` and folded by `StreamState`, both pure, so chunk boundaries (a
-line or a multi-byte character split between two network reads) cannot change what a request recorded.
+The SSE stream is read as raw bytes by `serve.sse.SseDecoder` and folded by `StreamState`, both pure, so chunk
+boundaries (a line or a multi-byte character split between two network reads) cannot change what a request recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any, Sequence
 import httpx
 
 from pipeline.measure.summary import RequestRecord
+from serve.engines import tokenizer_for
+from serve.sse import SseDecoder, SseEvent
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,6 @@ def chat_input_ids(messages: Sequence[tuple[str, str]], tokenizer: Any) -> tuple
 
 def target_tokenizer(target: str) -> Any:
     """The tokenizer of the study's target model, as its engine loads it (`serve.engines.tokenizer_for`)."""
-    from serve.engines import tokenizer_for
-
     return tokenizer_for(target)
 
 
@@ -92,73 +92,6 @@ def _output_ids(chunks_ids: list[list[int]], completion_tokens: int) -> list[int
     return [token for ids in chunks_ids for token in ids]
 
 
-@dataclass(frozen=True)
-class SseEvent:
-    data: str
-    event: str = "message"
-
-
-class SseDecoder:
-    """Incremental Server-Sent-Events decoder (the WHATWG rules the engines need). Pure: bytes in, events out.
-
-    Lines end with LF, CRLF or CR; a blank line dispatches the event; the `data:` lines of one event are joined with
-    LF; lines starting with ':' are comments (keep-alives); `event:` names the event; other fields are ignored.
-    Bytes are split into lines before decoding, so a UTF-8 character split across chunks decodes whole.
-    At `close()` (the stream ended), data that arrived without its closing blank line is dispatched as a last event.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._data: list[str] = []
-        self._event = ""
-
-    def feed(self, chunk: bytes) -> list[SseEvent]:
-        self._buffer += chunk
-        events = []
-        while (cut := _line_end(self._buffer)) is not None:
-            end, after = cut
-            line, self._buffer = self._buffer[:end], self._buffer[after:]
-            event = self._line(line.decode("utf-8", "replace"))
-            if event is not None:
-                events.append(event)
-        return events
-
-    def close(self) -> list[SseEvent]:
-        tail, self._buffer = self._buffer.rstrip(b"\r"), b""
-        if tail:
-            self._line(tail.decode("utf-8", "replace"))
-        event = self._line("")
-        return [event] if event is not None else []
-
-    def _line(self, line: str) -> SseEvent | None:
-        if not line:
-            if not self._data:
-                self._event = ""
-                return None
-            event = SseEvent("\n".join(self._data), self._event or "message")
-            self._data, self._event = [], ""
-            return event
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        return None
-
-
-def _line_end(buffer: bytes) -> tuple[int, int] | None:
-    """(end of the first line, start of the next) or None while no complete line is buffered."""
-    lf, cr = buffer.find(b"\n"), buffer.find(b"\r")
-    if cr == -1 or (lf != -1 and lf < cr):
-        return None if lf == -1 else (lf, lf + 1)
-    if cr == len(buffer) - 1:
-        return None  # maybe the first half of a CRLF: decide when the next byte comes
-    return (cr, cr + 2) if buffer[cr + 1:cr + 2] == b"\n" else (cr, cr + 1)
-
-
 @dataclass
 class StreamState:
     """What one streamed `/generate` response said so far. `add` folds one event in; False = the stream is over
@@ -172,7 +105,7 @@ class StreamState:
 
     def add(self, event: SseEvent, now: float) -> bool:
         data = event.data.strip()
-        if data == "[DONE]":
+        if event.done:
             self.done = True
             return False
         try:

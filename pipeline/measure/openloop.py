@@ -7,7 +7,7 @@ starts after it; started ones run to completion or their timeout). Each request 
 streaming request path, so records have the same format as `run_phase`'s. `RequestRecord.concurrency` must hold one
 level per window (`pipeline.measure.summary.summarize`), so every record carries `label` there (default 1): open-loop load
 has no fixed concurrency, and the rate is the caller's to record (`summarize(..., offered_rate_per_s=...)`).
-A study uses it when `workload.arrival.mode` is `poisson` (`pipeline.search.pruning.measure_phase`, for trials and finalist
+A study uses it when `workload.arrival.mode` is `poisson` (`pipeline.trial.pruning.measure_phase`, for trials and finalist
 re-runs alike).
 """
 

@@ -49,8 +49,8 @@ from serve.engines.round_table import first_dip
 from serve.replica.usage import Usage
 
 __all__ = ["Attempt", "BATCHES", "CONTEXT_TOKENS", "Call", "DECODE_TOKENS", "LONG_CONTEXT_TOKENS", "PASSES", "Plan",
-           "Prompts", "WIDTHS", "assemble", "body", "calls", "check_answer", "choose", "dips", "engine_has_table",
-           "plan_for", "probe_shape", "study_probe", "table_problem"]
+           "Prompts", "WIDTHS", "assemble", "body", "calls", "check_answer", "choose", "dips", "plan_for",
+           "probe_shape", "table_problem"]
 
 CONTEXT_TOKENS = 128  # the CPU engine's round table's context (serve/engines/cpu/probe.py)
 LONG_CONTEXT_TOKENS = 512
@@ -340,20 +340,3 @@ def _flag(kept: Attempt, attempts: int) -> str:
     if kept.window.disturbed is None:
         return "unchecked"
     return "re-measured" if attempts > 1 else "clean"
-
-
-def engine_has_table(server_info: dict[str, Any]) -> bool:
-    """Whether the engine reported a round table of its own (the CPU engine's `verify_cost.round_cost`)."""
-    verify_cost = server_info.get("verify_cost")
-    return isinstance(verify_cost, dict) and isinstance(verify_cost.get("round_cost"), dict)
-
-
-def study_probe(url: str, study: Any, server_info: dict[str, Any]) -> dict[str, Any]:
-    """`probe_shape` as a study runs it after its baseline's measurement: the study's engine kind and levels, the
-    engine's running-request cap, the measurement window's wait limit, and one attempt more when the window was
-    disturbed (none with `workload.remeasure: 0`): what held the CPU during the baseline's windows (a study's own
-    start-up work) often still holds it, and each attempt costs about as much as the baseline's measurement."""
-    cap = server_info.get("max_running_requests")
-    return probe_shape(url, study.engine.kind, study.concurrency, max_running=cap if isinstance(cap, int) else None,
-                       attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
-                       timeout_s=study.engine.request_timeout_s, seed=study.seed)

@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from serve.latency import latency_percentiles_ms
+
 # `reference`: requests a trial sends after its measurement only to record their answers (the baseline answers the
 # rest of the warm-up split for the acceptance simulator, pipeline/simulate); never part of a summary.
 PHASES: tuple[str, ...] = ("warmup", "measure", "reference")
@@ -303,9 +305,7 @@ def summarize(table_or_records: pa.Table | Iterable[RequestRecord], *, seed: int
         req_per_s=len(ok) / window if window > 0 else 0.0,
         accept_len=accept_len,
         accept_len_drafts=accept_len_drafts,
-        **_percentiles_ms("ttft", ttft),
-        **_percentiles_ms("itl", itl),
-        **_percentiles_ms("e2e", e2e),
+        **latency_percentiles_ms(ttft, itl, e2e),
         seed=seed,
         n_boot=n_boot,
         offered_rate_per_s=float(offered_rate_per_s) if offered_rate_per_s is not None else None,
@@ -332,14 +332,6 @@ def _accept_lengths(ok: Sequence[RequestRecord]) -> tuple[float | None, float | 
     if not drafts_verify:
         return accept_len, None
     return accept_len, 1.0 + sum(r.spec_num_correct_drafts or 0 for r in with_drafts) / drafts_verify
-
-
-def _percentiles_ms(prefix: str, values_s: Sequence[float]) -> dict[str, float | None]:
-    names = (f"{prefix}_p50_ms", f"{prefix}_p90_ms", f"{prefix}_p99_ms")
-    if not values_s:
-        return dict.fromkeys(names)
-    qs = np.percentile(np.asarray(values_s, dtype=np.float64) * 1000.0, [50, 90, 99])
-    return {name: float(q) for name, q in zip(names, qs)}
 
 
 def _bootstrap_ci(

@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeline.measure.server_info import PlainSteps
 from pipeline.measure.summary import RequestRecord
 from serve.replica.usage import Usage
 from serve.spec import FrozenModel
@@ -96,21 +97,20 @@ def request_spread(records: Sequence[RequestRecord]) -> tuple[float | None, floa
     return median, statistics.median(abs(x - median) for x in rates)
 
 
-def step_ratio(before: dict[str, Any] | None, after: dict[str, Any] | None,
+def step_ratio(before: PlainSteps | None, after: PlainSteps | None,
                calibrated_ms: Callable[[float], float], min_rounds: int = MIN_STEP_ROUNDS) -> float | None:
     """The window's lone plain decode steps over the engine's calibrated step: the mean of the rounds between two
-    snapshots of the engine's counters (`solo_plain_rounds`, `solo_plain_ms`, `solo_plain_context`) over
-    `calibrated_ms(mean context)`. None when the engine keeps no such counters or timed fewer than `min_rounds`."""
-    keys = ("solo_plain_rounds", "solo_plain_ms", "solo_plain_context")
-    if not before or not after or any(not isinstance(s.get(k), (int, float)) for s in (before, after) for k in keys):
+    snapshots of the engine's counters (`ServerInfo.plain_steps`) over `calibrated_ms(mean context)`. None when the
+    engine keeps no such counters or timed fewer than `min_rounds`."""
+    if before is None or after is None:
         return None
-    rounds = after["solo_plain_rounds"] - before["solo_plain_rounds"]
+    rounds = after.rounds - before.rounds
     if rounds < min_rounds:
         return None
-    expected = calibrated_ms((after["solo_plain_context"] - before["solo_plain_context"]) / rounds)
+    expected = calibrated_ms((after.context - before.context) / rounds)
     if expected <= 0:
         return None
-    return (after["solo_plain_ms"] - before["solo_plain_ms"]) / rounds / expected
+    return (after.ms - before.ms) / rounds / expected
 
 
 def judge_window(before: Usage | None, after: Usage | None, records: Sequence[RequestRecord], *,

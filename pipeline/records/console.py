@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,12 +23,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.vocabulary.outcome import MEASURING, Outcome
+from pipeline.console_log import detail, say
+from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.report import TrialReport
 
 PHASES_FILE = "phases.jsonl"
 SLOW_S = 10.0  # a phase open this long gets a line
 EVERY_S = 60.0  # and another one this often while it stays open
 PHASE_TEXT = {"engine": "starting the engine", "warmup": "warming up", "measure": "measuring"}
+# a metric as the tables, the re-run lines and the report name it (its unit), not by its record key
+SHOWN_AS = {"tput_tok_s": "tok/s"}
+
+
+def figure(metric: str, value: float | None) -> str:
+    """`12.50 tok/s` for a metric with a unit here, else `name=12.50`; `-` for no value."""
+    shown = "-" if value is None else f"{value:.2f}"
+    return f"{shown} {SHOWN_AS[metric]}" if metric in SHOWN_AS else f"{metric}={shown}"
 
 
 def duration(seconds: float) -> str:
@@ -38,6 +49,16 @@ def duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def rerun_name(folder: str) -> str:
+    """A finalist re-run's folder or run name (`<id>[-c<level>]-run<k>`, pipeline.study.finalists.run_label) as the
+    stage's console lines name the run (`<id> run <k>`), with its level. Pure."""
+    found = re.fullmatch(r"(.+?)(?:-c(\d+))?-run(\d+)", folder)
+    if not found:
+        return folder
+    ident, level, k = found.groups()
+    return f"{ident} run {k}" + (f" at {level} in flight" if level else "")
 
 
 # --- one line per finished trial -----------------------------------------------------------------------------------
@@ -72,18 +93,18 @@ class ProgressBoard:
         elif flag == "re-measured":
             took += f"  [re-measured {remeasured}x: other work held the CPU]"
         if outcome is not Outcome.COMPLETE or value is None:
-            return f"{head} {self.metric}=-{took}" + (f"  -- {reason[:200]}" if reason else "")
-        figure = f"{self.metric}={value:.2f}" + (f" ±{spread:.0%}" if spread is not None else "")
+            return f"{head} {figure(self.metric, None)}{took}" + (f"  -- {reason[:200]}" if reason else "")
+        shown = figure(self.metric, value) + (f" ±{spread:.0%}" if spread is not None else "")
         if algorithm == "none" and self.baseline is None:
             self.baseline = value
-            return f"{head} {figure}  (the baseline){took}"
+            return f"{head} {shown}  (the baseline){took}"
         ratio = f"  {value / self.baseline:.2f}x baseline" if self.baseline else ""
         if self._better(value):
             self.best = (value, label)
-            return f"{head} {figure}{ratio}  (best so far){took}"
+            return f"{head} {shown}{ratio}  (best so far){took}"
         best_value, best_label = self.best or (value, label)  # not None here: _better is True while there is none
         best = f"{best_value / self.baseline:.2f}x" if self.baseline else f"{best_value:.2f}"
-        return f"{head} {figure}{ratio}  (best: {best}, {best_label}){took}"
+        return f"{head} {shown}{ratio}  (best: {best}, {best_label}){took}"
 
 
 # --- phases --------------------------------------------------------------------------------------------------------
@@ -112,6 +133,7 @@ class PhaseState:
     printed_at: float | None = None
     finished: bool = False
     pending: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)  # for the log file: what the engine's start spent its time on
 
     def update(self, event: dict[str, Any]) -> None:
         phase, at = str(event.get("phase")), float(event.get("t") or 0.0)
@@ -121,8 +143,9 @@ class PhaseState:
             self.finished = False
         if phase == "ready":
             if self.phase == "engine" and at - self.since >= SLOW_S:
-                self.pending.append(f"{self.who}: engine ready after {duration(at - self.since)}"
-                                    + _start_detail(event))
+                self.pending.append(f"{self.who}: engine ready after {duration(at - self.since)}")
+            if _start_detail(event):
+                self.details.append(f"{self.who}: engine start{_start_detail(event)}")
         elif phase == "measured":
             self.finished = True
             if self.announce:
@@ -178,6 +201,13 @@ class PhaseWatcher:
         self.offsets: dict[Path, int] = {}
         self.states: dict[Path, PhaseState] = {}
 
+    def take_details(self) -> list[str]:
+        """The detail lines (`PhaseState.details`) read since the last call, for the log file."""
+        out: list[str] = []
+        for state in self.states.values():
+            out, state.details = out + state.details, []
+        return out
+
     def poll(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
         lines: list[str] = []
@@ -214,11 +244,13 @@ class PhaseWatcher:
 
 
 @contextlib.contextmanager
-def phase_echo(root: Path, interval_s: float = 1.0, prefix: str = "    ") -> Iterator[PhaseWatcher]:
+def phase_echo(root: Path, interval_s: float = 1.0, prefix: str = "    ",
+               who: Callable[[str], str] = str) -> Iterator[PhaseWatcher]:
     """While the block runs (in this process: the finalists' re-runs), print the phase lines of the passes under
-    `root`, one line per measured pass."""
-    watcher = PhaseWatcher(root, announce=True)
+    `root`, one line per measured pass; `who(folder name)` names a pass in them."""
+    watcher = PhaseWatcher(root, who=who, announce=True)
     watcher.poll()  # passes from before (a resumed study) are read now and not announced again
+    watcher.take_details()
     for state in watcher.states.values():
         state.pending.clear()
         state.finished = True
@@ -226,8 +258,7 @@ def phase_echo(root: Path, interval_s: float = 1.0, prefix: str = "    ") -> Ite
 
     def loop() -> None:
         while not stop.wait(interval_s):
-            for line in watcher.poll():
-                print(prefix + line, flush=True)
+            echo(watcher, watcher.poll(), prefix)
 
     thread = threading.Thread(target=loop, name="phase-echo", daemon=True)
     thread.start()
@@ -236,8 +267,15 @@ def phase_echo(root: Path, interval_s: float = 1.0, prefix: str = "    ") -> Ite
     finally:
         stop.set()
         thread.join(timeout=5)
-        for line in watcher.poll():
-            print(prefix + line, flush=True)
+        echo(watcher, watcher.poll(), prefix)
+
+
+def echo(watcher: PhaseWatcher, lines: list[str], prefix: str) -> None:
+    """The console's lines, and the details behind them for the log file (pipeline/console_log.py)."""
+    for line in watcher.take_details():
+        detail(prefix + line)
+    for line in lines:
+        say(prefix + line)
 
 
 # --- the search's Tune callback ------------------------------------------------------------------------------------
@@ -246,6 +284,7 @@ def phase_echo(root: Path, interval_s: float = 1.0, prefix: str = "    ") -> Ite
 def progress_callback(total: int, metric: str, mode: str, trials_dir: Path) -> Any:
     """A Tune callback printing `ProgressBoard` lines as trials finish and, while they run, the slow phases their
     folders under `trials_dir` report. The trial's final report carries `label` and `reason` (pipeline.study.driver)."""
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     from ray import tune
 
     class Progress(tune.Callback):
@@ -258,20 +297,16 @@ def progress_callback(total: int, metric: str, mode: str, trials_dir: Path) -> A
             now = time.time()
             if now - self.polled >= 1.0:
                 self.polled = now
-                for line in self.watcher.poll(now):
-                    print(f"  {line}", flush=True)
+                echo(self.watcher, self.watcher.poll(now), "  ")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):  # noqa: ANN001
-            if result.get("outcome") == MEASURING:  # a chunk's intermediate report, not a finished trial
+            report = TrialReport.from_tune(result)
+            if report.intermediate:  # a chunk's intermediate report, not a finished trial
                 return
-            value = result.get(metric)
-            print(self.board.line(label=str(result.get("label") or trial.config.get("algorithm", "?")),
-                                  algorithm=str(trial.config.get("algorithm", "?")),
-                                  outcome=Outcome.read(result.get("outcome")),
-                                  value=float(value) if isinstance(value, (int, float)) else None,
-                                  reason=str(result.get("reason") or ""), seconds=result.get("time_total_s"),
-                                  spread=result.get("tput_spread"), flag=str(result.get("measurement_flag") or ""),
-                                  remeasured=int(result.get("window_remeasured") or 0)),
-                  flush=True)
+            say(self.board.line(label=report.label or str(trial.config.get("algorithm", "?")),
+                                  algorithm=str(trial.config.get("algorithm", "?")), outcome=report.outcome,
+                                  value=report.metric(metric), reason=report.reason, seconds=report.seconds,
+                                  spread=report.tput_spread, flag=report.measurement_flag or "",
+                                  remeasured=report.window_remeasured))
 
     return Progress()

@@ -13,6 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
+from pipeline.records.registry import load_serving_config
 from pipeline.records.tracking import KIND_TAG, REPLACED_TAG, Tracker
 from pipeline.vocabulary.outcome import Outcome
 
@@ -84,10 +87,6 @@ def measured_requests(tracker: Tracker, registered_model: str, version: str) -> 
     """(serving config, measured request rows, run ids, notes) of a registered version: the re-runs of the chosen
     config (tag `finalist` = `final-baseline` or the finalist's name, under the version's study run), else the
     search trial that measured it (`Provenance.trial_run_id`)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.records.registry import load_serving_config
-
     client = tracker.client()
     mv = client.get_model_version(registered_model, version)
     serving = load_serving_config(tracker.tracking_uri, f"models:/{registered_model}/{version}")

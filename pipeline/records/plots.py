@@ -10,13 +10,21 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.trial.corpus import corpus_comparison, corpus_label
+from pipeline.decide.headline import speedup_spread
+from pipeline.decide.pareto import pareto_front
+from pipeline.records.corpus_table import corpus_comparison, corpus_label
 from pipeline.vocabulary.row import TrialRow
 
 ALGO_COLORS = {"none": "#555555", "ngram": "#1f77b4", "eagle": "#2ca02c", "eagle3": "#d62728",
                "standalone": "#9467bd"}
 LLAMA_COLOR = "#8c564b"
 SERVED_COLOR = "#ff7f0e"
+UNITS = {"tput_tok_s": "output tok/s", "accept_len": "accepted tokens per verify step"}
+
+
+def metric_axis(metric: str) -> str:
+    """An objective's axis label with its unit (`*_ms` figures are milliseconds)."""
+    return f"{metric} ({UNITS.get(metric) or ('ms' if metric.endswith('_ms') else 'as measured')})"
 
 
 def color(algorithm: str) -> str:
@@ -26,9 +34,11 @@ def color(algorithm: str) -> str:
 def figure(rows: int = 0, width: float = 9.0) -> tuple[Any, Any]:
     """A figure sized for the page (900 px wide at dpi 100); `rows` > 0: the bars of a horizontal bar chart, whose
     height follows them."""
+    # lazy: matplotlib only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")  # no display: CI, servers
+    # lazy: matplotlib only when a figure is drawn
     import matplotlib.pyplot as plt
 
     height = 4.2 if rows <= 0 else min(max(2.4, 1.3 + 0.32 * rows), 16.0)
@@ -47,27 +57,42 @@ def _baseline(rows: Sequence[TrialRow], metric: str = "tput_tok_s") -> float | N
     return next((r.metric(metric) for r in complete(rows) if r.baseline), None)
 
 
+def search_ratio(row: TrialRow, base: float | None) -> float | None:
+    """A row's speed-up in the search (over the search's baseline measurement)."""
+    return row.vs_baseline or (_tput(row) / base if base else None)
+
+
 def plot_throughput(ax: Any, rows: Sequence[TrialRow]) -> bool:
-    """Throughput per config (95% CI), fastest on top, the baseline's as a dashed line; a config that broke an SLA
-    limit hatched. Needs two completed trials (one bar compares nothing)."""
-    done = sorted(complete(rows), key=_tput)
-    if len(done) < 2:
+    """Speed-up over the baseline per config, the figure every view shows (`TrialRow.speedup`): a finalist's from
+    its re-measured runs paired with the baseline's (its search figure as a hollow marker beside it), the others'
+    from the search's single measurement (with its 95% CI); fastest on top, the baseline at 1.0; a config that broke
+    an SLA limit hatched. Needs two completed trials (one bar compares nothing)."""
+    base = _baseline(rows)
+    done = [(r, r.decided if r.decided is not None else search_ratio(r, base)) for r in complete(rows)]
+    shown = sorted(((r, v) for r, v in done if v is not None), key=lambda p: p[1])
+    if len(shown) < 2 or not base:
         return False
-    values = [_tput(r) for r in done]
-    low = [max(0.0, v - (r.tput_ci_low or v)) for v, r in zip(values, done)]
-    high = [max(0.0, (r.tput_ci_high or v) - v) for v, r in zip(values, done)]
-    bars = ax.barh(range(len(done)), values, xerr=[low, high], color=[color(r.algorithm) for r in done], capsize=3)
-    for bar, row in zip(bars, done):
+    values = [v for _, v in shown]
+    low = [0.0 if r.decided is not None else max(0.0, v - (r.tput_ci_low or _tput(r)) / base) for r, v in shown]
+    high = [0.0 if r.decided is not None else max(0.0, (r.tput_ci_high or _tput(r)) / base - v) for r, v in shown]
+    bars = ax.barh(range(len(shown)), values, xerr=[low, high], capsize=3,
+                   color=[color(r.algorithm) for r, _ in shown])
+    for bar, (row, _) in zip(bars, shown):
+        if row.decided is None and not row.baseline:
+            bar.set_alpha(0.55)  # one search measurement: lighter than a figure the decision rests on
         if row.feasible is False:  # broke an SLA limit: fast, but not an answer
             bar.set_hatch("xx")
             bar.set_edgecolor("#d62728")
-    base = _baseline(rows)
-    if base:
-        ax.axvline(base, color="black", linestyle="--", linewidth=1, label=f"baseline {base:.1f} tok/s")
-        ax.legend(loc="lower right", fontsize=8)
-    ax.set_yticks(range(len(done)), [r.name for r in done], fontsize=8)
-    ax.set_xlabel("output tok/s (95% CI of the search measurement)")
-    ax.set_title("Throughput by config")
+    searched = [(i, search_ratio(r, base)) for i, (r, _) in enumerate(shown) if r.decided is not None]
+    if searched:
+        ax.scatter([v for _, v in searched], [i for i, _ in searched], facecolors="none", edgecolors="black",
+                   zorder=5, label="its search measurement")
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label=f"baseline 1.0x ({base:.1f} tok/s)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(range(len(shown)), [r.name for r, _ in shown], fontsize=8)
+    ax.set_xlabel("speed-up over the baseline (x): finalists from their re-measured runs, others from the search "
+                  "(95% CI)")
+    ax.set_title("Speed-up by config")
     return True
 
 
@@ -98,7 +123,7 @@ def _versus_draft_tokens(ax: Any, rows: Sequence[TrialRow], metric: str, label: 
     base = _baseline(rows, metric)
     if base and metric == "tput_tok_s":
         ax.axhline(base, color="black", linestyle="--", linewidth=1, label="baseline")
-    ax.set_xlabel("num_draft_tokens")
+    ax.set_xlabel("num_draft_tokens (draft tokens per verify step)")
     ax.set_ylabel(label)
     ax.legend(fontsize=8)
     ax.set_title(f"{label} vs num_draft_tokens")
@@ -110,7 +135,7 @@ def plot_tput_vs_draft(ax: Any, rows: Sequence[TrialRow]) -> bool:
 
 
 def plot_accept_vs_draft(ax: Any, rows: Sequence[TrialRow]) -> bool:
-    return _versus_draft_tokens(ax, rows, "accept_len", "accept length")
+    return _versus_draft_tokens(ax, rows, "accept_len", "accept length (tokens per verify step)")
 
 
 def plot_warmup_vs_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
@@ -121,14 +146,14 @@ def plot_warmup_vs_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
         return False
     ax.scatter([p[0] for p in points], [p[1] for p in points], color=ALGO_COLORS["ngram"])
     ax.set_xlabel("warm-up requests (after flush)")
-    ax.set_ylabel("accept length")
+    ax.set_ylabel("accept length (tokens per verify step)")
     ax.set_title("NGRAM: warm-up length vs accept length")
     return True
 
 
 def plot_corpus_vs_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
     """NGRAM with and without an external corpus: mean accept length (bars) and mean tok/s (labels) per corpus;
-    only for a study that searched a corpus (`pipeline.trial.corpus.corpus_comparison`)."""
+    only for a study that searched a corpus (`pipeline.records.corpus_table.corpus_comparison`)."""
     if not corpus_comparison(rows):
         return False
     done = [r for r in complete(rows) if r.algorithm == "ngram" and r.accept_len is not None]
@@ -144,7 +169,7 @@ def plot_corpus_vs_accept(ax: Any, rows: Sequence[TrialRow]) -> bool:
         ax.annotate(f"{t:.1f} tok/s\n{len(groups[n])} trial(s)", (bar.get_x() + bar.get_width() / 2,
                     bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("mean accept length")
+    ax.set_ylabel("mean accept length (tokens per verify step)")
     ax.set_title("NGRAM: external corpus vs none")
     return True
 
@@ -155,14 +180,17 @@ IMPORTANCE_TRIALS = 5  # fewer completed trials: each parameter's "importance" i
 def plot_optuna(fig: Any, study: Any, kind: str) -> Any:
     """Optuna's own matplotlib plot (`history` or `importance`) as a new figure, or False when the study cannot
     give a meaningful one (under 2 completed trials for the history, IMPORTANCE_TRIALS for the importance, or
-    parameters with one value)."""
+    parameters with one value). The report draws the history with `run_plots.plot_history` (integer trial axis,
+    the objective's unit)."""
     if study is None:
         return False
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
 
     done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
     if len(done) < (2 if kind == "history" else IMPORTANCE_TRIALS):
         return False
+    # lazy: matplotlib only when a figure is drawn
     import matplotlib.pyplot as plt
 
     try:
@@ -185,12 +213,10 @@ def plot_pareto(ax: Any, rows: Sequence[TrialRow], metrics: list[str], modes: li
     """Trials in the plane of the first two objectives; the front (pipeline.decide.pareto, feasible trials only)
     joined; infeasible trials (row `feasible` False) as red crosses; the promoted trial (row `name`) as a star.
     Only for a study with several objectives."""
-    from pipeline.decide.pareto import pareto_front
-
     if len(metrics) < 2:
         return False
     done = [r for r in complete(rows) if all(r.metric(m) is not None for m in metrics[:2])]
-    if not done:
+    if len(done) < 2:  # one point has no front to show
         return False
     mx, my = metrics[:2]
     feasible = [r for r in done if r.feasible is not False]
@@ -207,8 +233,8 @@ def plot_pareto(ax: Any, rows: Sequence[TrialRow], metrics: list[str], modes: li
     if star:
         ax.scatter([star[0].figures[mx]], [star[0].figures[my]], marker="*", s=260, color=SERVED_COLOR,
                    edgecolor="black", zorder=5, label=f"promoted: {promoted}")
-    ax.set_xlabel(mx)
-    ax.set_ylabel(my)
+    ax.set_xlabel(metric_axis(mx))
+    ax.set_ylabel(metric_axis(my))
     ax.legend(fontsize=8)
     ax.set_title("Pareto front")
     return True
@@ -218,8 +244,6 @@ def plot_speedup_levels(ax: Any, levels: Any) -> bool:
     """Speed-up over the baseline at each concurrency level (a `LevelsDecision` with two levels or more): the
     baseline at 1.0 with its runs' spread, each finalist's median with its runs' range, the served config drawn
     bold, and the switch level marked where the policy changes config."""
-    from pipeline.decide.headline import speedup_spread
-
     if levels is None or len(levels.levels) < 2:
         return False
     results = list(levels.levels)

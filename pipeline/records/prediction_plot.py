@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from pipeline.records.plots import metric_axis
 from pipeline.simulate.predict import PREDICTION_ATTR
 
 __all__ = ["predicted_vs_measured", "prediction_plots"]
@@ -17,6 +18,7 @@ def predicted_vs_measured(ot_study: Any, metric: str) -> list[tuple[float, float
     """(predicted, measured) of every completed trial that carries a prediction of `metric` (the first objective)."""
     if ot_study is None:
         return []
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     from optuna.trial import TrialState
 
     pairs = []
@@ -38,8 +40,8 @@ def plot_predictions(ax: Any, pairs: list[tuple[float, float]], metric: str) -> 
     error = statistics.median(abs(p - m) / m for p, m in pairs)
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
-    ax.set_xlabel(f"predicted {metric}")
-    ax.set_ylabel(f"measured {metric}")
+    ax.set_xlabel(f"predicted {metric_axis(metric)}")
+    ax.set_ylabel(f"measured {metric_axis(metric)}")
     ax.set_title(f"simulate-first: median |predicted - measured| / measured = {error:.1%} ({len(pairs)} launch(es))",
                  fontsize=9)
     ax.legend(fontsize=8)

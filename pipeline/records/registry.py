@@ -41,6 +41,7 @@ MODEL_VERSIONS_TAG = "mlflow.modelVersions"  # the LoggedModel's list of its reg
 
 
 def _alias_version(client: Any, name: str, alias: str) -> str | None:
+    # lazy: MLflow takes seconds to import; only the paths that read or write runs pay for it
     from mlflow.exceptions import MlflowException
 
     try:
@@ -81,6 +82,10 @@ def version_tags(serving: ServingConfig) -> dict[str, str]:
     if serving.replica.max_running_requests is not None:
         tags["max_running_requests"] = str(serving.replica.max_running_requests)
     tags.update({f"measured.{key}": f"{value:.6g}" for key, value in serving.provenance.medians.items()})
+    # what it was tuned on, and whether other work disturbed the re-runs it was decided on (a provisional decision)
+    prov = serving.provenance
+    tags.update({key: value[:5000] for key, value in (("engine", prov.engine), ("hardware", prov.hardware),
+                                                        ("measurement", prov.measurement)) if value})
     return tags
 
 
@@ -90,6 +95,7 @@ def register_config(tracker: Tracker, run_id: str, name: str, serving: ServingCo
     it when `move_production`, or when no version is in production yet (a first study's baseline becomes what the
     endpoint serves), and registers nothing otherwise. With any other alias (a re-tune's `candidate`): always
     registers and points that alias at it; production is not touched. Returns the version (None: not registered)."""
+    # lazy: MLflow takes seconds to import; only the paths that read or write runs pay for it
     from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput
     from mlflow.exceptions import MlflowException
 
@@ -176,6 +182,7 @@ def production_since_ms(tracker: Tracker, name: str) -> int | None:
 
 def remove_alias(tracker: Tracker, name: str, alias: str) -> None:
     """Delete `alias` of `name` if it exists (production cannot be removed this way)."""
+    # lazy: MLflow takes seconds to import; only the paths that read or write runs pay for it
     from mlflow.exceptions import MlflowException
 
     if alias == PRODUCTION:

@@ -2,9 +2,14 @@
 
 Top to bottom: the headline (the decision in one sentence, the speed-up per level with its spread, what to deploy,
 what no config could do: `pipeline.decide.headline`), the speed-up-by-concurrency chart (two levels or more), the
-per-level table, the corpus comparison (a study that searched an external corpus), the trials table, then the plots
-the study has data for (`pipeline.records.plots`: each is left out when it would be empty or compare nothing).
-Configs are named by their labels. Laid out for a laptop screen: no table or image wider than the page.
+study's details (model, engine and version, hardware, date, commit, prompt and output lengths, levels), the
+per-level table, the runs the decision rests on (each run's figure, slot in the measuring order and flags), latency
+distributions and request timelines per level, the corpus comparison (a study that searched an external corpus), the
+trials table, the simulated space (simulate-first), then the plots the study has data for (`pipeline.records.plots`,
+`pipeline.records.run_plots`: each is left out when it would be empty, compare nothing or hold one point). What is
+shown beside the decision comes from `pipeline.records.report_data.gather_report_inputs`. The page is a Jinja2
+template (templates/report.html.j2, autoescaped). Configs are named by their labels. Laid out for a laptop screen:
+no table or image wider than the page.
 
 Another stage's plot joins `PLOTS`-style through `extra_plots`: (file name, caption, draw) where `draw(fig, ax)`
 returns False (nothing to show), True (drawn on `ax`) or its own matplotlib figure -- e.g. the predicted-vs-measured
@@ -15,15 +20,20 @@ from __future__ import annotations
 
 import base64
 import html
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
+from markupsafe import Markup
+
 from pipeline.decide.headline import (BASELINE, TABLE_METRICS, Headline, limits_text, row_status, served_at,
                                       speedup_spread)
 from pipeline.decide.levels import LevelsDecision
-from pipeline.records import plots
-from pipeline.trial.corpus import corpus_comparison, format_corpus_table
+from pipeline.records import plots, run_plots
+from pipeline.records.report_data import ReportInputs, RunRecord
+from pipeline.records.corpus_table import corpus_comparison, format_corpus_table
 from pipeline.vocabulary.row import TrialRow
 
 Draw = Callable[[Any, Any], Any]  # (fig, ax) -> False | True | a Figure
@@ -46,6 +56,7 @@ th{background:#f3f3f3;font-weight:600}td.num,th.num{text-align:right;white-space
 td.config{word-break:break-word;min-width:10em}td.note{word-break:break-word;color:#555;font-size:12px}
 tr.served td{background:#fff3e0;font-weight:600}tr.level-start td{border-top:2px solid #bbb}
 .bad{color:#c62828}.muted{color:#777}
+table.details th{width:16em;background:none;font-weight:600;color:#444}
 pre{background:#f6f6f6;padding:.8em;overflow-x:auto;font-size:12px;max-width:100%}
 figure{margin:.8em 0}img{max-width:100%;height:auto;border:1px solid #eee}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:0 1em}
@@ -65,8 +76,12 @@ def headline_html(headline: Headline) -> str:
                          for line in headline.impossible)
     notes = "".join(f"<p class='muted'>{_e(line)}</p>" for line in headline.notes)
     deploy = f"<p class='deploy'><b>Deploy:</b> <code>{_e(headline.deploy)}</code></p>" if headline.deploy else ""
+    # other work disturbed the re-runs the decision rests on: said beside the decision, not below the fold
+    caveat = (f"<div class='impossible' id='caveat'><b>Caveat:</b> {_e(headline.caveat)}</div>"
+              if headline.caveat else "")
+    provisional = "<span class='badge no_baseline'>PROVISIONAL</span>" if headline.provisional else ""
     return (f"<section class='headline' id='headline'><p class='decision'><span class='badge {_e(headline.kind)}'>"
-            f"{_e(headline.kind.replace('_', ' ').upper())}</span>{_e(headline.decision)}</p>"
+            f"{_e(headline.kind.replace('_', ' ').upper())}</span>{provisional}{_e(headline.decision)}</p>{caveat}"
             f"{f'<ul>{levels}</ul>' if levels else ''}{impossible}{notes}{deploy}</section>")
 
 
@@ -111,14 +126,18 @@ def level_table_html(levels: LevelsDecision) -> str:
 
 def trials_table_html(rows: Sequence[TrialRow], remeasured: bool = False) -> str:
     """The search's trials (baseline first, then by throughput): config label, outcome, figures, and the reason of
-    a failed trial or the SLA limits a completed one broke. `remeasured`: the decision rests on re-runs."""
+    a failed trial or the SLA limits a completed one broke. The speed-up is the one every view shows
+    (`TrialRow.speedup`: a finalist's as the decision read it, the search's beside it, labelled). `remeasured`: the
+    decision rests on re-runs."""
     if not rows:
         return "<p class='muted'>No trials recorded.</p>"
     body = []
     for r in rows:
-        ratio = f"{r.vs_baseline:.2f}x" if r.vs_baseline else "-"
+        ratio = f"{r.speedup:.2f}x" if r.speedup else "-"
         accept = f"{r.accept_len:.2f}" if r.accept_len else "-"
         notes = ["the baseline"] if r.baseline else []
+        if r.search_note:
+            notes.append(f"re-measured: the finalists' paired runs ({r.search_note})")
         if not r.complete and r.reason:
             notes.append(r.reason[:300])
         notes += [t for t in r.sla or () if t.startswith("BROKEN")]
@@ -127,14 +146,17 @@ def trials_table_html(rows: Sequence[TrialRow], remeasured: bool = False) -> str
                     f"<td class='num'>{accept}</td><td class='num'>{_ms(r.ttft_p50_ms)}</td>"
                     f"<td class='note'>{_e('; '.join(notes))}</td></tr>")
     return ("<table id='trials-table'><thead><tr><th>config</th><th>outcome</th><th class='num'>tok/s</th>"
-            "<th class='num'>vs baseline</th><th class='num'>accept length</th><th class='num'>TTFT p50</th>"
+            "<th class='num'>speed-up</th><th class='num'>accept length</th><th class='num'>TTFT p50</th>"
             f"<th>note</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
-            "<p class='muted'>One measurement per trial during the search"
-            + ("; the decision above rests on the re-measured runs." if remeasured else ".") + "</p>")
+            "<p class='muted'>tok/s, accept length and TTFT: one measurement per trial during the search"
+            + ("; speed-up: a finalist's from its re-measured runs paired with the baseline's (what the decision "
+               "above rests on), the search's own beside it; the others' from the search." if remeasured
+               else "; speed-up: over the search's baseline measurement.") + "</p>")
 
 
 def _draw(out_dir: Path, name: str, draw: Draw, rows_hint: int = 0) -> Path | None:
     """Run one plot; its PNG, or None when it had nothing to show."""
+    # lazy: matplotlib only when a figure is drawn
     import matplotlib.pyplot as plt
 
     fig, ax = plots.figure(rows_hint, width=9.0 if name in (*WIDE, "speedup_by_concurrency") else 6.4)
@@ -152,20 +174,14 @@ def _draw(out_dir: Path, name: str, draw: Draw, rows_hint: int = 0) -> Path | No
     return path
 
 
-def _figure_html(path: Path, caption: str) -> str:
-    data = base64.b64encode(path.read_bytes()).decode()
-    return (f"<figure id='fig-{path.stem}'><img alt='{_e(caption)}' src='data:image/png;base64,{data}'>"
-            f"<figcaption>{_e(caption)}</figcaption></figure>")
-
-
 def write_report(out_dir: Path, *, title: str, rows: Sequence[TrialRow], headline: Headline | None = None,
                  decision: str = "", ot_study: Any = None, metrics: list[str] | None = None,
                  modes: list[str] | None = None, promoted: str | None = None, levels: LevelsDecision | None = None,
-                 extra_plots: Sequence[tuple[str, str, Draw]] = ()) -> list[Path]:
+                 extra_plots: Sequence[tuple[str, str, Draw]] = (), inputs: ReportInputs | None = None) -> list[Path]:
     """Write report.html and the PNGs it shows into out_dir; returns every file written (HTML last). `headline`:
     the decision (`decision` as plain text when there is none); `promoted` = the promoted trial's row name
     (starred on the Pareto plot); `levels` = a `pipeline.decide.levels.LevelsDecision`; `extra_plots`: see the
-    module docstring."""
+    module docstring; `inputs`: the study's details, the runs the decision rests on and the simulated space."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.png"):  # a plot this run leaves out must not linger from an earlier one
         old.unlink()
@@ -175,7 +191,8 @@ def write_report(out_dir: Path, *, title: str, rows: Sequence[TrialRow], headlin
     figures: list[tuple[str, str, Draw, int]] = [
         ("speedup_by_concurrency", "Speed-up over the baseline by concurrency (served config bold, switch marked)",
          lambda f, a: plots.plot_speedup_levels(a, levels), 0),
-        ("throughput", "Throughput by config (search measurement, 95% CI)",
+        ("throughput", "Speed-up over the baseline by config: the finalists' from their re-measured runs (what the "
+                       "decision rests on), the others' from the search's single measurement",
          lambda f, a: plots.plot_throughput(a, rows), n_done),
         ("accept_length", "Accept length by config", lambda f, a: plots.plot_accept(a, rows), n_done),
         ("tput_vs_draft_tokens", "Throughput vs draft tokens", lambda f, a: plots.plot_tput_vs_draft(a, rows), 0),
@@ -186,33 +203,83 @@ def write_report(out_dir: Path, *, title: str, rows: Sequence[TrialRow], headlin
         ("corpus_vs_accept", "NGRAM: external corpus vs none", lambda f, a: plots.plot_corpus_vs_accept(a, rows), 0),
         ("pareto_front", "Pareto front of the objectives",
          lambda f, a: plots.plot_pareto(a, rows, metrics, modes, promoted), 0),
-        ("optimization_history", "Optuna: optimization history", lambda f, a: plots.plot_optuna(f, ot_study,
-                                                                                               "history"), 0),
+        ("optimization_history", f"Search history: {metrics[0]} per trial and the best so far",
+         lambda f, a: run_plots.plot_history(ot_study, metrics[0]), 0),
         ("param_importance", "Optuna: parameter importance", lambda f, a: plots.plot_optuna(f, ot_study,
                                                                                            "importance"), 0),
         *((name, caption, draw, 0) for name, caption, draw in extra_plots),
     ]
+    runs = inputs.runs if inputs else ()
+    by_level: list[tuple[str, str, Draw]] = []
+    for level in run_plots.levels_of(runs):
+        by_level += [(f"latency_c{level}", f"Latency at {level} in flight: TTFT, inter-token gap, end to end (ms)",
+                      level_draw(run_plots.plot_latency, runs, level)),
+                     (f"timeline_c{level}", f"Requests over time at {level} in flight, one lane per request, runs in measuring order",
+                      level_draw(run_plots.plot_timeline, runs, level))]
+    if inputs is not None:
+        space, metric = inputs.space, inputs.space_metric
+        by_level.append(("simulated_space", f"Predicted {metric} of every simulated config",
+                         lambda f, a: run_plots.plot_space(space, metric)))
+    figures += [(name, caption, draw, 0) for name, caption, draw in by_level]
     drawn = {name: (path, caption) for name, caption, draw, hint in figures
              if (path := _draw(out_dir, name, draw, hint)) is not None}
-    sections = [f"<h1>{_e(title)}</h1>", headline_html(headline)]
-    if "speedup_by_concurrency" in drawn:
-        sections.append(_figure_html(*drawn.pop("speedup_by_concurrency")))
-    if levels is not None:
-        sections += ["<h2>Per-concurrency decision</h2>", level_table_html(levels)]
+    shown = {name: figure_view(*drawn.pop(name)) for name in list(drawn)
+             if name == "speedup_by_concurrency" or name.startswith(("latency_c", "timeline_c"))
+             or name == "simulated_space"}
     cells = corpus_comparison(rows)  # only when the study searched a corpus
-    if cells:
-        sections += ["<h2>External corpus vs none (at equal draft tokens)</h2>",
-                     f"<pre>{_e(format_corpus_table(cells))}</pre>"]
-    sections += ["<h2>Trials</h2>", trials_table_html(rows, remeasured=levels is not None)]
-    wide = [drawn.pop(name) for name in WIDE if name in drawn]  # bars named by labels: the page's width
-    if wide or drawn:
-        sections += ["<h2>Plots</h2>", *(_figure_html(path, caption) for path, caption in wide),
-                     f"<div class='grid'>{''.join(_figure_html(path, caption) for path, caption in drawn.values())}"
-                     "</div>"]
-    page = (f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-            f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{_e(title)}</title>"
-            f"<style>{CSS}</style></head><body>{''.join(sections)}</body></html>")
+    page = render_page(
+        title=title, css=CSS, headline=Markup(headline_html(headline)), speedup=shown.get("speedup_by_concurrency"),
+        details=inputs.details.items if inputs else (),
+        level_table=Markup(level_table_html(levels)) if levels is not None else None,
+        runs=run_rows(runs), finalist_stage=bool(inputs and inputs.finalist_stage),
+        latency=[v for k, v in shown.items() if k.startswith("latency_c")],
+        timelines=[v for k, v in shown.items() if k.startswith("timeline_c")],
+        corpus=format_corpus_table(cells) if cells else None,
+        trials=Markup(trials_table_html(rows, remeasured=levels is not None)),
+        space=shown.get("simulated_space"), space_note=space_note(inputs),
+        wide=[figure_view(*drawn.pop(name)) for name in WIDE if name in drawn],  # bars named by labels: full width
+        grid=[figure_view(path, caption) for path, caption in drawn.values()])
     report = out_dir / "report.html"
     report.write_text(page)
     paths = [p for name, caption, draw, hint in figures for p in [out_dir / f"{name}.png"] if p.exists()]
     return paths + [report]
+
+
+def level_draw(plot: Callable[[Sequence[RunRecord], int], Any], runs: Sequence[RunRecord], level: int) -> Draw:
+    """One level's plot as a `Draw` (bound now: a lambda in a loop would see the last level)."""
+    return lambda fig, ax: plot(runs, level)
+
+
+def figure_view(path: Path, caption: str) -> dict[str, str]:
+    """A drawn PNG as the template shows it: inline (the page is one file), with its caption."""
+    return {"name": path.stem, "caption": caption, "data": base64.b64encode(path.read_bytes()).decode()}
+
+
+def _median_ms(values: Sequence[float | None]) -> str:
+    shown = [v for v in values if v is not None]
+    return _ms(statistics.median(shown) * 1000) if shown else "-"
+
+
+def run_rows(runs: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """The runs table's cells, one dict per run, a rule above each new level. Pure."""
+    return [{"level": r.level, "level_start": i == 0 or runs[i - 1].level != r.level,
+             "order": "-" if r.order is None else r.order, "name": r.name, "config": r.config,
+             "outcome": r.outcome.lower() or "-", "tput": _tok(r.tput_tok_s), "requests": len(r.e2es_s),
+             "ttft": _median_ms(r.ttfts_s), "e2e": _median_ms(r.e2es_s), "flags": "; ".join(r.flags),
+             "counted": r.counted}
+            for i, r in enumerate(runs)]
+
+
+def space_note(inputs: ReportInputs | None) -> str:
+    if inputs is None or len(inputs.space) < 2:
+        return ""
+    launched = [p for p in inputs.space if p.launched]
+    return (f"simulate-first predicted {inputs.space_metric} for {len(inputs.space)} configs from the baseline's "
+            f"measured requests and launched {len(launched)} of them; a launch's star is what it measured.")
+
+
+def render_page(**context: Any) -> str:
+    """The page from templates/report.html.j2, every value escaped unless passed as Markup."""
+    env = jinja2.Environment(loader=jinja2.PackageLoader("pipeline.records", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=False)
+    return env.get_template("report.html.j2").render(**context)

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.records.gaps import keeping
 from pipeline.vocabulary.outcome import Outcome
 
 STUDY_TAG = "specdec.study"
@@ -27,6 +28,10 @@ REPLACED_TAG = "run_replaced"  # a finalist run a fresh run replaced (its config
 # A trial run is named by its config label (`pipeline.records.labels.config_label`), which two trials of one config
 # share; the Tune trial id (also its folder under trials/) is this tag.
 TRIAL_ID_TAG = "trial_id"
+# a trial's speed-up as the search measured it (one run against the search's baseline run), and as the decision
+# read it (the finalist stage's paired ratio at the search level; finalists only); `vs_baseline` shows the latter
+# where it exists
+VS_BASELINE_SEARCH, VS_BASELINE_DECIDED = "vs_baseline_search", "vs_baseline_decided"
 # The run's description in the MLflow UI (Markdown): the study run carries the headline of its decision.
 DESCRIPTION_TAG = "mlflow.note.content"
 # The experiment's kind, for the MLflow versions whose UI reads it. 3.17's UI ignores it (its navigation flag is on in
@@ -43,6 +48,8 @@ WORKFLOW_PARAM = "workflowType=machine_learning"
 VIEW_KEY = "specdec-trials"
 VIEW_NAME = "Trials: throughput vs baseline"
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+# every predicted point of a simulate-first study (`pipeline.search.simulate_first`), on the study run; the report reads it
+SPACE_PREDICTIONS = "simulate/space_predictions.jsonl"
 COMPARE_METRICS = ("tput_tok_s", "vs_baseline", "accept_len", "ttft_p50_ms")
 
 
@@ -94,6 +101,7 @@ class Tracker:
 
     def client(self) -> Any:
         _wait_for_warm_up()
+        # lazy: MLflow takes seconds to import; only the paths that read or write runs pay for it
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
@@ -132,11 +140,21 @@ class Tracker:
         _WARM_UP = threading.Thread(target=self.warm_up, name="mlflow-warm-up", daemon=True)
         _WARM_UP.start()
 
-    def log_vs_baseline(self, ratios: dict[str, float]) -> None:
-        """`vs_baseline` (throughput / the baseline's) on each trial run, so the runs table can show the ratio."""
+    def log_vs_baseline(self, ratios: dict[str, float], decided: dict[str, float] | None = None) -> None:
+        """The speed-up on each trial run, so the runs table shows the one figure the other views show:
+        `vs_baseline` = the decision's (`decided`: the finalist stage's paired ratio, for the finalists) where there
+        is one, else the search's; `VS_BASELINE_SEARCH` = the search's (`ratios`: throughput / the search baseline's)
+        beside it; `VS_BASELINE_DECIDED` = the decision's alone (read back by `trial_runs.rows_from_runs`).
+        A write the store refuses is kept as missing (`pipeline.records.gaps`)."""
         client = self.client()
-        for run_id, ratio in ratios.items():
-            client.log_metric(run_id, "vs_baseline", ratio)
+        decided = decided or {}
+        with keeping(f"the trial runs' metrics vs_baseline, {VS_BASELINE_SEARCH}"
+                     + (f", {VS_BASELINE_DECIDED}" if decided else "")):
+            for run_id, ratio in ratios.items():
+                client.log_metric(run_id, VS_BASELINE_SEARCH, ratio)
+                client.log_metric(run_id, "vs_baseline", decided.get(run_id, ratio))
+            for run_id, ratio in decided.items():
+                client.log_metric(run_id, VS_BASELINE_DECIDED, ratio)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_experiment_id": None}
@@ -161,17 +179,23 @@ class Tracker:
     def finish_study(self, run_id: str, *, tags: dict[str, str], metrics: dict[str, float],
                      texts: dict[str, str], status: str = "FINISHED", description: str | None = None) -> None:
         """The study run's decision: tags, metrics, text artifacts, and `description` (Markdown: the headline) as
-        the run's description in the MLflow UI."""
+        the run's description in the MLflow UI. Each part is tried on its own: one the store refuses (a full disk)
+        is kept as missing (`pipeline.records.gaps`), and the others, the run's end status included, still land."""
         client = self.client()
         if description is not None:
             tags = {**tags, DESCRIPTION_TAG: description[:5000]}
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
-        for name, number in metrics.items():
-            client.log_metric(run_id, name, number)
+        with keeping(f"the study run's tags ({', '.join(sorted(tags))})"):
+            for key, value in tags.items():
+                client.set_tag(run_id, key, value)
+        if metrics:
+            with keeping(f"the study run's metrics ({', '.join(sorted(metrics))})"):
+                for name, number in metrics.items():
+                    client.log_metric(run_id, name, number)
         for path, text in texts.items():
-            client.log_text(run_id, text, path)
-        client.set_terminated(run_id, status=status)
+            with keeping(f"the study run's artifact {path}"):
+                client.log_text(run_id, text, path)
+        with keeping(f"the study run's end status ({status})"):
+            client.set_terminated(run_id, status=status)
 
     def log_study_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         self.client().log_artifact(run_id, str(path), artifact_path)
@@ -186,6 +210,7 @@ class Tracker:
         run's duration in the MLflow UI the trial's, not just the logging's. `trial_id`: what identifies the record
         when `run_name` does not (a trial's run name is its config label; TRIAL_ID_TAG); None = the run name does."""
         client = self.client()  # first: it waits for a warm-up still importing MLflow
+        # lazy: MLflow takes seconds to import; only the paths that read or write runs pay for it
         from mlflow.entities import Metric, Param
 
         # A trial interrupted after logging and then resumed logs again: keep only the newest record of it. The old
@@ -262,6 +287,7 @@ class Tracker:
         """Add metrics (step 0), text artifacts and tags to a run (the study run's bookkeeping, a launch's
         prediction)."""
         client = self.client()
+        # lazy: MLflow takes seconds to import; only the paths that read or write runs pay for it
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

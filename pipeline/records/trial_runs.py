@@ -1,24 +1,28 @@
 """A study's runs read back from MLflow, typed: trial and finalist runs as `TrialRow`s (`rows_from_runs`, built once
-per run by `row_from_run`), the study's baseline trial, a run's measured requests and its recorded config, and the
-per-level decision on the study run. The rest of the pipeline reads MLflow through these and `tracking.Tracker`."""
+per run by `row_from_run`), the study's baseline trial, a run's measured requests, its recorded config and its
+engine's `/server_info`, and the per-level decision on the study run. The rest of the pipeline reads MLflow through
+these and `tracking.Tracker`."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.config import TrialConfig
-from pipeline.decide.levels import LEVELS_ARTIFACT, LevelsDecision
+from pipeline.decide.levels import BASELINE, LEVELS_ARTIFACT, LevelsDecision
+from pipeline.measure.server_info import ServerInfo
 from pipeline.measure.summary import RequestRecord, to_records
 from pipeline.records.labels import unique_names
-from pipeline.records.tracking import KIND_TAG, TRIAL_ID_TAG, Tracker
+from pipeline.records.tracking import KIND_TAG, TRIAL_ID_TAG, VS_BASELINE_DECIDED, Tracker
 from pipeline.vocabulary.outcome import Outcome
 from pipeline.vocabulary.row import TrialRow
 
-__all__ = ["baseline_trial", "child_rows", "order_rows", "row_from_run", "rows_from_runs", "run_requests",
-           "study_levels", "trial_config"]
+__all__ = ["SERVER_INFO_ARTIFACT", "baseline_requests", "baseline_trial", "child_rows", "order_rows", "row_from_run",
+           "rows_from_runs", "run_requests", "run_server_info", "study_levels", "trial_config", "with_decided"]
+
+SERVER_INFO_ARTIFACT = "server_info.json"  # a trial run's engine's `/server_info`, as the engine answered it
 
 HIDDEN_PARAMS = ("spec.algorithm", "trial.concurrency")  # the algorithm is the row's own field; concurrency is a level
 
@@ -30,7 +34,7 @@ def row_from_run(run: Any) -> TrialRow:
                     outcome=Outcome.read(run.data.tags.get("outcome")), reason=run.data.tags.get("reason", ""),
                     algorithm=params.get("spec.algorithm", "?"),
                     params={k: v for k, v in sorted(params.items()) if k not in HIDDEN_PARAMS},
-                    figures=dict(run.data.metrics))
+                    figures=dict(run.data.metrics), decided=run.data.metrics.get(VS_BASELINE_DECIDED))
 
 
 def rows_from_runs(runs: Sequence[Any], kind: str | None = "trial") -> list[TrialRow]:
@@ -42,6 +46,17 @@ def rows_from_runs(runs: Sequence[Any], kind: str | None = "trial") -> list[Tria
     names = unique_names([r.name for r in ordered], [r.trial_id or r.run_id[:8] for r in ordered])
     return [dataclasses.replace(row, name=name, vs_baseline=round(tput / base, 4) if (tput := row.tput_tok_s) and base
                                 else None) for row, name in zip(ordered, names)]
+
+
+def with_decided(rows: Sequence[TrialRow], decision: LevelsDecision, names: Mapping[str, str],
+                 level: int) -> list[TrialRow]:
+    """`rows` with each finalist's speed-up as the decision read it (`TrialRow.decided`): its row's at `level` (the
+    search's, where the trials were measured; the first level when the decision has no such level) in `decision`.
+    `names`: each config id of the decision -> its trial row's name. Pure."""
+    result = next((r for r in decision.levels if r.level == level), decision.levels[0] if decision.levels else None)
+    figures = {names[row.id]: row.speedup for row in (result.rows if result else ())
+               if row.id != BASELINE and row.id in names and row.speedup is not None}
+    return [dataclasses.replace(row, decided=figures[row.name]) if row.name in figures else row for row in rows]
 
 
 def order_rows(rows: Sequence[TrialRow]) -> list[TrialRow]:
@@ -66,6 +81,20 @@ def run_requests(tracker: Tracker, run_id: str, phase: str | None = "measure") -
     """A run's requests from its `requests.parquet`: one `phase`'s (None: every phase: warm-up, measurement,
     reference). Raises what MLflow raises when the run has none."""
     return [r for r in to_records(tracker.requests_table(run_id)) if phase is None or r.phase == phase]
+
+
+def baseline_requests(tracker: Tracker, parent_run_id: str) -> tuple[TrialRow, list[RequestRecord]] | None:
+    """The study's COMPLETE baseline trial (`baseline_trial`) and its measured requests (`run_requests`); None when
+    none completed."""
+    run = baseline_trial(tracker, parent_run_id)
+    return (run, run_requests(tracker, run.run_id)) if run is not None else None
+
+
+def run_server_info(tracker: Tracker, run_id: str) -> ServerInfo | None:
+    """What the engine of the trial run `run_id` reported (its `server_info.json`), None when the run has none.
+    ValueError when the artifact is no JSON."""
+    text = tracker.artifact_text(run_id, SERVER_INFO_ARTIFACT)
+    return ServerInfo.from_text(text) if text else None
 
 
 def trial_config(tracker: Tracker, run_id: str) -> TrialConfig:

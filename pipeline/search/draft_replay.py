@@ -24,7 +24,7 @@ from pipeline.search.space import SearchSpace, grid_points, resolve
 from pipeline.simulate.drafts import DraftCurve, DraftTables, draft_curve
 from pipeline.simulate.replay import Answer
 from pipeline.simulate.workload import Unsimulable
-from pipeline.vocabulary.context import TrialContext
+from pipeline.trial.context import TrialContext
 from serve.engines import engine_for
 from serve.engines.base import child_env
 from serve.spec import StandaloneSpec

@@ -32,23 +32,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.records.trial_runs import baseline_trial, run_requests
+from pipeline.console_log import detail, say
+from pipeline.records.gaps import missing
+from pipeline.measure.load import target_tokenizer
+from pipeline.records.tracking import SPACE_PREDICTIONS
+from pipeline.records.trial_runs import baseline_trial, run_requests, run_server_info
 from pipeline.search.draft_replay import draft_tables
 from pipeline.search.simulated import Explored, Predicted, explore, misses, pick, point_key, rank
-from pipeline.search.space import SearchSpace, baseline_point, resolve
+from pipeline.search.space import BASELINE_ATTR, SearchSpace, baseline_point, resolve
+from pipeline.search.whole_space import explore_whole
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.predict import PREDICTION_ATTR
 from pipeline.simulate.prefix import PrefixCache, prefix_cache_of
 from pipeline.simulate.simulator import Simulator, base_cost, relative_error
 from pipeline.simulate.workload import Unsimulable, answers_of, corpus_automaton
-from pipeline.vocabulary.context import TrialContext
-from pipeline.vocabulary.outcome import NO_REPORT, Outcome
+from pipeline.trial.context import TrialContext
+from pipeline.trial.corpus import corpus_for_trial
+from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.report import TrialReport
 from serve.ngram.sam import SuffixAutomaton
 from serve.spec import NgramSpec
 
 __all__ = ["PREDICTION_ATTR", "SPACE_PREDICTIONS", "SimulateFirstPlan"]
 
-SPACE_PREDICTIONS = "simulate/space_predictions.jsonl"
 
 
 class SimulateFirstPlan:
@@ -102,8 +108,9 @@ class SimulateFirstPlan:
         key = point_key(params)
         classes = self._cache.get("classes")
         if classes is None:
-            classes = self._cache["classes"] = {}
-            for p in self._cache["explored"].predicted:
+            whole = _whole(self._cache["explored"])  # a space predicted whole knows its rows' signatures
+            classes = self._cache["classes"] = whole.signatures() if whole is not None else {}
+            for p in self._cache["explored"].predicted if whole is None else ():
                 try:
                     classes[p.key] = self._cache["simulator"].signature(p.config)
                 except (Unsimulable, ValueError, OSError):
@@ -117,20 +124,18 @@ class SimulateFirstPlan:
                                         "cost_launches": self._cache["cost"].launches,
                                         "levels": self._at_levels(launch)}
             metric = self.ctx.study.objective.metrics[0]
-            print(f"[simulate-first] launching {_describe(launch.params)}: predicted {metric}="
-                  f"{launch.figures.get(metric, float('nan')):.2f}"
-                  + (f", accept length {launch.figures['accept_len']:.2f}" if "accept_len" in launch.figures else ""),
-                  flush=True)
+            say(f"[simulate-first] launching {_describe(launch.params)}: predicted {metric}="
+                f"{launch.figures.get(metric, float('nan')):.2f}"
+                + (f", accept length {launch.figures['accept_len']:.2f}" if "accept_len" in launch.figures else ""))
 
     def on_complete(self, trial_id: str, result: dict[str, Any] | None) -> None:
-        result = result or {}
         # what the trial's report says (an error leaves none: NO_REPORT), kept as the record says it
-        said, run_id = str(result.get("outcome", NO_REPORT)), str(result.get("mlflow_run_id") or "")
-        outcome = Outcome.read(said)
+        report = TrialReport.from_tune(result)
+        said, outcome = report.said, report.outcome
         metric = self.ctx.study.objective.metrics[0]
-        entry: dict[str, Any] = {"outcome": said, "run_id": run_id, "measured": result.get(metric)
+        entry: dict[str, Any] = {"outcome": said, "run_id": report.run_id, "measured": report.metric(metric)
                                  if outcome is Outcome.COMPLETE else None, "error": None,
-                                 "noise": result.get("tput_noise") if metric == "tput_tok_s" else None}
+                                 "noise": report.tput_noise if metric == "tput_tok_s" else None}
         self.outcomes[trial_id] = entry
         if trial_id == self.baseline_id:
             if outcome is not Outcome.COMPLETE:
@@ -141,7 +146,7 @@ class SimulateFirstPlan:
         predicted = self.predicted[trial_id]["figures"]
         # stopped early: it provably could not beat the baseline, a prediction that missed
         if outcome is Outcome.PRUNED:
-            entry["measured"] = result.get(metric)
+            entry["measured"] = report.metric(metric)
             entry["error"] = relative_error(predicted.get(metric), entry["measured"])
             self._log_launch(trial_id, predicted, entry)
             self._judge(metric)
@@ -151,17 +156,17 @@ class SimulateFirstPlan:
             room = self.ctx.study.budget.max_trials - self.budget
             if room > 0:
                 self.budget += 1
-                print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])} ended {said}: "
-                      "launching the next predicted config in its place", flush=True)
+                say(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])} ended {said}: "
+                    "launching the next predicted config in its place")
             return
         entry["error"] = relative_error(predicted.get(metric), entry["measured"])
         self._log_launch(trial_id, predicted, entry)
-        if result.get("measurement_flag") == "disturbed":
+        if report.measurement_flag == "disturbed":
             # other work held the CPU in every window it measured: its figure neither judges the predictions nor
             # refits the cost model (either would learn the machine's load, not the config)
             entry["disturbed"] = True
-            print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: its measurement was disturbed "
-                  "in every window: not used to judge or refit the predictions", flush=True)
+            say(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: its measurement was disturbed "
+                "in every window: not used to judge or refit the predictions")
             self._log_study()
             return
         self._refit(trial_id)
@@ -171,9 +176,8 @@ class SimulateFirstPlan:
     def adopt(self, ot_study: Any) -> bool:
         """A resumed study whose baseline (and maybe launches) another driver ran: take them over from the Optuna
         study (their predictions count for the error; their records are not refitted). True if there was one."""
+        # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
         from optuna.trial import TrialState
-
-        from pipeline.search.space import BASELINE_ATTR
 
         trials = ot_study.get_trials(deepcopy=False)
         base = next((t for t in trials if t.user_attrs.get(BASELINE_ATTR) and t.state == TrialState.COMPLETE), None)
@@ -194,8 +198,7 @@ class SimulateFirstPlan:
             measured = t.values[0] if t.state == TrialState.COMPLETE and t.values else None
             self.outcomes[key] = {"outcome": t.state.name, "run_id": "", "measured": measured,
                                   "error": relative_error(figures.get(metric), measured)}
-        print(f"[simulate-first] resumed: the baseline and {len(self.suggested) - 1} launch(es) ran before",
-              flush=True)
+        say(f"[simulate-first] resumed: the baseline and {len(self.suggested) - 1} launch(es) ran before")
         return True
 
     # ------------------------------------------------------------------ building
@@ -214,7 +217,7 @@ class SimulateFirstPlan:
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason
-        print(f"[simulate-first] falls back to tpe for the rest of the budget: {reason}", flush=True)
+        say(f"[simulate-first] falls back to tpe for the rest of the budget: {reason}")
 
     def _build(self) -> None:
         started = time.monotonic()
@@ -223,14 +226,14 @@ class SimulateFirstPlan:
         if run is None:
             raise ValueError("no COMPLETE baseline run in MLflow")
         records = run_requests(ctx.tracker, run.run_id, phase=None)
-        server_info = _server_info(ctx, run.run_id)
+        server_info = run_server_info(ctx.tracker, run.run_id)
         answers = answers_of(records)
         drafts, curve, draft_note = draft_tables(ctx, self.space, answers)
         prefix = prefix_cache_of(server_info)
         simulator = Simulator(answers, ctx.warmup, ctx.measure, arrival=study.workload.arrival,
                               seed=study.seed, corpora=self._corpora, lag=study.search.simulate.lag_rounds,
                               drafts=drafts, prefix=prefix)
-        base = base_cost(records, server_info.get("verify_cost"), study.search_concurrency, prefix=prefix,
+        base = base_cost(records, server_info.verify_cost if server_info else None, study.search_concurrency, prefix=prefix,
                          flushed_after_warmup=simulator.flushed_after_warmup)
         if curve is not None:
             base = base.model_copy(update={"draft": curve})
@@ -242,14 +245,20 @@ class SimulateFirstPlan:
             self._remember_launch(trial_id)
         settings = study.search.simulate
         explored = explore(self.space, study, self._predict, points=settings.points, seconds=settings.seconds,
-                           prepare=lambda configs, deadline: simulator.prepare(configs, deadline=deadline))
+                           prepare=lambda configs, deadline: simulator.prepare(configs, deadline=deadline),
+                           whole=lambda started, seconds: explore_whole(self.space, study, simulator,
+                                                                        self._cache["cost"], self._predict, started,
+                                                                        seconds))
         self._cache["explored"] = explored
         self._cache["explore_s"] = explored.seconds
         self._cache["ranked"] = rank(explored.predicted, study)
         self.explored_note = _explored_line(explored, self._cache["cost"], prefix) + draft_note
         # the one-off prediction as a whole: the baseline's records read back, the space replayed and ranked
         self._cache["build_s"] = time.monotonic() - started
-        print(f"[simulate-first] {self.explored_note}", flush=True)
+        # the cost model's coefficients explain a prediction, not the search: the log file keeps them
+        simulated, _, fit = _explored_line(explored, self._cache["cost"], prefix).partition("; step cost: ")
+        say(f"[simulate-first] {simulated}{draft_note}")
+        detail(f"[simulate-first] step cost: {fit}")
 
     def _at_levels(self, launch: Predicted) -> dict[str, float]:
         """The launched config's predicted throughput and median e2e at the study's other concurrency levels (where
@@ -268,9 +277,6 @@ class SimulateFirstPlan:
 
     def _corpora(self, trial: Any) -> tuple[SuffixAutomaton, ...]:
         """The corpus a config's engine would load, as the engine loads it (cached per file)."""
-        from pipeline.measure.load import target_tokenizer
-        from pipeline.trial.corpus import corpus_for_trial
-
         study = self.ctx.study
         folder = Path(self.ctx.output_dir) / "simulate"
         resolved, corpus = corpus_for_trial(trial, self.ctx.warmup, folder, target=study.model.target)
@@ -304,7 +310,10 @@ class SimulateFirstPlan:
         cache = self._cache
         cache["cost"] = cache["simulator"].fitted(cache["base"], cache["launched"])
         explored: Explored = cache["explored"]
-        repredicted = [Predicted(p.params, p.config, self._predict(p.config)) for p in explored.predicted]
+        if _whole(explored) is not None:  # re-priced from its replays, each class once
+            repredicted = explored.whole.predictions(cache["cost"])
+        else:
+            repredicted = [Predicted(p.params, p.config, self._predict(p.config)) for p in explored.predicted]
         cache["ranked"] = rank(repredicted, self.ctx.study)
 
     def _judge(self, metric: str) -> None:
@@ -319,12 +328,12 @@ class SimulateFirstPlan:
             extra = min(settings.widen_by, room)
             self.budget += extra
             self.widened += extra
-            print(f"[simulate-first] predictions miss: median |predicted - measured| / measured of {metric} = "
-                  f"{median:.1%}, beyond the measurements' own noise by more than {settings.error_threshold:.0%}; "
-                  f"launching {extra} more (now {self.budget} launches)", flush=True)
+            say(f"[simulate-first] predictions miss: median |predicted - measured| / measured of {metric} = "
+                f"{median:.1%}, beyond the measurements' own noise by more than {settings.error_threshold:.0%}; "
+                f"launching {extra} more (now {self.budget} launches)")
         elif missed:
-            print(f"[simulate-first] predictions miss: median error {median:.1%} > {settings.error_threshold:.0%}, "
-                  f"and the budget ({self.ctx.study.budget.max_trials} trials) leaves no launch to add", flush=True)
+            say(f"[simulate-first] predictions miss: median error {median:.1%} > {settings.error_threshold:.0%}, "
+                f"and the budget ({self.ctx.study.budget.max_trials} trials) leaves no launch to add")
 
     def _log_launch(self, trial_id: str, predicted: dict[str, float], entry: dict[str, Any]) -> None:
         if not entry["run_id"]:
@@ -337,16 +346,16 @@ class SimulateFirstPlan:
             self.ctx.tracker.log_figures(entry["run_id"], metrics, tags={
                 "simulate.cost_launches": str(self.predicted[trial_id]["cost_launches"])})
         except Exception as exc:  # noqa: BLE001 - bookkeeping must not end the search
-            print(f"[simulate-first] could not log the prediction of {trial_id}: {type(exc).__name__}: {exc}")
+            missing(f"the simulate-first prediction of {trial_id} (its run's predicted_* metrics)", exc)
         measured = entry["measured"]
         error = entry["error"]
         metric = self.ctx.study.objective.metrics[0]
-        print(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: predicted {metric}="
-              f"{predicted.get(metric, float('nan')):.2f}, measured "
-              + (f"{measured:.2f}" if isinstance(measured, (int, float)) else "-")
-              + (f" ({error:.1%} off" if error is not None else "")
-              + (f"; the measurement's own noise ±{entry['noise']:.1%})" if error is not None and entry.get("noise")
-                 is not None else (")" if error is not None else "")), flush=True)
+        say(f"[simulate-first] {_describe(self.predicted[trial_id]['params'])}: predicted {metric}="
+            f"{predicted.get(metric, float('nan')):.2f}, measured "
+            + (f"{measured:.2f}" if isinstance(measured, (int, float)) else "-")
+            + (f" ({error:.1%} off" if error is not None else "")
+            + (f"; the measurement's own noise ±{entry['noise']:.1%})" if error is not None and entry.get("noise")
+                 is not None else (")" if error is not None else "")))
 
     def summary(self) -> dict[str, Any]:
         """Predicted vs measured per launch, the median error, the cost model: what the study run records."""
@@ -375,19 +384,22 @@ class SimulateFirstPlan:
             metrics["simulate_median_error"] = float(summary["median_error"])
         texts = {"simulate/predictions.json": json.dumps(summary, indent=2, default=str)}
         if "ranked" in self._cache:  # every point's prediction under the last cost model, best first
+            # a space predicted whole has a row per replay class (136,620 for `ngram`): the best `points` of them
+            ranked, points = self._cache["ranked"], self.ctx.study.search.simulate.points
+            shown = ranked if _whole(self._cache["explored"]) is None else ranked[:points]
             texts[SPACE_PREDICTIONS] = "".join(
                 json.dumps({"rank": i, "params": p.params, "predicted": p.figures}, sort_keys=True, default=str) + "\n"
-                for i, p in enumerate(self._cache["ranked"]))
+                for i, p in enumerate(shown))
         try:
             self.ctx.tracker.log_figures(self.ctx.parent_run_id, metrics, texts=texts)
-        except Exception as exc:  # noqa: BLE001
-            print(f"[simulate-first] could not log the predictions: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - bookkeeping must not end the search
+            missing(f"the simulate-first predictions (the study run's simulate/predictions.json, {SPACE_PREDICTIONS} "
+                    f"and simulate_* metrics)", exc)
 
 
-def _server_info(ctx: TrialContext, run_id: str) -> dict[str, Any]:
-    text = ctx.tracker.artifact_text(run_id, "server_info.json")
-    data = json.loads(text) if text is not None else {}
-    return data if isinstance(data, dict) else {}
+def _whole(explored: Any) -> Any:
+    """The explored space's whole_space.WholeSpace, None when it was predicted point by point."""
+    return getattr(explored, "whole", None)
 
 
 def _describe(params: dict[str, Any]) -> str:
@@ -398,8 +410,10 @@ def _explored_line(explored: Explored, cost: CostModel, prefix: PrefixCache | No
     shape = ("the engine's measured round table" if cost.shape == "measured"
              else f"the prior shape (1 + {cost.alpha} x (rows - 1))")
     tokens = "tokens" if prefix is None else "tokens its prefix cache did not hold"
+    capped = not explored.complete and explored.method.startswith("every point")
     return (f"simulated {explored.evaluated} config(s) ({explored.method}"
-            f"{'' if explored.complete or explored.method != 'every point' else ', stopped at the time cap'}) in "
+            f"{f': {len(explored.predicted)} replay classes' if explored.whole is not None else ''}"
+            f"{', stopped at the time cap' if capped else ''}) in "
             f"{explored.seconds:.1f} s; step cost: {shape}, k={cost.k:.3g}, o={cost.o_ms:.2f} ms per request-round, "
             f"prefill {cost.p0_ms:.1f} + {cost.p1_ms:.3f} x {tokens} ms, client gap {cost.gap_s * 1000:.1f} ms, "
             f"fitted to {cost.launches} launch(es)")

@@ -9,15 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.search.simulate_first import SimulateFirstPlan
+from pipeline.search.space.sampler import constrained_search_class
 from pipeline.simulate.predict import PREDICTION_ATTR
 
 __all__ = ["simulate_first_search_class"]
 
 
 def simulate_first_search_class() -> Any:
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     from ray.tune.search import Searcher
-
-    from pipeline.search.space.sampler import constrained_search_class
 
     class SimulateFirstSearch(constrained_search_class()):  # type: ignore[misc]
         def __init__(self, *args: Any, plan: SimulateFirstPlan, **kwargs: Any) -> None:

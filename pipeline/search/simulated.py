@@ -1,10 +1,11 @@
 """simulate-first's search over predictions (pure apart from Optuna): evaluate the space on the simulator, rank the
 predictions, pick the few to launch (diverse), and decide when the predictions miss enough to launch more.
 
-- `explore`: every point of the space when it has at most `points` (`grid_points`), else Optuna's TPE (the study's
-  own `tpe_sampler`, in memory) over the define-by-run space with the predicted objective(s); both stop at
-  `seconds`. The baseline is not a candidate (it is always launched); invalid points are skipped as they would be
-  INVALID trials.
+- `explore`: every point of the space when it has at most `points` (`grid_points`); a finite space with more is
+  predicted whole by the caller's `whole` (pipeline/search/whole_space.py: each distinct replay once, no sampler);
+  else Optuna's TPE (the study's own `tpe_sampler`, in memory) over the define-by-run space with the predicted
+  objective(s); all stop at `seconds`. The baseline is not a candidate (it is always launched); invalid points are
+  skipped as they would be INVALID trials.
 - `rank`: points that keep every SLA limit (predicted, at the search level) first; then non-dominated fronts of the
   objectives (one objective: its order), each front by the first objective.
 - `pick`: greedily down the ranking, skipping a point that differs from an already chosen or launched one in fewer
@@ -14,11 +15,13 @@ predictions, pick the few to launch (diverse), and decide when the predictions m
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+import statistics
 from typing import Any, Literal
 
 from pipeline.config import StudyConfig, TrialConfig
@@ -30,6 +33,8 @@ __all__ = ["Explored", "Predicted", "distance", "explore", "misses", "pick", "po
 
 Predict = Callable[[TrialConfig], dict[str, float]]
 Prepare = Callable[[list[TrialConfig], float], object]  # (every config to be predicted, deadline) -> anything
+# (started, seconds) -> the whole space predicted (whole_space.explore_whole); ConfigError: it has no finite grid
+Whole = Callable[[float, float], "Explored"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ class Explored:
     predicted: list[Predicted]
     evaluated: int  # points simulated (valid ones)
     seconds: float
-    method: str  # "every point" | "TPE over the predictions"
+    method: str  # "every point" | "every point, by replay class" | "TPE over the predictions"
     complete: bool  # every point of the space was simulated
+    whole: Any = None  # whole_space.WholeSpace when the space was predicted whole: re-prices after a refit
 
 
 def point_key(params: dict[str, Any]) -> str:
@@ -57,9 +63,22 @@ def point_key(params: dict[str, Any]) -> str:
 
 
 def explore(space: SearchSpace, study: StudyConfig, predict: Predict, *, points: int, seconds: float,
-            prepare: Prepare | None = None) -> Explored:
+            prepare: Prepare | None = None, whole: Whole | None = None) -> Explored:
     """`prepare`, when given, is called once with every valid point's config (and the deadline, time.monotonic())
-    before they are predicted one by one: the simulator replays them in parallel there."""
+    before they are predicted one by one: the simulator replays them in parallel there. The cyclic garbage collector
+    waits until the end: a space's replays allocate millions of small objects and no cycles, and its passes over
+    them were near a tenth of the prediction's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _explore(space, study, predict, points, seconds, prepare, whole)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _explore(space: SearchSpace, study: StudyConfig, predict: Predict, points: int, seconds: float,
+             prepare: Prepare | None, whole: Whole | None = None) -> Explored:
     started = time.monotonic()
     try:
         grid = grid_points(space, limit=points)
@@ -82,11 +101,17 @@ def explore(space: SearchSpace, study: StudyConfig, predict: Predict, *, points:
                 break
             out.append(Predicted(params, config, predict(config)))
         return Explored(out, len(out), time.monotonic() - started, "every point", not timed_out)
+    if whole is not None:
+        try:
+            return whole(started, seconds)
+        except ConfigError:  # a continuous parameter, or too many points to enumerate
+            pass
     return _tpe(space, study, predict, points, seconds, started)
 
 
 def _tpe(space: SearchSpace, study: StudyConfig, predict: Predict, points: int, seconds: float,
          started: float) -> Explored:
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
 
     metrics, modes = study.objective.metrics, study.objective.modes
@@ -214,8 +239,6 @@ def misses(errors: Sequence[float | None], threshold: float,
     measurement noise, relative: its figure is only known to within it), a launch's error counts only beyond its
     noise: a prediction within the noise is as good as a measurement, and a threshold below the noise could
     otherwise never be met."""
-    import statistics
-
     pairs = [(e, (noises[i] if noises is not None and i < len(noises) else None) or 0.0)
              for i, e in enumerate(errors) if e is not None]
     if not pairs:

@@ -5,7 +5,8 @@ SGLang 0.5.23's drafting schedule (`serve.ngram`, the code the CPU engine drafts
 `cost` is the step-cost model T(batch rows, query tokens, context) fitted to the launches; `predict` times the
 rounds and summarizes them like a measurement; `prefix` counts the prompt tokens an engine's prefix cache (SGLang's
 radix cache) leaves a prefill to compute; `workload` arranges the answers as a trial sends them; `simulator`
-holds one study's pieces together. Pure: no engine, no I/O beyond reading a corpus file. The search that uses it is
+holds one study's pieces together; `solo` replays and prices a whole space's NGRAM configs in bulk at concurrency 1,
+to the same figures. Pure: no engine, no I/O beyond reading a corpus file. The search that uses it is
 `pipeline.search.simulate_first`."""
 
-__all__ = ["cost", "predict", "prefix", "replay", "simulator", "workload"]
+__all__ = ["cost", "predict", "prefix", "replay", "simulator", "solo", "workload"]

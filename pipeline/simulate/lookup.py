@@ -19,7 +19,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-__all__ = ["ngram_simple_draft"]
+__all__ = ["draft_at", "ngram_simple_draft", "ngram_simple_match"]
 
 _ITEM = array("i").itemsize
 
@@ -28,9 +28,27 @@ def ngram_simple_draft(history: Sequence[int], sampled: int, size_n: int, size_m
     """The draft `common_ngram_simple_draft` returns (empty: no draft this step)."""
     if size_n < 1 or size_m < 1:
         raise ValueError(f"ngram-simple: size_n and size_m must be >= 1, got size_n={size_n}, size_m={size_m}")
-    length = len(history)
-    if length <= size_n + size_m + 1:
+    if len(history) <= size_n + size_m + 1:
         return []
+    return draft_at(history, ngram_simple_match(history, sampled, size_n), size_n, size_m)
+
+
+def draft_at(history: Sequence[int], match: int, size_n: int, size_m: int) -> list[int]:
+    """The draft of `ngram_simple_draft` given its match (`ngram_simple_match`), which does not depend on size_m."""
+    length = len(history)
+    if length <= size_n + size_m + 1 or match <= 0:
+        return []
+    copy = min(size_m, length - (match + size_n))
+    if copy < size_n:
+        return []
+    return list(history[match + size_n:match + size_n + copy])
+
+
+def ngram_simple_match(history: Sequence[int], sampled: int, size_n: int) -> int:
+    """Where the pattern's occurrence `ngram_simple_draft` copies from starts in `history` (-1: none)."""
+    length = len(history)
+    if length <= size_n + 1:
+        return -1
     pattern = array("i", history[length - size_n + 1:])
     pattern.append(sampled)
     needle = pattern.tobytes()
@@ -41,10 +59,4 @@ def ngram_simple_draft(history: Sequence[int], sampled: int, size_n: int, size_m
     found = hay.rfind(needle, _ITEM, end)
     while found > 0 and found % _ITEM:
         found = hay.rfind(needle, _ITEM, found + len(needle) - 1)
-    if found <= 0:
-        return []
-    match = found // _ITEM
-    copy = min(size_m, length - (match + size_n))
-    if copy < size_n:
-        return []
-    return list(history[match + size_n:match + size_n + copy])
+    return found // _ITEM if found > 0 else -1

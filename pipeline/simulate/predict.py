@@ -17,6 +17,7 @@ import numpy as np
 
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.replay import Replay, RequestReplay, Round
+from serve.latency import LATENCY_FIELDS
 
 __all__ = ["PREDICTABLE_METRICS", "PREDICTION_ATTR", "Timed", "decode_rounds", "predicted_metrics", "timed"]
 
@@ -24,9 +25,7 @@ __all__ = ["PREDICTABLE_METRICS", "PREDICTION_ATTR", "Timed", "decode_rounds", "
 PREDICTION_ATTR = "simulate.predicted"
 # Summary fields a prediction gives (the objective and SLA metrics the simulator can search for)
 PREDICTABLE_METRICS: tuple[str, ...] = (
-    "tput_tok_s", "req_per_s", "accept_len", "accept_len_drafts", "window_s", "completion_tokens",
-    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
-    "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms")
+    "tput_tok_s", "req_per_s", "accept_len", "accept_len_drafts", "window_s", "completion_tokens", *LATENCY_FIELDS)
 
 
 @dataclass(frozen=True)

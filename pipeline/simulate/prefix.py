@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeline.measure.server_info import ServerInfo
 from pipeline.measure.summary import RequestRecord
 from serve.spec import FrozenModel
 
@@ -40,14 +41,15 @@ class PrefixCache(FrozenModel):
     page_size: int = Field(1, ge=1)
 
 
-def prefix_cache_of(server_info: Any) -> PrefixCache | None:
+def prefix_cache_of(server_info: ServerInfo | None) -> PrefixCache | None:
     """The prefix cache the engine runs with, from its `/server_info`: SGLang reports its resolved server arguments
     there, `disable_radix_cache` among them (resolved: True also where SGLang itself turned the cache off for the
     model or the speculative algorithm), and `page_size`. An engine that reports no such field (the CPU engine,
     llama-server) has none for the simulator, so its predictions charge every prompt token."""
-    if not isinstance(server_info, dict) or server_info.get("disable_radix_cache") is not False:
+    raw = server_info.raw if server_info is not None else {}
+    if raw.get("disable_radix_cache") is not False:
         return None
-    page = server_info.get("page_size")
+    page = raw.get("page_size")
     return PrefixCache(page_size=page if isinstance(page, int) and not isinstance(page, bool) and page >= 1 else 1)
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.simulate.drafts import DraftTables, StandaloneSteps
-from pipeline.simulate.lookup import ngram_simple_draft
+from pipeline.simulate.lookup import draft_at, ngram_simple_draft, ngram_simple_match
 from pipeline.simulate.prefix import HeldPrefixes, PrefixCache
 from serve.ngram.compiled import ngram_cache
 from serve.ngram.sam import SuffixAutomaton
@@ -149,6 +149,7 @@ RoundCost = Callable[[Round], float]  # seconds of a round (without start/end ti
 class Replay:
     requests: tuple[RequestReplay, ...]  # every phase's requests, in phase and position order
     rounds: tuple[Round, ...]
+    trie_nodes: int = -1  # NGRAM: the nodes its trie held at the end, the root apart (-1: no trie)
 
     def phase(self, name: str) -> list[RequestReplay]:
         return [r for r in self.requests if r.phase == name]
@@ -174,6 +175,25 @@ class _Live:
     client: int = 0
     previous: int | None = None  # STANDALONE: accepted drafts of its previous verify step
     sequence: tuple[int, ...] = ()  # NGRAM: prompt + the whole output (`tokens` is always its prefix)
+
+
+# (id of an Answer, tokens out, size_n) -> (that Answer, its ngram-simple match): the match does not depend on size_m,
+# so the configs of a space that differ in it search each history once (the Answer held: its id stays its own)
+_MATCHES: dict[tuple[int, int, int], tuple[Answer, int]] = {}
+
+
+def _lookup_draft(live: _Live, size_n: int, size_m: int) -> list[int]:
+    """`ngram_simple_draft(live.tokens[:-1], live.tokens[-1], size_n, size_m)`, its match remembered."""
+    history = live.tokens[:-1]
+    if size_n < 1 or size_m < 1 or len(history) <= size_n + size_m + 1:
+        return ngram_simple_draft(history, live.tokens[-1], size_n, size_m)
+    key = (id(live.answer), len(live.tokens), size_n)
+    known = _MATCHES.get(key)
+    if known is None or known[0] is not live.answer:
+        if len(_MATCHES) >= 1_000_000:
+            _MATCHES.clear()
+        known = _MATCHES[key] = (live.answer, ngram_simple_match(history, live.tokens[-1], size_n))
+    return draft_at(history, known[1], size_n, size_m)
 
 
 def _drafter(spec: NgramSpec | NoSpec | LlamaNgramSimpleSpec,
@@ -215,7 +235,7 @@ def replay(spec: NgramSpec | NoSpec | StandaloneSpec | LlamaNgramSimpleSpec, pha
         if isinstance(phase.admission, OpenLoop) and cost is None:
             raise ValueError("simulate: open-loop arrivals need a round cost (arrival times are in seconds)")
         now = _run_phase(phase, drafter, width, max_running, cost, records, rounds, now, standalone, held, lookup)
-    return Replay(tuple(records), tuple(rounds))
+    return Replay(tuple(records), tuple(rounds), drafter.cache.num_nodes if drafter is not None else -1)
 
 
 def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_running: int | None,
@@ -269,6 +289,15 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
                                  sequence=answer.prompt_ids + answer.output_ids if drafter is not None else ()))
         if drafter is not None:
             drafter.begin_round()
+            # One decoding request and nobody to join it before it ends (closed loop, no cost: rounds have no
+            # times): its remaining rounds are its steps alone, replayed in one call (the compiled trie).
+            alone = (running[0] if len(running) == 1 and running[0].emitted and not waiting and not due and cost is None
+                     and isinstance(admission, ClosedLoop) else None)
+            steps = drafter.replay_alone(alone.state, alone.sequence, len(alone.tokens)) if alone else None
+            if alone is not None and steps is not None and isinstance(admission, ClosedLoop):
+                sent = _finish_alone(alone, steps, width, rounds, held, admission, sent, due, mine, now, answers)
+                running = []
+                continue
         prefills: list[int] = []
         trees: list[int] = []
         contexts: list[int] = []
@@ -292,7 +321,7 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
                 live.previous = drafts
                 forwards.extend(rows)
             elif lookup is not None:
-                draft = ngram_simple_draft(live.tokens[:-1], live.tokens[-1], *lookup)[:max(0, remaining - 1)]
+                draft = _lookup_draft(live, *lookup)[:max(0, remaining - 1)]
                 drafts, real = _matched(draft, answer.output_ids, live.emitted), len(draft)
             else:
                 drafts, real = 0, 0
@@ -333,3 +362,38 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
                 still.append(live)
         running = still  # finished requests leave at once (their queued inserts still land)
     return now
+
+
+_SOLO: dict[tuple[int, int, int, int], tuple[Step, Round]] = {}  # (width, kept, real, context) -> its step, round
+
+
+def _finish_alone(live: _Live, steps: Sequence[tuple[int, int]], width: int, rounds: list[Round],
+                  held: HeldPrefixes | None, admission: ClosedLoop, sent: int,
+                  due: dict[int, list[tuple[int, int]]], mine: list[RequestReplay], now: float,
+                  answers: Sequence[Answer]) -> int:
+    """The rounds of a request that decodes alone to its end (`steps`: (kept, real nodes) per verify step), recorded
+    as `_run_phase`'s loop records them one round at a time; returns the requests sent so far."""
+    record, answer = live.record, live.answer
+    context = len(live.tokens) - 1
+    if len(_SOLO) > 1_000_000:
+        _SOLO.clear()
+    for kept, real in steps:
+        # a space's replays repeat these (frozen) steps and rounds many times over: made once, shared
+        key = (width, kept, real, context)
+        made = _SOLO.get(key)
+        if made is None:
+            made = _SOLO[key] = (Step(kept, real, context), Round((), width, (real,), (context,)))
+        record.steps.append(made[0])
+        rounds.append(made[1])
+        record.step_ends_s.append(now)
+        context += kept
+    live.emitted = len(answer.output_ids)
+    if held is not None:  # SGLang caches a request's prompt and output when it finishes
+        held.hold(answer.prompt_ids + answer.output_ids[:-1])
+    index = len(rounds) - 1
+    record.finished_round, record.finished_s = index, now
+    if sent < len(answers):
+        due[index + 1 + admission.lag].append((sent, live.client))
+        mine[sent].after_round = index
+        sent += 1
+    return sent

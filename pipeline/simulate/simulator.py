@@ -6,12 +6,14 @@ and predicted, counts the prompt tokens the cache did not hold: the prefill line
 against their uncached tokens, and a config's replay charges its own.
 
 Replays are memoized per config (a closed-loop replay does not depend on the cost model, so a refit re-times the
-cached rounds instead of replaying). Pure apart from reading corpus files through `corpora`.
+cached rounds instead of replaying), and NGRAM configs that differ only in a capacity their trie never came near
+share one replay (nothing was evicted: `_never_full`). Pure apart from reading corpus files through `corpora`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import marshal
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -74,6 +76,10 @@ class Simulator:
         self.prefix = prefix
         self._replays: dict[str, Replay] = {}
         self._signatures: dict[str, str] = {}  # config -> its replay's signature
+        # an NGRAM config without its capacity -> (capacity, replay) of the configs replayed: a trie that never
+        # filled up evicted nothing, so any capacity it never came near replays the same (`_never_full`)
+        self._families: dict[str, list[tuple[int, Replay]]] = {}
+        self._signed: dict[int, str] = {}  # id of a held replay -> its signature (replays shared across configs)
         # Pricing memo, valid for one cost model (`_cost`): a refit changes the cost, never a closed-loop replay, so
         # re-predicting a space re-times each distinct replay once (configs whose replays are identical -- same
         # rounds, same requests in them -- are one config to the cost model and get one prediction).
@@ -102,6 +108,13 @@ class Simulator:
         key = trial.model_dump_json()
         if cost is None and key in self._replays:
             return self._replays[key]
+        closed = cost is None or not self.open_loop
+        family = _capacity_family(trial) if closed else None
+        if family is not None:  # a replay of the same config at another capacity that its trie never came near
+            for capacity, known in self._families.get(family, ()):
+                if _never_full(known, trial.spec.max_trie_depth, min(capacity, trial.spec.capacity)):
+                    self._replays[key] = known
+                    return known
         phases = phases_for(trial, self.warmup, self.measure, self.answers, arrival=self.arrival, seed=self.seed,
                             lag=self.lag)
         spec = trial.spec
@@ -109,8 +122,10 @@ class Simulator:
         result = replay(spec, phases, sams=self._sams(trial), max_running=trial.max_running_requests,
                         cost=cost.seconds if cost is not None and self.open_loop else None, drafts=tables,
                         prefix=self.prefix)
-        if cost is None or not self.open_loop:
+        if closed:
             self._replays[key] = result
+        if family is not None:
+            self._families.setdefault(family, []).append((spec.capacity, result))
         return result
 
     def prepare(self, trials: Sequence[Any], *, deadline: float | None = None, workers: int | None = None,
@@ -150,12 +165,20 @@ class Simulator:
         found = self._signatures.get(key)
         if found is None:
             result = self.replay(trial)
+            found = self._signed.get(id(result))
+            if found is not None and key in self._replays:  # held, so its id is not reused
+                self._signatures[key] = found
+                return found
             # rounds as plain tuples: a dataclass repr is most of a signature's time
             rounds = [(r.prefills, r.width, r.trees, r.contexts, r.start_s, r.end_s, r.drafts) for r in result.rounds]
-            shape = (rounds, [(r.phase, r.admitted_round, r.finished_round, r.after_round, r.completion_tokens,
+            shape = (rounds, [(r.phase.encode(), r.admitted_round, r.finished_round, r.after_round, r.completion_tokens,
                                       r.spec_verify_ct, r.spec_num_correct_drafts) for r in result.requests],
                      trial.spec.algorithm != "none")
-            found = self._signatures[key] = hashlib.blake2b(repr(shape).encode(), digest_size=16).hexdigest()
+            # marshal's version 2 writes values only (no back-references to shared objects, and bytes, not
+            # strings, which it would mark interned or not): equal shapes, equal bytes; several times repr's speed
+            found = self._signatures[key] = hashlib.blake2b(marshal.dumps(shape, 2), digest_size=16).hexdigest()
+            if key in self._replays:
+                self._signed[id(result)] = found
         return found
 
     def predict(self, trial: Any, cost: CostModel) -> dict[str, float]:
@@ -212,6 +235,22 @@ class Simulator:
                 return base
             model = fit_cost(base, points)
         return model
+
+
+def _capacity_family(trial: Any) -> str | None:
+    """An NGRAM config's key with its capacity left out (None for any other config)."""
+    spec = trial.spec
+    if not isinstance(spec, NgramSpec):
+        return None
+    return trial.model_copy(update={"spec": spec.model_copy(update={"capacity": 0})}).model_dump_json()
+
+
+def _never_full(result: Replay, depth: int, capacity: int) -> bool:
+    """Whether a trie of `capacity` nodes replaying `result`'s inserts never had to evict. An eviction leaves at least
+    capacity - 1 - depth nodes behind it (it frees room for one suffix of at most `depth` tokens, and the trie only
+    shrinks by evicting), so a replay whose trie ended with fewer never evicted, and no insert of it came within a
+    suffix of the cap: every capacity above that replays it decision for decision (serve/ngram/trie.py)."""
+    return 0 <= result.trie_nodes and result.trie_nodes + depth < capacity - 1
 
 
 def memoized(seconds: Callable[[Round], float]) -> Callable[[Round], float]:

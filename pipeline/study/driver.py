@@ -13,10 +13,12 @@ from typing import Any, Literal
 
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig, TrialConfig, study_to_yaml
+from pipeline.console_log import detail, say, warn
 from pipeline.errors import PipelineError
 from pipeline.measure.load import LoadRequest, requests_of
-from pipeline.search.pruning import intermediate_report
+from pipeline.trial.pruning import intermediate_report
 from pipeline.records.console import progress_callback
+from pipeline.records.gaps import GAPS, conclude
 from pipeline.records.labels import config_label, params_label
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.redact import mask_url
@@ -32,13 +34,19 @@ from pipeline.search.space.sampler import constrained_search_class
 from pipeline.search.strategy import enqueue_grid, resolve_strategy
 from pipeline.trial.replicas import delete_study_apps, start_standby, study_apps
 from pipeline.measure.window import flag
+from pipeline.search.simulate_first import SimulateFirstPlan
+from pipeline.search.simulate_searcher import simulate_first_search_class
+from pipeline.study.finalize import finalize_study
 from pipeline.trial.lifecycle import run_trial
 from pipeline.trial.launches import record_launches
 from pipeline.trial.replica_config import replica_config
-from pipeline.vocabulary.context import TrialContext
+from pipeline.trial.context import TrialContext
 from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.report import TrialReport
 from pipeline.workloads import load_workload
 from serve.engines import engine_for, retokenizes
+from serve.engines.load_failures import cause_in_reason
+from serve.ports import free_port
 
 TUNE_DIR = "tune"
 SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst value, so TPE steers away from it
@@ -47,6 +55,7 @@ SENTINEL = {"max": 0.0, "min": 1e12}  # what a failed trial reports: the worst v
 def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
                recorded: dict[str, dict[str, Any]] | None = None) -> None:
     ctx.tracker.warm_up_in_background()  # a fresh Tune worker: MLflow loads while the trial waits for its replica
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     from ray import tune
 
     label = tune.get_context().get_trial_id()
@@ -59,43 +68,42 @@ def _trainable(config: dict[str, Any], ctx: TrialContext, space: SearchSpace,
         tune.report(intermediate_report(records, stop, objective.metrics, objective.modes, SENTINEL, ctx.study.seed))
 
     result = run_trial(ctx, label, resolve(space, config, ctx.study), progress)
-    report: dict[str, Any] = {"outcome": result.outcome.value, "mlflow_run_id": result.run_id or "",
-                              # for the driver's progress line (pipeline.records.console)
-                              "label": config_label(result.config) if result.config else params_label(config),
-                              "reason": result.reason[:300]}
+    metrics = {}
     for metric, mode in zip(ctx.study.objective.metrics, ctx.study.objective.modes):
         # PRUNED reports its partial figure: Optuna keeps it as the pruned trial's value (pipeline/search/searcher.py)
         value = result.objective(metric) if result.outcome.reports_measurement else None
-        report[metric] = float(value) if value is not None else SENTINEL[mode]
-    if result.summary is not None:
-        report["accept_len"] = result.summary.accept_len or 1.0
-        s = result.summary
-        if s.tput_ci_low is not None and s.tput_ci_high is not None and s.tput_tok_s > 0:
-            # the figure's own noise: half its bootstrap CI, relative (simulate-first judges predictions against it)
-            report["tput_noise"] = (s.tput_ci_high - s.tput_ci_low) / 2 / s.tput_tok_s
-    if result.windows:  # the measurement's own noise and whether other work disturbed it (pipeline/measure/window.py)
-        report["measurement_flag"] = flag(result.windows)
-        report["window_remeasured"] = len(result.windows) - 1
-        if result.windows[-1].spread is not None:
-            report["tput_spread"] = result.windows[-1].spread
+        metrics[metric] = float(value) if value is not None else SENTINEL[mode]
+    s = result.summary
+    noise = None
+    if s is not None and s.tput_ci_low is not None and s.tput_ci_high is not None and s.tput_tok_s > 0:
+        # the figure's own noise: half its bootstrap CI, relative (simulate-first judges predictions against it)
+        noise = (s.tput_ci_high - s.tput_ci_low) / 2 / s.tput_tok_s
     # SLA figures at the search level, copied into the Optuna trial's user attributes by the searcher
     # (`constrained_search_class`) for the sampler's constraints_func; an unmeasured one is left out (= broken).
-    figures = result.summary.to_metrics() if result.summary is not None and result.outcome is Outcome.COMPLETE else {}
-    report.update({k: v for k, v in constraint_user_attrs(ctx.study.objective.constraints,
-                                                          ctx.study.search_concurrency, figures).items()
-                   if v is not None})
+    figures = s.to_metrics() if s is not None and result.outcome is Outcome.COMPLETE else {}
+    sla = {k: v for k, v in constraint_user_attrs(ctx.study.objective.constraints, ctx.study.search_concurrency,
+                                                  figures).items() if v is not None}
+    windows = result.windows  # the measurement's own noise and whether other work disturbed it (measure/window.py)
+    report = TrialReport(
+        said=result.outcome.value, run_id=result.run_id or "",
+        # for the driver's progress line (pipeline.records.console)
+        label=config_label(result.config) if result.config else params_label(config), reason=result.reason[:300],
+        # a load failure a retry would repeat: the searcher does not queue a baseline again for it
+        load_failure=cause_in_reason(result.reason), metrics=metrics,
+        accept_len=(s.accept_len or 1.0) if s is not None else None, tput_noise=noise,
+        measurement_flag=flag(windows) if windows else None, window_remeasured=len(windows) - 1 if windows else 0,
+        tput_spread=windows[-1].spread if windows else None, sla=sla)
     # The final report, after the measurement; intermediate ones say MEASURING, and a trial that ends on one is a FAIL
     # in Optuna (pipeline/search/searcher.py), so a report-then-crash never reaches Optuna as COMPLETE.
-    tune.report(report)
+    tune.report(report.to_tune())
 
 
 def connect_ray(study_name: str, address: str | None = None) -> str:
     """Start or join Ray, start Serve on a free local port (or find the port it already serves on); delete this
     study's trial apps left behind by a killed driver, and no one else's. Returns the Serve HTTP base URL."""
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     import ray
     from ray import serve
-
-    from serve.ports import free_port
 
     if not ray.is_initialized():
         # No address = a new local Ray ("local"): never join whatever cluster `ray start` last left in /tmp/ray
@@ -154,18 +162,20 @@ def _identity(study: StudyConfig, space: SearchSpace) -> dict[str, str]:
 
 
 def _interrupted(ot_study: Any, resume_command: str | None) -> int:
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     from optuna.trial import TrialState
 
     unfinished = [t.number for t in ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     command = resume_command or "python -m pipeline.tune <the same arguments> --resume"
     where = f"with trial(s) {unfinished} unfinished" if unfinished else "between trials"
-    print(f"\ninterrupted {where}; the state is saved. Continue with: {command}", flush=True)
+    warn(f"\ninterrupted {where}; the state is saved. Continue with: {command}")
     return 130
 
 
 def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
               resume_command: str | None = None) -> int:
-    """Run the study end to end; returns the process exit code (130 when interrupted, state saved).
+    """Run the study end to end; returns the process exit code (130 when interrupted, state saved; 3 when it decided
+    but a record could not be written, `pipeline.records.gaps`).
 
     `resume_command` is what to print for continuing an interrupted study (the CLI passes its own command line).
     A library call: it reads no process state (sys.argv) and leaves environment and logging to the caller.
@@ -173,12 +183,12 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     RUNNING in Optuna by a dead driver, or asked by Optuna but never checkpointed by Tune, are failed, so a resume
     never waits on them forever.
     """
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
     from ray import tune
 
-    from pipeline.study.finalize import finalize_study
-
     started = time.monotonic()
+    GAPS.clear()  # records missing from an earlier study in this process are not this one's
     out = study.output_path().resolve()
     tune_path = out / TUNE_DIR
     if (out / "study.yaml").exists() and not resume:
@@ -202,13 +212,13 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     write_text_atomic(out / "study.yaml", study_to_yaml(study))
     write_identity(out, identity, study.budget.max_trials)
     ot_study.set_user_attr(IDENTITY_ATTR, {"identity": identity, "max_trials": study.budget.max_trials})
-    print(f"study '{study.name}': {study.budget.max_trials} trials, engine {study.engine.kind}, "
-          f"model {study.model.target}, space {space.name or study.search_space}, output {out}", flush=True)
+    say(f"study '{study.name}': {study.budget.max_trials} trials, engine {study.engine.kind}, "
+        f"model {study.model.target}, space {space.name or study.search_space}, output {out}")
     note = budget_note(recorded, study.budget.max_trials)
     if note:
-        print(note, flush=True)
+        say(note)
     strategy = resolve_strategy(study, space)
-    print(f"search: {strategy.name} -- {strategy.reason}", flush=True)
+    say(f"search: {strategy.name} -- {strategy.reason}")
 
     tracker = Tracker(study.tracking.uri or default_tracking_uri(out), study.tracking.experiment or study.name,
                       artifact_dir=out / "mlartifacts")
@@ -221,7 +231,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         study = decided.study
         write_text_atomic(out / "study.yaml", study_to_yaml(study))
     if decided.line:
-        print(decided.line[2:], flush=True)
+        say(decided.line[2:])
     try:
         ctx = build_context(study, out, serve_url, tracker, parent, simulated=strategy.simulated)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
@@ -230,7 +240,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         # simulate-first records the prompts' token ids, which needs the target's tokenizer on this machine
         strategy = strategy.fall_back(f"the prompts' token ids cannot be computed here ({type(exc).__name__}: "
                                       f"{str(exc)[:200]})")
-        print(f"search: {strategy.name} -- {strategy.reason}", flush=True)
+        say(f"search: {strategy.name} -- {strategy.reason}")
         ctx = build_context(study, out, serve_url, tracker, parent)
 
     # Tune's own checkpoint holds the budget it was started with: restore it only when that is still the budget.
@@ -238,7 +248,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     if not restoring:
         settled = settle_running(ot_study)  # no trial of this study runs now: RUNNING ones belong to a dead driver
         if settled:
-            print(f"trial(s) {settled} were left running by a previous driver: recorded as failed", flush=True)
+            say(f"trial(s) {settled} were left running by a previous driver: recorded as failed")
     enqueue_baseline(ot_study, space)  # no-op when the study already has a live or completed baseline
     if strategy.name == "grid":
         enqueue_grid(ot_study, space, study.budget.max_trials)
@@ -250,8 +260,6 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
     modes: list[str] = list(study.objective.modes)
     search_class, plan = constrained_search_class(), {}
     if strategy.simulated:  # the launches after the baseline come from the simulator (pipeline/search/simulate_first.py)
-        from pipeline.search.simulate_first import SimulateFirstPlan
-        from pipeline.search.simulate_searcher import simulate_first_search_class
 
         search_class, plan = simulate_first_search_class(), {"plan": SimulateFirstPlan(ctx, space)}
     searcher = search_class(define_by_run(space), metric=study.objective.metrics[0] if single else
@@ -265,6 +273,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
 
     concurrency = engine_for(study.engine.kind).concurrent_replicas(
         replica_config(study, TrialConfig(), out), ray.cluster_resources())
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     # Tune's result files named explicitly: `python -m pipeline.tune` turns Tune's automatic loggers off, whose
@@ -293,7 +302,7 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         # Trials Optuna handed out after Tune's last checkpoint: no one will ever report them.
         orphans = settle_running(ot_study)
         if orphans:
-            print(f"trial(s) {orphans} were never checkpointed by Tune: recorded as failed", flush=True)
+            say(f"trial(s) {orphans} were never checkpointed by Tune: recorded as failed")
     # The budget counts every finished trial, whichever driver ran it.
     remaining = study.budget.max_trials - finished_trials(ot_study)
     if remaining > 0:
@@ -310,12 +319,12 @@ def run_study(study: StudyConfig, space: SearchSpace, resume: bool = False,
         if interrupted.is_set() or tune_unfinished(saved_tune_trials(tune_path)):  # as above
             return _interrupted(ot_study, resume_command)
     elif not restoring:
-        print(f"the study already has {study.budget.max_trials} finished trials: finalizing only", flush=True)
+        say(f"the study already has {study.budget.max_trials} finished trials: finalizing only")
     settle_running(ot_study)  # Tune finished every trial it knows: a RUNNING one was stopped before reporting
     try:
         code = finalize_study(dataclasses.replace(ctx, reference=()), ot_study)  # finalists answer no reference
         record_launches(ctx)  # every trial's and finalist run's engine_launches, summed on the study run
     finally:  # this process's live app from the finalist re-runs
         delete_study_apps(study.name)
-    print(f"study finished in {time.monotonic() - started:.0f} s", flush=True)
-    return code
+    detail(f"study finished in {time.monotonic() - started:.0f} s")  # after the headline: the log file only
+    return conclude(code, out, ctx.tracker, ctx.parent_run_id)  # a record not written: said, and exit 3

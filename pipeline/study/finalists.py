@@ -10,8 +10,15 @@ level (flush, warm-up, measure, per level: pipeline/trial/launches.py). A config
 (`promotion.spread_limit`, fastest over slowest at the first level, pipeline/decide/spread.py): when they do not,
 the run farthest from their median is measured again in one more fresh engine and replaced, at most
 `promotion.spread_reruns` times; the replaced run is recorded too (`<label>-replaced`, tag `run_replaced` saying
-why) and the console says so. The baseline's runs come first, so each
-finalist is judged against the baseline's runs at the SAME level once its own runs are in, by the study's
+why) and the console says so; the replacement takes the replaced run's slot in the order.
+
+Order: the baseline's and the finalists' fresh engines are interleaved, ABBA-style (`pipeline.decide.spread.run_order`:
+B F1 F2 | F2 F1 B | B F1 F2 ...), so whatever moves the machine over the stage's minutes moves both sides alike; each
+finalist run is paired with the baseline run of its round, and the speed-up and its spread come from those pairs
+(`pipeline.decide.levels`). Every run records its slot (`run_order` tag, 1-based; `run_order_kind`; `engine_sequence`:
+the how-manieth engine of the stage it ran in, which differs from the slot for a replacement) and the console names
+it as each engine starts. The baseline's first run leads the stage, and each
+finalist is judged against the baseline's runs at the SAME level once they are all in, by the study's
 equivalence mode: `exact`, each run against the baseline's first successful run at that level; `baseline-noise`, the
 sign test over the finalist's runs at that level with the baseline's other runs there as its noise
 (`pipeline.decide.noise`); `deterministic`, already checked in the search on deterministic-inference engines (whose
@@ -23,6 +30,10 @@ metrics) and as `NOISE_ARTIFACT`, with each finalist's divergence from the basel
 Under open-loop arrivals (`workload.arrival.mode: poisson`, one level only) every re-run goes through the same path,
 so it replays the trials' seeded Poisson schedule: the baseline and each finalist see the same arrival times, and
 their runs carry the offered and drawn rates (`offered_rate_per_s`, `arrival_rate_per_s`) beside `req_per_s`.
+
+A resumed study measures its finalist stage again from the start: once the new stage's runs are all logged, the
+finalist runs under the study run that another stage logged (tag `finalist_stage`) are deleted, so an interrupted
+stage's runs never stand beside the new set.
 """
 
 from __future__ import annotations
@@ -30,26 +41,32 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import TrialConfig
+from pipeline.console_log import say
+from pipeline.records.console import rerun_name
 from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures
 from pipeline.decide.noise import SelfDivergence, run_outputs, self_divergence
-from pipeline.decide.spread import suspect_run
+from pipeline.decide.spread import RunOrder, run_order, suspect_run
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.measure.window import window_record
-from pipeline.records.tracking import REPLACED_TAG
+from pipeline.records.gaps import missing
+from pipeline.records.tracking import KIND_TAG, REPLACED_TAG
 from pipeline.trial.lifecycle import Checked, measure_and_check
 from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, NOT_COMPARED_DETERMINISTIC, baseline_pass, effective_mode
 from pipeline.trial.replicas import launch_fresh
-from pipeline.vocabulary.context import TrialContext
+from pipeline.trial.context import TrialContext
 from pipeline.vocabulary.outcome import Outcome
 
 NOISE_ARTIFACT = "study/baseline_noise.json"  # the baseline's self-divergence and the finalists' divergence, per level
+STAGE_TAG = "finalist_stage"  # which finalist stage logged a run (a resumed study's new stage replaces the old's)
+ORDER_TAG, ORDER_KIND_TAG, SEQUENCE_TAG = "run_order", "run_order_kind", "engine_sequence"
 
 
 @dataclass
@@ -62,6 +79,10 @@ class Pass:
     checked: Checked
     started_at: float
     replaced: str = ""  # why a fresh run replaced this one (its runs disagreed); "" = it counts
+    order: int = 0  # its slot in the stage's measuring order (0-based); a replacement takes the replaced run's
+    sequence: int = 0  # the how-manieth fresh engine of the stage it ran in (0-based)
+    order_kind: RunOrder = "interleaved"
+    stage: str = ""  # the stage that measured it (STAGE_TAG)
 
     @property
     def tput_tok_s(self) -> float:
@@ -94,16 +115,25 @@ def run_label(name: str, level: int, k: int, several_levels: bool) -> str:
     return f"{name}-c{level}-run{k}" if several_levels else f"{name}-run{k}"
 
 
-def measure_runs(ctx: TrialContext, name: str, config: TrialConfig, runs: int,
-                 levels: Sequence[int]) -> tuple[dict[int, list[Pass]], dict[int, list[Pass]]]:
-    """`runs` fresh engines for `config`, each measuring at every level in turn (`measure_and_check` without the
-    search's comparison: lost requests and settings the engine rewrote are judged as in a trial); runs that disagree
-    beyond `promotion.spread_limit` at the first level are measured again (module docstring).
-    Returns (the runs that count, the runs replaced), per level."""
+def measure_stage(ctx: TrialContext, entries: Sequence[tuple[str, TrialConfig]], runs: int, levels: Sequence[int],
+                  order: RunOrder = "interleaved", stage: str = ""
+                  ) -> list[tuple[dict[int, list[Pass]], dict[int, list[Pass]]]]:
+    """`runs` fresh engines for each of `entries` (the baseline first), started in `order` (`run_order`), each
+    measuring at every level in turn (`measure_and_check` without the search's comparison: lost requests and settings
+    the engine rewrote are judged as in a trial); a config's runs that disagree beyond `promotion.spread_limit` at the
+    first level are measured again (module docstring). Per entry: (the runs that count, the runs replaced), per level,
+    run k of every entry at index k."""
     several = len(levels) > 1
     policy = ctx.study.promotion
+    plan = run_order(len(entries), runs, order)
+    started = 0
 
-    def one_run(k: int) -> dict[int, Pass]:
+    def one_run(c: int, k: int, slot: int) -> dict[int, Pass]:
+        nonlocal started
+        name, config = entries[c]
+        say(f"  {name} run {k}: slot {slot + 1} of {len(plan)} in the {order} order (fresh engine {started + 1} "
+            "of the stage)")
+        sequence, started = started, started + 1
         launch_fresh(ctx.study.name)  # a fresh engine per run; the run's other levels share it
         got: dict[int, Pass] = {}
         for level in levels:
@@ -112,28 +142,31 @@ def measure_runs(ctx: TrialContext, name: str, config: TrialConfig, runs: int,
             started_at = time.time()
             checked = measure_and_check(ctx, at_level, label, Path(ctx.output_dir) / "finalists" / label,
                                         compare=False)
-            got[level] = Pass(label, level, at_level, checked, started_at)
+            got[level] = Pass(label, level, at_level, checked, started_at, order=slot, sequence=sequence,
+                              order_kind=order, stage=stage)
         return got
 
-    out: dict[int, list[Pass]] = {level: [] for level in levels}
-    replaced: dict[int, list[Pass]] = {level: [] for level in levels}
-    for k in range(runs):
-        for level, p in one_run(k).items():
-            out[level].append(p)
+    out: list[dict[int, list[Pass]]] = [{level: [] for level in levels} for _ in entries]
+    replaced: list[dict[int, list[Pass]]] = [{level: [] for level in levels} for _ in entries]
+    for slot, (c, k) in enumerate(plan):  # run k of each config comes after its run k-1 in either order
+        for level, p in one_run(c, k, slot).items():
+            out[c][level].append(p)
     first = levels[0]
-    for extra in range(policy.spread_reruns):
-        suspect = suspect_run([p.tput_tok_s for p in out[first]], policy.spread_limit)
-        if suspect is None:
-            break
-        why = suspect.line(policy.spread_limit)
-        print(f"  {out[first][suspect.index].label}: {why}; measured again in a fresh engine "
-              f"({extra + 1} of at most {policy.spread_reruns})", flush=True)
-        for level, p in one_run(runs + extra).items():
-            old = out[level][suspect.index]
-            replaced[level].append(dataclasses.replace(old, label=f"{old.label}-replaced",
-                                                       replaced=f"replaced by {p.label}: {why}"))
-            out[level][suspect.index] = p
-    return out, replaced
+    for c in range(len(entries)):
+        for extra in range(policy.spread_reruns):
+            suspect = suspect_run([p.tput_tok_s for p in out[c][first]], policy.spread_limit)
+            if suspect is None:
+                break
+            why = suspect.line(policy.spread_limit)
+            say(f"  {rerun_name(out[c][first][suspect.index].label)}: {why}; measured again in a fresh engine "
+                f"({extra + 1} of at most {policy.spread_reruns})")
+            slot = out[c][first][suspect.index].order
+            for level, p in one_run(c, runs + extra, slot).items():
+                old = out[c][level][suspect.index]
+                replaced[c][level].append(dataclasses.replace(old, label=f"{old.label}-replaced",
+                                                              replaced=f"replaced by {p.label}: {why}"))
+                out[c][level][suspect.index] = p
+    return list(zip(out, replaced))
 
 
 def _reference(passes: Sequence[Pass]) -> tuple[list[RequestRecord] | None, list[list[RequestRecord]]]:
@@ -187,11 +220,13 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
         out.equivalent = False
         if outcome is not Outcome.NOT_EQUIVALENT:
             out.failures.append(f"{p.label}: {outcome.value}: {reason[:200]}")
-    out.runs.append(RunFigures.from_metrics(dict(c.summary.to_metrics())) if p.measured and c.summary is not None
-                    else RunFigures(tput_tok_s=0.0))
+    figures = (RunFigures.from_metrics(dict(c.summary.to_metrics())) if p.measured and c.summary is not None
+               else RunFigures(tput_tok_s=0.0))
     texts = {"engine.log": m.engine_log, "timings.json": json.dumps(m.timings, indent=2)}
     # the run's window checks, as a trial's: the promotion rule decides on these figures
     window_metrics, window_tags, window_texts = window_record(m.windows)
+    disturbed = window_tags.get("measurement_flag") == "disturbed" if window_tags else None
+    out.runs.append(figures.model_copy(update={"order": p.order, "disturbed": disturbed}))
     texts.update(window_texts)
     metrics = dict(c.summary.to_metrics()) if c.summary else {}
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})
@@ -208,7 +243,8 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
         requests=to_table(m.records) if m.records else None, texts=texts, started_at=p.started_at,
         extra_tags={"finalist": name, "concurrency": str(p.level), "engine_launch": m.launch,
                     "arrival": ctx.study.workload.arrival.describe(p.level), **window_tags,
-                    **({REPLACED_TAG: p.replaced[:500]} if p.replaced else {})})
+                    ORDER_TAG: str(p.order + 1), ORDER_KIND_TAG: p.order_kind, SEQUENCE_TAG: str(p.sequence + 1),
+                    STAGE_TAG: p.stage, **({REPLACED_TAG: p.replaced[:500]} if p.replaced else {})})
     return out
 
 
@@ -258,19 +294,23 @@ def log_noise(ctx: TrialContext, selves: Sequence[SelfDivergence],
     try:
         ctx.tracker.log_figures(ctx.parent_run_id, metrics, texts={NOISE_ARTIFACT: json.dumps(body, indent=2)})
     except Exception as exc:  # noqa: BLE001 - a record of the noise must not lose the study's result
-        print(f"the baseline's self-divergence could not be logged: {type(exc).__name__}: {exc}")
+        missing(f"the baseline's self-divergence (the study run's baseline_self_* metrics and {NOISE_ARTIFACT})", exc)
     return body
 
 
 def measure_levels(ctx: TrialContext, baseline: TrialConfig, finalists: Sequence[tuple[str, TrialConfig]],
-                   levels: Sequence[int], runs: int) -> list[LevelInput]:
-    """Per level (in the study's order: the search level first), the baseline's then each finalist's re-runs."""
+                   levels: Sequence[int], runs: int, order: RunOrder = "interleaved") -> list[LevelInput]:
+    """Per level (in the study's order: the search level first), the baseline's and each finalist's re-runs, their
+    engines started in `order` (module docstring; "sequential" measures every baseline run first, then each
+    finalist's, for comparing the two orders). Once they are logged, the runs of an interrupted stage go."""
     if len(levels) > 1 or ctx.study.workload.arrival.open_loop:
         where = (f"concurrency {list(levels)}" if len(levels) > 1
                  else ctx.study.workload.arrival.describe(levels[0]))
-        print(f"  {where}: baseline and {len(finalists)} finalist(s), {runs} runs each, one engine per run "
-              "measuring every level", flush=True)
-    base_passes, base_replaced = measure_runs(ctx, "final-baseline", baseline, runs, levels)
+        say(f"  {where}: baseline and {len(finalists)} finalist(s), {runs} runs each, one engine per run "
+            "measuring every level")
+    stage = uuid.uuid4().hex[:12]
+    measured = measure_stage(ctx, [("final-baseline", baseline), *finalists], runs, levels, order, stage)
+    base_passes, base_replaced = measured[0]
     base: dict[int, Remeasured] = {}
     for level in levels:
         base[level], _ = _remeasured(ctx, "final-baseline", baseline, base_passes[level], base_passes[level],
@@ -279,8 +319,7 @@ def measure_levels(ctx: TrialContext, baseline: TrialConfig, finalists: Sequence
               for level in levels]
     candidates: dict[int, list[Candidate]] = {level: [] for level in levels}
     divergence: dict[str, dict[int, dict[str, Any] | None]] = {}
-    for name, config in finalists:
-        passes, replaced = measure_runs(ctx, name, config, runs, levels)
+    for (name, config), (passes, replaced) in zip(finalists, measured[1:]):
         divergence[name] = {}
         for level in levels:
             got, report = _remeasured(ctx, name, config, passes[level], base_passes[level], replaced[level])
@@ -288,5 +327,28 @@ def measure_levels(ctx: TrialContext, baseline: TrialConfig, finalists: Sequence
             candidates[level].append(Candidate(id=name, runs=tuple(got.runs), equivalent=got.equivalent,
                                                spec=config.spec, failures=tuple(got.failures)))
     log_noise(ctx, selves, divergence)
+    drop_stale_runs(ctx, stage)
     return [LevelInput(level=level, baseline=tuple(base[level].runs), baseline_failures=tuple(base[level].failures),
                        candidates=tuple(candidates[level])) for level in levels]
+
+
+def drop_stale_runs(ctx: TrialContext, stage: str) -> list[str]:
+    """Delete the finalist runs under the study run that `stage` did not log (an interrupted stage's, which a resumed
+    study measured again); returns their names. Called once `stage`'s runs are all logged, so an interruption leaves
+    two sets on record, never none. Never fails the study."""
+    try:
+        client = ctx.tracker.client()
+        runs = client.search_runs([ctx.tracker.experiment_id()], max_results=5000,
+                                  filter_string=f"tags.mlflow.parentRunId = '{ctx.parent_run_id}' and "
+                                                f"tags.`{KIND_TAG}` = 'finalist'")
+        stale = [r for r in runs if r.data.tags.get(STAGE_TAG) != stage]
+        for run in stale:
+            client.delete_run(run.info.run_id)
+    except Exception as exc:  # noqa: BLE001 - a stale record must not lose the study's result
+        missing("the deleted state of an interrupted stage's finalist runs (they stay beside the new ones)", exc)
+        return []
+    names = sorted(r.info.run_name for r in stale)
+    if names:
+        say(f"  deleted {len(names)} finalist run(s) an interrupted stage logged (measured again): "
+            f"{', '.join(names)}")
+    return names

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline.atomic import write_text_atomic
 from pipeline.config import StudyConfig
 from pipeline.errors import PipelineError
-from pipeline.vocabulary.outcome import MEASURING
+from pipeline.vocabulary.report import TrialReport
 
 IDENTITY_FILE = "identity.json"
 
@@ -110,6 +112,7 @@ def settle_running(ot_study: Any) -> list[int]:
     """Fail every Optuna trial still RUNNING: its driver or Tune trial is gone and will never report it. Returns the
     trial numbers settled. Call only when no trial of this study is running (before Tune starts, or after it
     finished without being interrupted)."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     from optuna.trial import TrialState
 
     settled = []
@@ -138,6 +141,7 @@ TUNE_FINISHED = ("TERMINATED", "ERROR")
 
 def saved_tune_trials(tune_path: Path) -> list[SavedTrial]:
     """The trials of Tune's newest experiment checkpoint in `tune_path` (written by `fit()` before it returns)."""
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     from ray.tune import ExperimentAnalysis
     from ray.tune.result import AUTO_RESULT_KEYS
 
@@ -159,4 +163,71 @@ def recorded_reports(saved: Sequence[SavedTrial]) -> dict[str, dict[str, Any]]:
     the trial reported but before Tune told Optuna). A restore must count that report, not measure the trial again.
     An intermediate report (outcome MEASURING, early stopping) is not a result: that trial is run again."""
     return {t.trial_id: dict(t.report) for t in saved
-            if t.status not in TUNE_FINISHED and t.report.get("outcome") not in (None, MEASURING)}
+            if t.status not in TUNE_FINISHED and t.report.get("outcome") is not None
+            and not TrialReport.from_tune(t.report).intermediate}
+
+
+PROMOTED_FILE = "promoted.yaml"  # written by the promotion (pipeline/study/finalize.py): the study decided
+REPORT_PAGE = Path("report") / "report.html"  # written at the end of every finished study, decided or not
+STUDY_FILE = "study.yaml"
+
+
+def finished_evidence(out: Path) -> str | None:
+    """What in `out` says its study finished (decided, its records written), in words; None when nothing does."""
+    promoted = out / PROMOTED_FILE
+    if promoted.is_file():
+        try:
+            data = yaml.safe_load(promoted.read_text()) or {}
+            provenance = data.get("provenance") or {}
+            what = f"decision {provenance.get('decision', '?')}, serving {provenance.get('source', '?')}"
+        except (OSError, ValueError, AttributeError, ImportError):
+            what = "unreadable"
+        return f"{promoted} ({what})"
+    if (out / REPORT_PAGE).is_file():
+        return f"{out / REPORT_PAGE} (the study's final report)"
+    return None
+
+
+def start_problem(out: Path, resume: bool, finished: str | None, recorded_trials: int | None, max_trials: int,
+                  in_storage: bool | None) -> str | None:
+    """Why this command must not start on `out` (None: it may). `finished`: `finished_evidence(out)`;
+    `recorded_trials`: the budget `identity.json` records; `in_storage`: whether the shared Optuna storage holds
+    the study (None: no shared storage). A finished study is continued only to search more (a larger budget). Pure."""
+    if finished is not None and (not resume or recorded_trials is None or max_trials <= recorded_trials):
+        verb = "--resume refused" if resume else "refused"
+        done = f"its {recorded_trials} trials are done and decided" if recorded_trials else "it is decided"
+        return (f"{verb}: {out} holds a finished study ({done}): {finished}. Running it again would measure its "
+                "finalists again and replace its records. Fix: start a new study with another --name or --output, "
+                f"or search more with --resume --trials N (N > {recorded_trials or 'its budget'})")
+    if resume and not (out / STUDY_FILE).is_file() and not (out / IDENTITY_FILE).is_file() and not in_storage:
+        where = f"{out} has no {STUDY_FILE}" + ("" if out.exists() else " (the folder does not exist)")
+        shared = "" if in_storage is None else " and the shared storage.url holds no study of this name"
+        return (f"--resume refused: nothing to resume: {where}{shared}. Fix: drop --resume to start the study, or "
+                "give the --name/--output of the study to continue")
+    return None
+
+
+def stored_study_exists(storage_url: str, name: str) -> bool:
+    """Whether an Optuna storage holds a study `name` (a new driver folder on a shared database continues it). A
+    SQLite file that does not exist holds none (and is not created by asking)."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
+    import optuna
+
+    if storage_url.startswith("sqlite:///") and not Path(storage_url[len("sqlite:///"):].split("?", 1)[0]).exists():
+        return False
+    return name in optuna.study.get_all_study_names(storage=storage_url)
+
+
+def check_start(out: Path, resume: bool, name: str, max_trials: int, storage_url: str | None) -> None:
+    """Refuse a finished study (unless resumed with a larger budget), and a `--resume` of one that does not exist,
+    naming what was found."""
+    finished = finished_evidence(out)
+    recorded = read_identity(out) if finished is not None else None
+    recorded_trials = (recorded or {}).get("max_trials")
+    in_storage = None
+    if resume and finished is None and not (out / STUDY_FILE).is_file() and storage_url:
+        in_storage = stored_study_exists(storage_url, name)
+    problem = start_problem(out, resume, finished, recorded_trials if isinstance(recorded_trials, int) else None,
+                            max_trials, in_storage)
+    if problem:
+        raise PipelineError(problem)

@@ -19,26 +19,29 @@ import httpx
 
 from pipeline.config import StudyConfig, TrialConfig
 from pipeline.measure.load import LoadRequest, run_phase
-from pipeline.measure.shape import engine_has_table, study_probe
+from pipeline.measure.server_info import PlainSteps, ServerInfo
+from pipeline.measure.shape import probe_shape
 from pipeline.measure.summary import RequestRecord
 from pipeline.measure.window import judge_window, step_ratio
 from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label
 from pipeline.simulate.cost import plain_step
-from pipeline.search.pruning import Watch, measure_phase
+from pipeline.trial.pruning import Watch, measure_phase
 from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, listed_corpora, ship_corpus
 from pipeline.trial.replica_config import replica_config
 from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, release, start_engine
-from pipeline.vocabulary.context import Measurement, TrialContext
-from pipeline.vocabulary.outcome import Outcome, TrialFailure
-from serve.engines import engine_for, pinned_settings
+from pipeline.trial.context import Measurement, TrialContext
+from pipeline.vocabulary.outcome import Ending, Outcome, TrialFailure
+from serve.engines import engine_for
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.spec_flags import effective_diff
+from serve.engines.load_failures import repeating_cause, with_cause
+from serve.engines.waits import trial_wait_s
 from serve.replica.placement import START_TIMEOUT_MARKER, log_tail
 from serve.replica.usage import Usage
 
 __all__ = ["FLUSH_DEADLINE_S", "FLUSH_WAIT_S", "flush", "lost_requests", "measure_config", "settle_requests",
-           "shipped_replica_config", "usage"]
+           "shipped_replica_config", "study_probe", "usage"]
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
 FLUSH_DEADLINE_S = 120.0
@@ -58,7 +61,7 @@ def flush(client: httpx.Client, deadline_s: float = FLUSH_DEADLINE_S) -> str | N
 
     SGLang refuses a flush (400) while any request is queued or running (a trial's own last request may still be
     finishing), so one refusal is expected: ask it to wait for idle (`?timeout=`), then retry. Serve's health checks
-    do not generate (`serve.engines.sglang.HEALTH_ENV`)."""
+    do not generate (`serve.engines.sglang.engine.HEALTH_ENV`)."""
     deadline, answer = time.monotonic() + deadline_s, ""
     while True:
         response = client.post("/flush_cache", params={"timeout": FLUSH_WAIT_S}, timeout=FLUSH_WAIT_S + 30)
@@ -103,14 +106,14 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         problem = cluster_cannot_host(config)
         if problem:
             raise TrialFailure(Outcome.LAUNCH_FAILED, problem)
-        url = _start(ctx, trial, label, config, log_dir, out, started)
+        url = _start(ctx.study.name, ctx.serve_url, trial, label, config, log_dir, out, started)
         _read_back(url, config, corpus, log_dir, out)
         _measure(ctx, trial, url, watch, log_dir, out)
-        clean = out.failure is None or out.failure[0] is Outcome.PRUNED
+        clean = out.failure is None or out.failure.outcome is Outcome.PRUNED
     except TrialFailure as failure:
-        out.failure = (failure.outcome, failure.reason)
+        out.failure = failure.ending
     except (httpx.HTTPError, ValueError) as exc:
-        out.failure = (Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
+        out.failure = Ending(Outcome.UNHEALTHY, f"{type(exc).__name__}: {exc}")
     finally:
         tried = live_app(ctx.study.name)  # the app this trial started its engine in (also when that failed)
         out.engine_log = _engine_log(tried.url if tried else None, log_dir)
@@ -120,25 +123,32 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     return out
 
 
-def _start(ctx: TrialContext, trial: TrialConfig, label: str, config: ReplicaConfig, log_dir: Path,
+def _start(study_name: str, serve_url: str, trial: TrialConfig, label: str, config: ReplicaConfig, log_dir: Path,
            out: Measurement, started: float) -> str:
     """The engine running and healthy; its URL."""
     note_phase(log_dir, "engine", config=config_label(trial))
     try:
-        live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config,  # a cold node's allowance too
-                                         engine_for(config.engine).start_timeout_s(config, cold=True) + 60)
+        live, out.replica = start_engine(study_name, label, serve_url, config,  # a cold node's allowance too
+                                         trial_wait_s(config))
     except TimeoutError as exc:
         raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
     except RuntimeError as exc:
-        message = str(exc)
-        if ConfigRejected.MARKER in message:
-            raise TrialFailure(Outcome.INVALID,
-                               message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0]) from None
-        # an engine that did not get ready in time is a TIMEOUT (a cold node's first launch), not a broken one
-        raise TrialFailure(Outcome.TIMEOUT if START_TIMEOUT_MARKER in message else Outcome.LAUNCH_FAILED,
-                           message) from None
+        raise start_failure(str(exc)) from None
     out.timings["deploy_s"] = time.monotonic() - started
     return live.url
+
+
+def start_failure(message: str) -> TrialFailure:
+    """What a failed engine start means for the trial, from the replica's error text: INVALID where the engine
+    refused the config (`ConfigRejected`: SGLang's own verdict, not a preflight that could not answer), TIMEOUT where
+    it did not get ready in time (a cold node's first launch, not a broken one), else LAUNCH_FAILED, with the cause
+    named where a retry would fail the same way (`serve.engines.load_failures`). Pure."""
+    if ConfigRejected.MARKER in message:
+        return TrialFailure(Outcome.INVALID, message.split(ConfigRejected.MARKER, 1)[1].strip().splitlines()[0])
+    if START_TIMEOUT_MARKER in message:
+        return TrialFailure(Outcome.TIMEOUT, message)
+    cause = repeating_cause(message)  # recorded, so that a baseline's start is not tried again in vain
+    return TrialFailure(Outcome.LAUNCH_FAILED, with_cause(message, cause) if cause else message)
 
 
 def _read_back(url: str, config: ReplicaConfig, corpus: CorpusFile | None, log_dir: Path,
@@ -153,19 +163,20 @@ def _read_back(url: str, config: ReplicaConfig, corpus: CorpusFile | None, log_d
             out.timings["engine_start_s"] = float(replica["startup_s"])
         note_phase(log_dir, "ready", phases=replica.get("phases"), **out.timings)
         prepared = replica.get("prepared") or {}
-        out.server_info = client.get("/server_info").json()
-        out.server_info.update(replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
-                               **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}),
-                               node_checks=prepared)
-        preflight = out.server_info.get("preflight")
+        # the engine's answer with the replica's word on where and how it started, parsed once here
+        out.server_info = ServerInfo.parse(client.get("/server_info").json()).with_keys(
+            replica_node_id=replica.get("node_id"), argv=replica.get("argv"),
+            **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}), node_checks=prepared)
+        preflight = out.server_info.raw.get("preflight")
         if isinstance(preflight, dict) and preflight.get("ok"):
             out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
                                             preflight["resolved"]))
-        out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests, out.server_info,
-                                        pinned_settings(launch.config)))
+        out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
+                                        out.server_info.as_json(),
+                                        engine_for(launch.config.engine).pinned_settings(launch.config)))
         listed = listed_corpora(client) if config.spec.algorithm == "ngram" else None
         if listed is not None:  # the trial's record of what its engine held (SGLang's list route)
-            out.server_info["list_external_corpora"] = listed
+            out.server_info = out.server_info.with_keys(list_external_corpora=listed)
         out.corpus, held_wrong = corpus_record(listed, replica.get("corpus"), corpus)  # load time: every start
         if held_wrong:
             raise TrialFailure(Outcome.LAUNCH_FAILED, held_wrong)
@@ -204,7 +215,7 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
     pruned: str | None = None
     # plain decoding on an engine that measured its own round table and times its lone plain steps: the window's
     # steps are judged against that calibration (a speculative engine times none, so its counters are not read)
-    step = plain_step(out.server_info.get("verify_cost")) if baseline else None
+    step = plain_step(out.server_info.verify_cost) if baseline else None
     for attempt in range(study.workload.remeasure + 1):
         _flush(url)
         phase_start = time.monotonic()
@@ -215,11 +226,11 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         out.timings["warmup_s"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
         note_phase(log_dir, "measure", requests=len(ctx.measure), attempt=attempt)
-        before, state = usage(url), engine_state(url) if step else None
+        before, state = usage(url), step_counters(url) if step else None
         measured, pruned = measure_phase(url, list(ctx.measure), kwargs, watch, out.server_info,
                                          arrival=study.workload.arrival, seed=study.seed)
         after = usage(url)
-        steps = step_ratio(state, engine_state(url), lambda context: step(1, context)) if step else None
+        steps = step_ratio(state, step_counters(url), lambda context: step(1, context)) if step else None
         window = judge_window(before, after, [r for r in measured if r.phase == "measure"],
                               wait_limit=study.workload.wait_limit, steal_limit=study.workload.steal_limit,
                               steps=steps, step_limit=study.workload.step_limit)
@@ -232,8 +243,8 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         if not window.disturbed or lost_requests(measured):
             break
     try:
-        after = httpx.get(f"{url}/server_info", timeout=30).json()
-        out.server_info["internal_states_after"] = after.get("internal_states")
+        final = ServerInfo.parse(httpx.get(f"{url}/server_info", timeout=30).json())
+        out.server_info = out.server_info.with_keys(internal_states_after=final.raw.get("internal_states"))
     except (httpx.HTTPError, ValueError):
         pass
     if baseline and ctx.reference and not lost_requests(measured):
@@ -244,22 +255,35 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         out.timings["reference_s"] = time.monotonic() - phase_start
     # --- simulate-first on an engine that reports no round table (SGLang, llama-server): its verify-cost shape,
     # measured over its HTTP API now and recorded as the baseline's `verify_cost` (pipeline/measure/shape.py) ---
-    if baseline and ctx.reference and not lost_requests(measured) and not engine_has_table(out.server_info):
+    if baseline and ctx.reference and not lost_requests(measured) and not out.server_info.has_round_table:
         phase_start = time.monotonic()
-        out.server_info["verify_cost"] = study_probe(url, study, out.server_info)
+        probed = study_probe(url, study, out.server_info.max_running_requests)
+        out.server_info = out.server_info.with_keys(verify_cost=probed)
         out.timings["shape_probe_s"] = time.monotonic() - phase_start
-        note_phase(log_dir, "shape-probe", check=out.server_info["verify_cost"].get("window"))
+        note_phase(log_dir, "shape-probe", check=probed.get("window"))
     # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
-    out.failure = lost_requests(measured) or ((Outcome.PRUNED, pruned) if pruned else None)
+    out.failure = lost_requests(measured) or (Ending(Outcome.PRUNED, pruned) if pruned else None)
 
 
-def engine_state(url: str) -> dict[str, Any] | None:
-    """The engine's counters (`/server_info`'s `internal_states[0]`), None when it does not answer with them."""
+def study_probe(url: str, study: StudyConfig, max_running: int | None) -> dict[str, Any]:
+    """`probe_shape` as a study runs it after its baseline's measurement: the study's engine kind and levels, the
+    engine's running-request cap (`max_running`, from its `/server_info`), the measurement window's wait limit, and
+    one attempt more when the window was disturbed (none with `workload.remeasure: 0`): what held the CPU during the
+    baseline's windows (a study's own start-up work) often still holds it, and each attempt costs about as much as
+    the baseline's measurement."""
+    return probe_shape(url, study.engine.kind, study.concurrency, max_running=max_running,
+                       attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
+                       timeout_s=study.engine.request_timeout_s, seed=study.seed)
+
+
+def step_counters(url: str) -> PlainSteps | None:
+    """The engine's plain-step counters now (`/server_info`'s `internal_states[0]`), None when it does not answer
+    with them."""
     try:
-        states = httpx.get(f"{url}/server_info", timeout=30).json().get("internal_states")
-    except (httpx.HTTPError, ValueError, AttributeError):
+        answer = httpx.get(f"{url}/server_info", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
         return None
-    return states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else None
+    return ServerInfo.parse(answer).plain_steps
 
 
 def settle_requests(measure: Sequence[LoadRequest], warmup: Sequence[LoadRequest]
@@ -277,12 +301,12 @@ def settle_requests(measure: Sequence[LoadRequest], warmup: Sequence[LoadRequest
     return list(measure), bool(measure)
 
 
-def lost_requests(measured: list[RequestRecord]) -> tuple[Outcome, str] | None:
+def lost_requests(measured: list[RequestRecord]) -> Ending | None:
     """A measurement that lost any request is no measurement: its throughput counts less work, and a missing output
     cannot be compared (it would read as NOT_EQUIVALENT). TIMEOUT when every loss was a timeout, else UNHEALTHY."""
     failed = [r for r in measured if r.error]
     if not failed:
         return None
     kind = Outcome.TIMEOUT if all("timeout" in (r.error or "") for r in failed) else Outcome.UNHEALTHY
-    return kind, (f"{len(failed)} of {len(measured)} measured requests failed (prompts "
-                  f"{sorted(r.prompt_index for r in failed)}); first: {failed[0].error}")
+    return Ending(kind, f"{len(failed)} of {len(measured)} measured requests failed (prompts "
+                        f"{sorted(r.prompt_index for r in failed)}); first: {failed[0].error}")

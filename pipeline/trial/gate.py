@@ -15,7 +15,8 @@
   the one measured without the flags. Cost: one more launch and measurement per compared trial and for the baseline
   (a different command line cannot share a launch). On an engine that is batch-invariant as it is (the CPU engine
   in fp32) `deterministic` is `exact`, with no extra launch.
-Each measurement runs through the trial's own pass (`pipeline.trial.engine_pass.measure_config`).
+Each measurement runs through the trial's own pass (`pipeline.trial.engine_pass.measure_config`), handed in by the
+trial as a `MeasurePass`.
 
 Finalists are compared with the baseline's re-runs at their own level instead (`pipeline.study.finalists`).
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,16 +34,21 @@ from pipeline.config import StudyConfig, TrialConfig
 from pipeline.decide.equivalence import EquivalenceReport, judge
 from pipeline.decide.noise import run_outputs, self_divergence
 from pipeline.measure.summary import RequestRecord
+from pipeline.records.tracking import Tracker
 from pipeline.records.trial_runs import baseline_trial
-from pipeline.trial.engine_pass import measure_config
 from pipeline.trial.replicas import launch_fresh
-from pipeline.vocabulary.context import TrialContext
+from pipeline.trial.context import Measurement, TrialContext
 from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 
-__all__ = ["NOISE_ARTIFACT", "DETERMINISTIC_ARTIFACT", "NOT_COMPARED_DETERMINISTIC", "effective_mode",
-           "deterministic_flags", "with_flags", "records_json", "records_from_json", "baseline_pass", "Passes",
+__all__ = ["NOISE_ARTIFACT", "DETERMINISTIC_ARTIFACT", "NOT_COMPARED_DETERMINISTIC", "MeasurePass", "effective_mode",
+           "deterministic_flags", "records_json", "records_from_json", "baseline_pass", "stored_pass", "Passes",
            "baseline_passes", "Verdict", "judge_trial"]
+
+# One more pass of the config being judged, measured by the trial (`pipeline.trial.lifecycle`): (flags its engine
+# starts with beyond the study's, run label, log folder) -> what it measured. The gate decides which passes a mode
+# needs and judges them, from the study's config and run alone, never from the trial's context.
+MeasurePass = Callable[[Sequence[str], str, Path], Measurement]
 
 NOISE_ARTIFACT = "equivalence/noise_requests.json"
 DETERMINISTIC_ARTIFACT = "equivalence/deterministic_requests.json"
@@ -63,13 +69,6 @@ def effective_mode(study: StudyConfig) -> str:
     return "exact" if mode == "deterministic" and not deterministic_flags(study) else mode
 
 
-def with_flags(ctx: TrialContext, flags: Sequence[str]) -> TrialContext:
-    """`ctx` whose engines start with `flags` added to `engine.extra_flags`."""
-    study = ctx.study
-    engine = study.engine.model_copy(update={"extra_flags": [*study.engine.extra_flags, *flags]})
-    return dataclasses.replace(ctx, study=study.model_copy(update={"engine": engine}))
-
-
 def records_json(records: Sequence[RequestRecord]) -> str:
     """A pass's measured requests as JSON (a run artifact)."""
     return json.dumps([dataclasses.asdict(r) for r in records if r.phase == "measure"])
@@ -83,11 +82,16 @@ def records_from_json(text: str) -> list[RequestRecord]:
     return out
 
 
-def baseline_pass(ctx: TrialContext, artifact: str) -> list[RequestRecord] | None:
+def stored_pass(tracker: Tracker, parent_run_id: str, artifact: str) -> list[RequestRecord] | None:
     """The records of a pass (`artifact`) of the study's COMPLETE baseline trial, None when it has none."""
-    run = baseline_trial(ctx.tracker, ctx.parent_run_id)
-    text = ctx.tracker.artifact_text(run.run_id, artifact) if run is not None else None
+    run = baseline_trial(tracker, parent_run_id)
+    text = tracker.artifact_text(run.run_id, artifact) if run is not None else None
     return records_from_json(text) if text is not None else None
+
+
+def baseline_pass(ctx: TrialContext, artifact: str) -> list[RequestRecord] | None:
+    """`stored_pass` of the study `ctx` runs (the finalists' check of the baseline's deterministic pass)."""
+    return stored_pass(ctx.tracker, ctx.parent_run_id, artifact)
 
 
 @dataclass
@@ -101,17 +105,17 @@ class Passes:
     problem: str | None = None
 
 
-def baseline_passes(ctx: TrialContext, config: TrialConfig, records: Sequence[RequestRecord], label: str,
-                    log_dir: Path) -> Passes:
+def baseline_passes(study: StudyConfig, config: TrialConfig, records: Sequence[RequestRecord], label: str,
+                    log_dir: Path, measure: MeasurePass) -> Passes:
     """After the baseline trial's measurement (`records`): its noise pass (`baseline-noise`) or its deterministic
-    pass."""
+    pass, each measured by `measure`."""
     out = Passes()
-    if config.spec.algorithm != "none" or ctx.study.workload.temperature > 0:
+    if config.spec.algorithm != "none" or study.workload.temperature > 0:
         return out
-    mode = effective_mode(ctx.study)
+    mode = effective_mode(study)
     if mode == "baseline-noise":
-        launch_fresh(ctx.study.name)  # the reference's noise comes from another launch, as every trial's does
-        m = measure_config(ctx, config, f"{label}-noise", log_dir / "noise")
+        launch_fresh(study.name)  # the reference's noise comes from another launch, as every trial's does
+        m = measure((), f"{label}-noise", log_dir / "noise")
         out.texts[NOISE_ARTIFACT], out.launches = records_json(m.records), m.launches
         out.problem = m.failure_text()
         if out.problem is None:
@@ -121,8 +125,7 @@ def baseline_passes(ctx: TrialContext, config: TrialConfig, records: Sequence[Re
                                                               ("first_div_p50", own.first_divergence_p50))
                            if v is not None}
     elif mode == "deterministic":
-        m = measure_config(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
-                           log_dir / "deterministic")
+        m = measure(deterministic_flags(study) or [], f"{label}-deterministic", log_dir / "deterministic")
         out.texts[DETERMINISTIC_ARTIFACT], out.launches = records_json(m.records), m.launches
         out.problem = m.failure_text()
     if out.problem:
@@ -141,33 +144,34 @@ class Verdict:
     launches: int = 0
 
 
-def judge_trial(ctx: TrialContext, config: TrialConfig, records: Sequence[RequestRecord], label: str, log_dir: Path,
-                baseline: Sequence[RequestRecord] | None) -> Verdict:
+def judge_trial(study: StudyConfig, tracker: Tracker, parent_run_id: str, config: TrialConfig,
+                records: Sequence[RequestRecord], label: str, log_dir: Path, baseline: Sequence[RequestRecord] | None,
+                measure: MeasurePass) -> Verdict:
     """A speculative trial's outputs against the baseline's, by the study's mode (module docstring). `baseline`: the
-    baseline trial's measured outputs (None: it did not complete)."""
-    policy = ctx.study.promotion
+    baseline trial's measured outputs (None: it did not complete); the baseline's other passes are read from the
+    study run `parent_run_id`; `measure` measures the deterministic pass."""
+    policy = study.promotion
     if config.spec.algorithm == "none":
         return Verdict(True, "")
-    if ctx.study.workload.temperature > 0:
+    if study.workload.temperature > 0:
         return Verdict(None, "sampling (temperature > 0): outputs are not compared")
     if baseline is None:
         return Verdict(None, "no baseline outputs to compare with (the baseline did not complete)")
-    mode = effective_mode(ctx.study)
+    mode = effective_mode(study)
     if mode == "exact":
         report = judge("exact", baseline, [records], threshold=policy.equivalence_threshold)
         return Verdict(report.passed, report.reason, report)
     if mode == "baseline-noise":
-        noise = baseline_pass(ctx, NOISE_ARTIFACT)
+        noise = stored_pass(tracker, parent_run_id, NOISE_ARTIFACT)
         if noise is None:
             return Verdict(None, "not compared: the baseline has no second pass to measure its own noise with")
         report = judge("baseline-noise", baseline, [records], baseline_others=[noise],
                        alpha=policy.equivalence_alpha)
         return Verdict(report.passed, report.reason, report)
-    reference = baseline_pass(ctx, DETERMINISTIC_ARTIFACT)
+    reference = stored_pass(tracker, parent_run_id, DETERMINISTIC_ARTIFACT)
     if reference is None:  # its pass failed or SGLang refused it: the trial's figure stands, it is never promoted
         return Verdict(None, f"not compared: {NOT_COMPARED_DETERMINISTIC}")
-    m = measure_config(with_flags(ctx, deterministic_flags(ctx.study) or []), config, f"{label}-deterministic",
-                       log_dir / "deterministic")
+    m = measure(deterministic_flags(study) or [], f"{label}-deterministic", log_dir / "deterministic")
     if m.failure:
         return Verdict(False, f"the deterministic-inference pass failed, so equivalence is not shown: "
                               f"{m.failure_text()}", launches=m.launches)

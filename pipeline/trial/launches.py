@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.config import StudyConfig
+from pipeline.console_log import detail
+from pipeline.records.gaps import keeping
 from pipeline.records.trial_runs import child_rows
-from pipeline.search.space import Resolution
+from pipeline.vocabulary.resolution import Resolution
 from pipeline.trial.gate import effective_mode
-from pipeline.vocabulary.context import TrialContext
+from pipeline.trial.context import TrialContext
 from serve.engines.base import ReplicaConfig
 from serve.replica.sharing import can_share
 
@@ -85,9 +87,11 @@ def record_launches(ctx: TrialContext) -> int:
         counts = [n for r in child_rows(ctx.tracker, ctx.parent_run_id, kind=None)
                   if (n := r.metric("engine_launches")) is not None]
         total, passes = int(sum(counts)), len(counts)
-        ctx.tracker.log_figures(ctx.parent_run_id, {"engine_launches": float(total)})
-        print(f"engine launches: {total} for {passes} measured trial and finalist runs", flush=True)
+        with keeping("the study run's metric engine_launches"):  # a refused write leaves the study incomplete
+            ctx.tracker.log_figures(ctx.parent_run_id, {"engine_launches": float(total)})
+        # after the headline, which ends the console: the log file (and --verbose) only
+        detail(f"engine launches: {total} for {passes} measured trial and finalist runs")
         return total
     except Exception as exc:  # noqa: BLE001 - bookkeeping must never fail the study
-        print(f"engine launches could not be recorded: {type(exc).__name__}: {exc}")
+        detail(f"engine launches could not be recorded: {type(exc).__name__}: {exc}")
         return -1

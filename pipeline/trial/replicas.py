@@ -42,6 +42,8 @@ import httpx
 
 from serve.engines.base import ReplicaConfig
 from serve.replica.placement import actor_options, unplaceable
+from serve.replica.status import MISSING, STARTING, app_state, wait_for_app
+from serve.replica.sharing import launch_config
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,6 @@ class Launch:
 
 def launch_of(answer: dict[str, Any], config: ReplicaConfig) -> Launch:
     """The `Launch` in a replica's `/replica/argv` answer for a start of `config`. Pure."""
-    from serve.replica.sharing import launch_config
-
     launch = answer.get("launch") or {}
     launched = launch.get("launched")
     timings = {f"start_{k}_s": float(v) for k, v in (answer.get("phases") or {}).items()}
@@ -97,6 +97,7 @@ def serve_api() -> Any:
     "Deleting app"/"Connecting" line per deploy, which Ray forwards to the driver's terminal between the progress
     lines). A Tune worker that drives a standby or reused replica over HTTP never imports it (~0.6 s of its first
     trial, before the engine can start)."""
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -127,6 +128,7 @@ def start_standby(study_name: str, config: ReplicaConfig) -> bool:
     deployed). The study's apps are deleted at the end of the search, the standby with them if nobody claimed it."""
     serve = serve_api()
 
+    # lazy: the deployment imports Ray Serve; only a deploy pays for it
     from serve.replica.deployment import EngineReplica
 
     options = actor_options(config)
@@ -298,13 +300,11 @@ def delete_study_apps(study_name: str) -> None:
 
 
 def app_failure(name: str) -> str:
-    serve = serve_api()
-
-    app = serve.status().applications.get(name)
-    if app is None:
+    serve_api()  # Serve's client quieted before its first call
+    state = app_state(name)
+    if not state.exists:
         return "application vanished"
-    parts = [app.message] + [d.message for d in app.deployments.values() if d.message]
-    return "\n".join(p for p in parts if p)
+    return "\n".join(p for p in [state.message, *(d.message for d in state.deployments)] if p)
 
 
 def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
@@ -313,6 +313,7 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
     (`restart`, its phases followed). Raises RuntimeError/TimeoutError."""
     serve = serve_api()
 
+    # lazy: the deployment imports Ray Serve; only a deploy pays for it
     from serve.replica.deployment import EngineReplica
 
     name = live.name
@@ -321,7 +322,7 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
         config.to_replica(), standby=True)
     serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
     # just deployed: MISSING (not registered yet) and DELETING (a previous app of the name going) are still starting
-    status = _app_status_when_settled(name, timeout_s, (*_STARTING, "MISSING", "DELETING"))
+    status = _app_status_when_settled(name, timeout_s, (*STARTING, MISSING, "DELETING"))
     if status is None:
         raise TimeoutError(f"Serve app {name} not RUNNING after {timeout_s:.0f} s")
     if status != "RUNNING":
@@ -332,23 +333,12 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
         raise RuntimeError(f"Serve app {name} did not take its engine: {exc}") from exc
 
 
-_STARTING = ("DEPLOYING", "NOT_STARTED")
-
-
-def _app_status_when_settled(name: str, timeout_s: float, starting: tuple[str, ...] = _STARTING) -> str | None:
+def _app_status_when_settled(name: str, timeout_s: float, starting: tuple[str, ...] = STARTING) -> str | None:
     """App `name`'s Serve status (RUNNING, DEPLOY_FAILED, UNHEALTHY, MISSING, ...) once it is not one of `starting`,
     or None when it still was after `timeout_s`."""
-    serve = serve_api()
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        app = serve.status().applications.get(name)
-        status = str(app.status).split(".")[-1] if app else "MISSING"
-        if status not in starting:
-            return status
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.05)
+    serve_api()  # Serve's client quieted before its first call
+    state = wait_for_app(name, timeout_s, lambda s: s.status not in starting, poll_s=0.05)
+    return state.status if state is not None else None
 
 
 def teardown(name: str, wait: bool = True) -> None:
@@ -357,7 +347,7 @@ def teardown(name: str, wait: bool = True) -> None:
     serve = serve_api()
 
     try:
-        if name in serve.status().applications:
+        if app_state(name).exists:
             serve.delete(name, _blocking=wait)
     except Exception:  # noqa: BLE001 - cleanup must never hide the trial's own outcome
         pass
@@ -366,6 +356,7 @@ def teardown(name: str, wait: bool = True) -> None:
 def cluster_cannot_host(config: ReplicaConfig) -> str | None:
     """Checked from the cluster's totals before deploying, not on a node: a replica no node can host would wait for
     resources until the deploy timeout."""
+    # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     import ray
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]

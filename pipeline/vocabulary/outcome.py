@@ -8,8 +8,9 @@ again, and a failure of the machine (LAUNCH_FAILED, UNHEALTHY, TIMEOUT), which s
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
-__all__ = ["MEASURING", "NO_REPORT", "Outcome", "TrialFailure"]
+__all__ = ["MEASURING", "NO_REPORT", "Ending", "Outcome", "TrialFailure"]
 
 # The `outcome` of an intermediate Tune report (early stopping reports after each measured chunk): the trial is still
 # measuring. Never an ending: a trial whose last report says it ended without its final report (a FAIL to Optuna).
@@ -58,10 +59,27 @@ class Outcome(str, enum.Enum):
         return "FINISHED" if self is Outcome.COMPLETE else "FAILED"
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a pass ended, and why: the one form an ending takes between the steps of a trial (`Measurement.failure`,
+    what `TrialFailure` carries)."""
+
+    outcome: Outcome
+    reason: str
+
+    def text(self) -> str:
+        """`<OUTCOME>: <reason>`."""
+        return f"{self.outcome.value}: {self.reason}"
+
+
 class TrialFailure(Exception):
     """A step of a trial's pass that ended it: the outcome it means and why. Raised by the steps
-    (`pipeline.trial.engine_pass`), turned into `Measurement.failure` in one place."""
+    (`pipeline.trial.engine_pass`), turned into `Measurement.failure` (its `ending`) in one place."""
 
     def __init__(self, outcome: Outcome, reason: str) -> None:
         super().__init__(reason)
         self.outcome, self.reason = outcome, reason
+
+    @property
+    def ending(self) -> Ending:
+        return Ending(self.outcome, self.reason)

@@ -8,14 +8,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipeline.vocabulary.outcome import Outcome
+from serve.latency import LATENCY_FIELDS
 
 __all__ = ["ROW_METRICS", "TrialRow"]
 
 # The figures a row shows in `python -m pipeline.compare`'s CSV and JSON, in this order. corpus: only trials with an
 # external corpus (pipeline/trial/corpus.py).
-ROW_METRICS = ("tput_tok_s", "accept_len", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "tput_ci_low", "tput_ci_high",
-               "ttft_p90_ms", "ttft_p99_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p90_ms", "e2e_p99_ms",
-               "corpus_tokens", "corpus_load_s")
+_MEDIANS = tuple(name for name in LATENCY_FIELDS if name.endswith("_p50_ms"))
+ROW_METRICS = ("tput_tok_s", "accept_len", *_MEDIANS, "tput_ci_low", "tput_ci_high",
+               *(name for name in LATENCY_FIELDS if name not in _MEDIANS), "corpus_tokens", "corpus_load_s")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,9 @@ class TrialRow:
     among the study's rows; `trial_id`: the Tune trial id (None in records from before it was kept); `outcome`: None
     when the run's tag names none; `params`: its `spec.*` and `trial.*` params but the algorithm and concurrency;
     `figures`: every metric of the run. `vs_baseline`: throughput over the baseline's; `sla`: the verdicts at the
-    search level (None: not checked) and `feasible` (False when it broke a limit; None when none was checked)."""
+    search level (None: not checked) and `feasible` (False when it broke a limit; None when none was checked).
+    `decided`: a finalist's speed-up as the decision read it (the finalist stage's paired ratio at the search level),
+    None for a config that was not re-measured."""
 
     run_id: str
     name: str
@@ -37,6 +40,7 @@ class TrialRow:
     vs_baseline: float | None = None
     sla: tuple[str, ...] | None = None
     feasible: bool | None = None
+    decided: float | None = None
 
     @property
     def baseline(self) -> bool:
@@ -78,6 +82,17 @@ class TrialRow:
     def corpus_load_s(self) -> float | None:
         return self.metric("corpus_load_s")
 
+    @property
+    def speedup(self) -> float | None:
+        """The one speed-up every view shows: the decision's figure once the finalist stage measured it, else the
+        search's single measurement (`vs_baseline`)."""
+        return self.decided if self.decided is not None else self.vs_baseline
+
+    @property
+    def search_note(self) -> str:
+        """`search 1.59x` beside a re-measured figure (the search's own, labelled); "" where the two are one."""
+        return f"search {self.vs_baseline:.2f}x" if self.decided is not None and self.vs_baseline else ""
+
     def number(self, param: str) -> float | None:
         """A numeric param (`spec.num_draft_tokens`, `trial.warmup_requests`), None when absent or not a number."""
         value = self.params.get(param)
@@ -100,11 +115,14 @@ class TrialRow:
                         if k.startswith("spec.") or k == "trial.warmup_requests")
 
     def record(self) -> dict[str, object]:
-        """The row as `python -m pipeline.compare` writes it (JSON, CSV): `sla` and `feasible` only once checked."""
+        """The row as `python -m pipeline.compare` writes it (JSON, CSV): `sla` and `feasible` only once checked,
+        `decided_vs_baseline` only for a re-measured finalist."""
         out: dict[str, object] = {
             "run_id": self.run_id, "name": self.name, "trial_id": self.trial_id, "outcome": self.outcome_text,
             "reason": self.reason, "algorithm": self.algorithm, "params": dict(self.params),
             **{m: self.metric(m) for m in ROW_METRICS}, "baseline": self.baseline, "vs_baseline": self.vs_baseline}
+        if self.decided is not None:  # a finalist: the speed-up the decision read, beside the search's
+            out["decided_vs_baseline"] = self.decided
         if self.sla is not None:
             out.update(sla=list(self.sla), feasible=self.feasible)
         return out

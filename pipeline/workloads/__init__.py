@@ -143,7 +143,8 @@ def split_prompts(
     if n == 0 or (n_warmup and n < 2):
         raise WorkloadError(
             f"a workload of {n} prompt(s) cannot give disjoint warm-up and measurement splits "
-            f"(n_warmup={n_warmup}, n_measure={n_measure}); add prompts or set n_warmup=0")
+            f"(workload.warmup_prompts={n_warmup}, workload.measure_prompts={n_measure}); add prompts or set "
+            "workload.warmup_prompts: 0 (--set workload.warmup_prompts=0)")
     order = list(range(n))
     random.Random(seed).shuffle(order)
     shuffled = [prompts[i] for i in order]
@@ -206,6 +207,24 @@ def _parquet_rows(path: Path) -> list[tuple[str, str, object]]:
             for i, row in enumerate(table.to_pylist(), start=1)]
 
 
+def unencodable(value: object, field: str = "") -> tuple[str, str] | None:
+    """(the field's path, the first lone surrogate as U+XXXX) for the first string in a row that UTF-8 cannot
+    encode, else None. `json.loads` accepts an unpaired `\\ud83d` escape; the engine's request and the workload's
+    digest cannot encode it. Pure."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return field, f"U+{ord(value[exc.start]):04X} at character {exc.start}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = unencodable(item, f"{field}.{key}" if field else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def _prompt_from_row(row: object, where: str, index: int, default_id: str, default_max_new_tokens: int) -> Prompt:
     if not isinstance(row, dict):
         raise WorkloadError(f"{where}: each row must be an object with a 'prompt' field, got {type(row).__name__}")
@@ -213,6 +232,12 @@ def _prompt_from_row(row: object, where: str, index: int, default_id: str, defau
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {unknown}; allowed fields are {list(ROW_FIELDS)} "
                             "(remove the others)")
+    bad_text = unencodable(row)
+    if bad_text is not None:
+        field, char = bad_text
+        raise WorkloadError(f"{where}: field {field!r} holds a lone surrogate ({char}), which is not text: no "
+                            "request can carry it as UTF-8 (a JSON escape such as \\ud83d without its pair). "
+                            "Fix: repair or drop the row")
     messages: Messages | None = None
     if "prompt" in row and "messages" in row:
         raise WorkloadError(f"{where}: give either 'prompt' (plain text) or 'messages' (chat), not both")

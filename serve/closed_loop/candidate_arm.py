@@ -35,6 +35,7 @@ from serve.closed_loop.control import CanaryStart, CanaryStatus
 from serve.closed_loop.live import CANDIDATE_ARM, PRODUCTION_ARM
 from serve.http_errors import RequestRejected
 from serve.production.settings import ProductionSettings
+from serve.replica.status import app_state, wait_for_app
 
 __all__ = ["CanaryArm", "CANARY_ENGINE", "LEASE_CHECK_S"]
 
@@ -124,15 +125,12 @@ class CanaryArm:
             replica = replica.model_copy(update={"threads": self.settings.threads})
         serve.run_many([serve.RunTarget(engine_deployment(self.settings, replica, CANARY_ENGINE), name=self.app,
                                         route_prefix=None)], wait_for_applications_running=False)
-        deadline = time.monotonic() + replica.start_timeout_s + 60
-        while time.monotonic() < deadline and self.state == "starting":
-            status = serve.status().applications.get(self.app)
-            state = str(status.status) if status else "MISSING"
-            if state.endswith("RUNNING"):
-                return serve.get_deployment_handle(CANARY_ENGINE, self.app)
-            if state.endswith("DEPLOY_FAILED"):
-                raise RuntimeError(f"the candidate's engine failed to deploy: {status.message if status else ''}")
-            time.sleep(0.5)  # the controller's status, polled under the deadline above
+        state = wait_for_app(self.app, replica.start_timeout_s + 60, lambda s: s.status in ("RUNNING", "DEPLOY_FAILED"),
+                             keep_waiting=lambda: self.state == "starting")
+        if state is not None and state.status == "RUNNING":
+            return serve.get_deployment_handle(CANARY_ENGINE, self.app)
+        if state is not None:
+            raise RuntimeError(f"the candidate's engine failed to deploy: {state.message}")
         raise TimeoutError(f"the candidate's engine was not running after {replica.start_timeout_s + 60:.0f} s")
 
     def pick(self) -> Any:
@@ -177,7 +175,7 @@ class CanaryArm:
         """Delete the candidate's application (a no-op when there is none)."""
         from ray import serve
 
-        if self.app in serve.status().applications:
+        if app_state(self.app).exists:
             serve.delete(self.app, _blocking=wait)
 
     def remove_leftover(self) -> threading.Thread:
@@ -187,7 +185,7 @@ class CanaryArm:
             try:
                 from ray import serve
 
-                if self.state == "off" and self.app in serve.status().applications:
+                if self.state == "off" and app_state(self.app).exists:
                     log.warning("deleting %s: a canary left by a replaced ingress replica", self.app)
                     serve.delete(self.app, _blocking=False)
             except Exception as exc:  # noqa: BLE001 - never stops the ingress from starting

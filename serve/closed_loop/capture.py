@@ -50,6 +50,7 @@ from serve.closed_loop.files import (DIR_MODE, FILE_MODE, NotRegular, make_priva
                                      private_dir_problem, write_private)
 from serve.http_limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve.spec import FrozenModel
+from serve.sse import SseDecoder, SseEvent
 
 __all__ = ["CaptureSettings", "Capture", "CAPTURED_ROUTES", "DIR_MODE", "FILE_MODE", "row_of", "merge_parts",
            "make_private_dir", "private_dir_problem", "write_private", "part_files", "main"]
@@ -122,16 +123,14 @@ def _answer_text(payload: dict[str, Any]) -> str:
     return str(message.get("content") or choice.get("text") or "")
 
 
-def _stream_event(line: bytes) -> tuple[str, bool]:
-    """(text, is an error event) of one SSE `data:` line of an OpenAI stream (('', False) for anything else)."""
-    if not line.startswith(b"data:"):
-        return "", False
-    data = line[5:].strip()
-    if not data or data == b"[DONE]":
+def _stream_event(event: SseEvent) -> tuple[str, bool]:
+    """(text, is an error event) of one SSE event of an OpenAI stream (('', False) for anything else)."""
+    data = event.data.strip()
+    if not data or event.done:
         return "", False
     try:
         chunk = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except json.JSONDecodeError:
         return "", False
     if not isinstance(chunk, dict):
         return "", False
@@ -195,27 +194,28 @@ class Capture:
 
         async def relay() -> AsyncIterator[Any]:
             pieces: list[str] = []
-            pending = b""
+            decoder = SseDecoder()
             complete = failed = False
+
+            def note(events: list[SseEvent]) -> None:
+                nonlocal complete, failed
+                for event in events:
+                    text, error = _stream_event(event)
+                    pieces.append(text)
+                    failed = failed or error
+                    complete = complete or event.done
+
             try:
                 async for chunk in iterator:
-                    raw = chunk.encode() if isinstance(chunk, str) else chunk
-                    pending += raw
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        text, error = _stream_event(line)
-                        pieces.append(text)
-                        failed = failed or error
-                    complete = complete or any(line.strip() == b"data: [DONE]" for line in lines)
+                    note(decoder.feed(chunk.encode() if isinstance(chunk, str) else chunk))
                     yield chunk
                 complete = True
             finally:
                 # A client may hang up as soon as it has `data: [DONE]`, before this generator resumes (it is then
                 # closed at its `yield`): the answer was whole, so it is kept. A stream cut before [DONE] is not, nor
                 # one that carried an error event (a timeout or a dead engine ends it with one, then [DONE]).
-                text, error = _stream_event(pending)
-                if complete and not (failed or error):
-                    pieces.append(text)
+                note(decoder.close())
+                if complete and not failed:
                     self.record(route, request, "".join(pieces))
 
         response.body_iterator = relay()

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve.http_errors import EngineUnavailable, failure_answer
+from serve.sse import event_of
 
 __all__ = ["Takeover", "resumable", "CandidateUnfit"]
 
@@ -39,10 +40,6 @@ def resumable(data: dict[str, Any]) -> bool:
     if data.get("n") not in (None, 1) or data.get("echo") or data.get("logprobs") or data.get("top_logprobs"):
         return False
     return True
-
-
-def _data(event: bytes) -> bytes:
-    return b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
 
 
 def _choice(obj: Any) -> dict[str, Any] | None:
@@ -118,12 +115,13 @@ class Takeover:
 
     def _event(self, event: bytes) -> bytes | None:
         """One whole event to send (with its blank line), or None to drop it."""
-        data = _data(event)
+        parsed = event_of(event)
+        data = parsed.data.strip() if parsed is not None else ""
         obj: Any = None
-        if data.startswith(b"{"):
+        if data.startswith("{"):
             try:
                 obj = json.loads(data)
-            except (ValueError, UnicodeDecodeError):
+            except ValueError:
                 obj = None
         choice = _choice(obj)
         if not self.taken_over:
@@ -134,7 +132,7 @@ class Takeover:
         if left <= 0:
             return event + b"\n\n"
         if choice is None:
-            if data == b"[DONE]" or (isinstance(obj, dict) and "error" in obj):
+            if (parsed is not None and parsed.done) or (isinstance(obj, dict) and "error" in obj):
                 raise EngineUnavailable("the candidate's engine failed mid-answer and production's answer ended "
                                         "before repeating the part already sent")
             return None  # a usage chunk before the end: production's own count comes last again

@@ -29,11 +29,11 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from serve.latency import latency_percentiles_ms
 from serve.spec import FrozenModel
 
 __all__ = ["LIVE_PATH", "LIVE_SUMMARY_PATH", "MAX_ITL_SAMPLES", "PRODUCTION_ARM", "CANDIDATE_ARM", "Arm",
-           "LiveRecord", "LiveFeed", "LiveFigures", "LiveSummary", "bucket_of", "bucket_label", "summarize_live",
-           "percentile_ms"]
+           "LiveRecord", "LiveFeed", "LiveFigures", "LiveSummary", "bucket_of", "bucket_label", "summarize_live"]
 
 LIVE_PATH = "/v1/live"
 LIVE_SUMMARY_PATH = "/v1/live/summary"
@@ -142,13 +142,6 @@ def bucket_label(concurrency: int) -> str:
     return str(top) if low >= top else f"{low}-{top}"
 
 
-def percentile_ms(values_s: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as `pipeline.measure.summary`) of seconds, in ms; None if empty."""
-    if not values_s:
-        return None
-    return float(np.percentile(np.asarray(values_s, dtype=np.float64) * 1000.0, q))
-
-
 def _quantile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
 
@@ -175,8 +168,7 @@ def summarize_live(records: Iterable[LiveRecord]) -> LiveSummary:
             version=version, arm=arm, route=route, bucket=bucket,  # type: ignore[arg-type]
             requests=len(rows), errors=len(rows) - len(ok), tput_tok_s_p50=_quantile(tputs, 50),
             accept_length=spec_tokens / verify if verify else None,
-            **{f"{name}_p{q}_ms": percentile_ms(values, q) for name, values in (("ttft", ttft), ("itl", itl),
-                                                                                ("e2e", e2e)) for q in (50, 90, 99)},
+            **latency_percentiles_ms(ttft, itl, e2e),
             prompt_tokens_p50=_quantile([r.prompt_tokens for r in ok], 50),
             prompt_tokens_p90=_quantile([r.prompt_tokens for r in ok], 90),
             completion_tokens_p50=_quantile([r.completion_tokens for r in ok], 50),

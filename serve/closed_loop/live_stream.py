@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serve.sse import event_of
+
 __all__ = ["Added", "Measure", "ask_usage", "ask_spec_details", "metered", "CLIENT_CLOSED"]
 
 CLIENT_CLOSED = 499  # a stream the client left before `[DONE]` (nginx's code for it; no HTTP status was sent)
@@ -139,11 +141,12 @@ class Measure:
 
     def event(self, raw: bytes, at: float, added: Added) -> bytes | None:
         """One SSE event (without its blank line): note what it shows; return the bytes to forward (None: drop)."""
-        data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
-        if data == b"[DONE]":
+        parsed = event_of(raw)
+        if parsed is not None and parsed.done:
             self.done_at = at
             return raw
-        if not data.startswith(b"{"):
+        data = parsed.data.strip() if parsed is not None else ""
+        if not data.startswith("{"):
             return raw
         try:
             obj = json.loads(data)

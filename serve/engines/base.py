@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -22,7 +22,7 @@ from pydantic import Field, field_serializer, model_validator
 from serve.spec import FrozenModel, NgramSpec, NoSpec, SpecConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EngineKind = Literal["cpu", "sglang", "llama_cpp"]
+EngineKind = Literal["cpu", "sglang", "llama_cpp", "vllm"]
 REDACTED = "<redacted>"
 # A shipped corpus travels inside the replica's config (Serve's deployment arguments, the registered serving config,
 # `/v1/config`): kept small enough for all of them. A larger corpus belongs on a filesystem every engine node sees.
@@ -40,6 +40,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     caller's working directory is elsewhere (Tune runs trials in their own folders) and it is not pip-installed.
     The endpoint's fixed mmap threshold is not passed on (an engine's large tensors would each cost an mmap)."""
     env = {**os.environ, **(extra or {})}
+    # Their output goes to log files, where a progress bar redrawn in place is one unreadable line per redraw
+    # (SGLang's weight loading, Hugging Face downloads); a caller's explicit setting is kept.
+    env.setdefault("TQDM_DISABLE", "1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if ENDPOINT_MALLOC_MARKER in env and env.get("MALLOC_MMAP_THRESHOLD_") == env[ENDPOINT_MALLOC_MARKER]:
         del env["MALLOC_MMAP_THRESHOLD_"], env[ENDPOINT_MALLOC_MARKER]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -178,6 +182,13 @@ class Engine:
         """How many replicas of this config can run at once on a cluster with these total resources."""
         raise NotImplementedError
 
+    def build_ahead(self) -> list[str] | None:
+        """A command that builds, on this machine, what the engine's first start here would otherwise build (a
+        kernel): the driver runs it in the background while it fetches the model, so that the two overlap on a fresh
+        machine. It must be safe beside an engine start building the same thing and quick when there is nothing left
+        to build. None: nothing to build."""
+        return None
+
     def prepare(self, config: ReplicaConfig, argv: list[str]) -> dict[str, Any]:
         """Runs in the replica, on its node, before the engine starts: prerequisites and the engine's own verdict on
         `argv`. Returns what it found (recorded with the trial); raises ConfigRejected when the engine refuses the
@@ -238,6 +249,81 @@ class Engine:
         states = server_info.get("internal_states") or [{}]
         value = states[0].get("avg_spec_accept_length") if isinstance(states[0], dict) else None
         return float(value) if isinstance(value, (int, float)) else None
+
+    # What a study asks of the kind before anything starts: the dry run, the up-front checks, the study's start and
+    # the deploy folder (docs/design.md, "Add an engine"). Each default means "not applicable to this kind".
+    # Whether it loads a Hugging Face hub id: an unknown model name is then no typo (its files are on the node).
+    loads_hub_ids: ClassVar[bool] = False
+    # What a model argument may be besides a bundled id, for the message that refuses one.
+    model_forms: ClassVar[str] = "a path to a .gguf file or a local HF folder (with config.json)"
+    # The bundled search space (search_spaces/<name>) the dry run names first for this kind.
+    recommended_space: ClassVar[str] = "default.yaml"
+    # Whether it takes `--context-length` and answers 400 to a prompt past the model's context
+    # (pipeline.workloads.context checks the workload against it before a launch).
+    context_limited: ClassVar[bool] = False
+    # Its pace on a CPU for the dry run's estimate (pipeline.study.estimate; docs/benchmarks.md): the engine start in
+    # seconds (None: the CPU engine's), the decode speed as a multiple of the CPU engine's, and the words naming them
+    # ({size}: the model's scaling note).
+    cpu_start_s: ClassVar[float | None] = None
+    cpu_speed: ClassVar[float] = 1.0
+    cpu_basis: ClassVar[str] = "the CPU engine on SmolLM2-135M{size}"
+
+    def model_name(self, model: str) -> str:
+        """The model store's name of a model argument (llama.cpp: without its `@f32` suffix)."""
+        return model
+
+    def device(self, config: ReplicaConfig) -> str:
+        """Where `config`'s engine runs, as resolved here: "cpu" or "cuda"."""
+        return "cpu"
+
+    def describe_device(self, config: ReplicaConfig) -> str | None:
+        """For the dry run: where `config` would run and why; None for a kind without a device choice."""
+        return None
+
+    def gpu_study(self, device: str, gpu_here: Callable[[], bool]) -> bool:
+        """Whether a study with `engine.device` `device` runs on a GPU and so takes the GPU defaults
+        (pipeline/config/engine_defaults.py); `gpu_here` asks this machine or its cluster, called only if needed."""
+        return False
+
+    def cpu_size_limited(self, config: ReplicaConfig) -> bool:
+        """Whether `config` runs on this machine's CPU at a pace where a model of billions of parameters is no study
+        (pipeline.preflight_engine.cpu_capacity_problem). The bundled table bounds the CPU engines' own models."""
+        return False
+
+    def installed(self, device: str) -> Path | None:
+        """What this machine holds of the engine's install for `device` (a binary, an interpreter); None when there
+        is nothing to find or it is missing. Reads the filesystem."""
+        return None
+
+    def install_problem(self, device: str, installed: Path | None) -> str | None:
+        """Why the engine cannot start here for want of an install, given `installed(device)`, with the fix; None
+        when it can or nothing is checked. Pure."""
+        return None
+
+    def pinned_settings(self, config: ReplicaConfig) -> dict[str, Any]:
+        """What the command line fixes beyond the speculative table, by `/server_info` name, for
+        `settings.effective_diff(..., pinned=...)`."""
+        return {}
+
+    def node_facts(self, config: ReplicaConfig) -> Any:
+        """What the node this runs on says about itself for `config` (SGLang: its GPU architecture, the model's
+        config.json); None where the kind needs nothing."""
+        return None
+
+    def shared_settings(self, config: ReplicaConfig, gpu_arch: str, widest: Any, probes: Any,
+                        deterministic: bool) -> Any:
+        """Engine settings one study's engines share, decided once before its first trial; None where the kind
+        decides nothing."""
+        return None
+
+    def check_commands(self, configs: Sequence[ReplicaConfig], arch: str | None) -> list[Any] | None:
+        """The engine's command lines for `configs`, each with the engine's own verdict; None without such a
+        verdict."""
+        return None
+
+    def deploy_folder_report(self, folder: Path) -> str | None:
+        """The engine's own check of the files a deploy folder holds for it; None when there is nothing to say."""
+        return None
 
 
 def python_module_argv(module: str) -> list[str]:

@@ -113,7 +113,7 @@ def effective_diff(spec: SpecConfig, max_running_requests: int | None, server_ar
     `server_args` is `/server_info` or what SGLang's preflight resolved (same flat keys). Settings the engine does
     not report are not diffs (nothing to compare); auto values (None) were not requested. `pinned`: what the
     engine's command line fixes beyond the table, by server-arg name (SGLang's attention backend, its running-request
-    cap, the dtype: `serve.engines.pinned_settings`).
+    cap, the dtype: `Engine.pinned_settings`).
     """
     diffs: dict[str, tuple[object, object]] = {}
     for key, value in (pinned or {}).items():

@@ -10,6 +10,11 @@ owner is the wrapper's parent (a Serve replica, a test, a benchmark). Two links,
 - wrapper -> engine: the engine is started with `PR_SET_PDEATHSIG(SIGKILL)`, so if the wrapper itself is killed
   (Ray kills a dying worker's child processes with SIGKILL, which is what used to leave engines with PPID 1) the
   kernel kills the engine too.
+- wrapper -> the engine's own children: the death signal is not inherited, so a SIGKILLed wrapper took the engine
+  but left what the engine had started (SGLang's detokenizer, a multiprocessing resource tracker) running under
+  init. A reaper, forked off before the engine starts and detached from the wrapper (so a kill of the wrapper's
+  children does not reach it), waits for the wrapper to end, however it ends, then SIGKILLs the whole process group,
+  itself included. Only where the wrapper leads its own group (started in a new session, as every owner does).
 Standard library only: it starts in milliseconds.
 """
 
@@ -42,6 +47,46 @@ def _stop_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
         return
     try:
         os.killpg(group, signal.SIGKILL)  # ends us as well, which is the point
+    except ProcessLookupError:
+        pass
+
+
+def _start_reaper() -> None:
+    """Fork the reaper (module docstring) when this wrapper leads its own process group; return at once."""
+    group = os.getpid()
+    if os.getpgrp() != group:  # not our own group: killing it would reach the owner's processes
+        return
+    first = os.fork()
+    if first:
+        os.waitpid(first, 0)  # the middle process exits at once: the reaper is nobody's child here
+        return
+    try:
+        if os.fork() == 0:
+            _reap(group)
+    finally:
+        os._exit(0)
+
+
+def _reap(group: int) -> None:
+    """In the reaper: wait for the wrapper (pid `group`) to end, then SIGKILL its group. Signals to the group other
+    than SIGKILL are ignored: the wrapper's own stop sends SIGTERM first, and the reaper must outlive it."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # holding the owner's pipes would delay its end-of-file until the group is gone
+        os.dup2(null, fd)
+    wrapper = _pidfd(group)  # None as well when the wrapper is gone already: the loop below then ends at once
+    if wrapper is not None:
+        select.select([wrapper], [], [])  # readable once the wrapper has exited
+    else:
+        while True:  # no pidfds (Linux < 5.3): ask for the wrapper every POLL_S
+            try:
+                os.kill(group, 0)
+            except ProcessLookupError:
+                break
+            select.select([], [], [], POLL_S)
+    try:
+        os.killpg(group, signal.SIGKILL)  # the engine's orphans and this reaper
     except ProcessLookupError:
         pass
 
@@ -85,6 +130,7 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr, flush=True)
             return 2
     parent = os.getppid()
+    _start_reaper()
     owner = _pidfd(parent)
     if owner is not None and os.getppid() != parent:  # the owner died before we could watch it
         return 1

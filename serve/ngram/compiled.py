@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from serve.model_store import cache_root
 from serve.ngram.drafttree import token_ids
 from serve.ngram.trie import MatchState, NgramCache
 
@@ -33,7 +34,8 @@ __all__ = ["CompiledNgramCache", "CompiledUnavailable", "SOURCE", "TRIE_ENV", "a
 
 SOURCE = Path(__file__).with_name("csrc") / "ngram_trie.cpp"
 TRIE_ENV = "SPECDEC_NGRAM_TRIE"  # "python": never the compiled trie
-FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
+# -ffp-contract=off: the replay's pricing (sdt_price_solo) must add and multiply as Python does, never fused
+FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC")
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,6 @@ class CompiledUnavailable(RuntimeError):
 
 
 def _library_path() -> Path:
-    from serve.engines.cpu.models import cache_root  # lazy: serve.engines.cpu imports this package
-
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"ngram-trie-{key}" / "libngramtrie.so"
 
@@ -85,7 +85,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "sdt_cache_insert": ([vp, _I32P, i32], None), "sdt_state_new": ([], vp), "sdt_state_free": ([vp], None),
         "sdt_cache_build": ([vp, _I32P, i32, vp, i64, i32, _I32P, _I32P], i32),
         "sdt_cache_step": ([vp, _I32P, i32, i32, vp, i32, _I32P], i32), "sdt_cache_queue": ([vp, _I32P, i32], None),
-        "sdt_cache_land": ([vp], None),
+        "sdt_cache_land": ([vp], None), "sdt_cache_run": ([vp, _I32P, i32, i32, vp, i32, _I32P, _I32P], i32),
+        # pipeline/simulate/solo.py: one config at every warm-up count of a space (pointers to numpy arrays)
+        "sdt_replay_solo": ([vp, vp, vp, vp, vp, i32, vp, i32, vp, i32, vp, vp, vp, vp, vp, vp, vp], i64),
+        "sdt_price_solo": ([i32, i32, i32, vp, vp, vp, vp, vp, i32, vp, vp, ctypes.c_double, i32, vp, ctypes.c_double,
+                            i64, ctypes.c_double, ctypes.c_double, vp, vp, vp, vp, vp], None),
     }
     for name, (args, result) in signatures.items():
         function = getattr(lib, name)
@@ -202,6 +206,18 @@ class CompiledNgramCache(NgramCache):
         count = self._lib.sdt_cache_step(self._handle, sequence, length, len(sequence), self._native(state),
                                           int(land), ctypes.byref(real))
         return int(count), real.value
+
+    def run(self, state: MatchState, sequence: ctypes.Array, length: int, land: bool) -> list[tuple[int, int]]:
+        """Every remaining verify step of a request alone in its rounds (each step a round: each lands the previous
+        step's insert, the first only when `land`), as `step` gives them one by one: (tokens kept -- accepted drafts
+        and the bonus, cut at the sequence's end --, the tree's real nodes) per step, until `sequence` is out."""
+        end = len(sequence)
+        if not 1 <= length < end:
+            raise ValueError(f"ngram: length must be in [1, {end - 1}] (tokens out, some left), got {length}")
+        kept, real = (ctypes.c_int32 * (end - length))(), (ctypes.c_int32 * (end - length))()
+        steps = self._lib.sdt_cache_run(self._handle, sequence, length, end, self._native(state), int(land), kept,
+                                        real)
+        return list(zip(kept[:steps], real[:steps]))
 
     def queue(self, window: Sequence[int]) -> None:
         """Queue an insert of `window` (at most max_trie_depth tokens) for `land`; `reset` drops the queue."""

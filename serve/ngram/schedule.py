@@ -99,6 +99,25 @@ class NgramDrafter:
             tree = cache.draft(window, state.match, length)
         return accepted_drafts(tree, sequence[length:length + len(tree.tokens)]), tree.num_real
 
+    def replay_alone(self, state: DraftState, sequence: Sequence[int], length: int) -> list[tuple[int, int]] | None:
+        """Every remaining step of a request that is alone in its rounds from this one (a round already begun) to
+        its last: the `replay_step`s of that request, each after a `begin_round`, answered as (tokens kept, real
+        nodes) per step, in one call into C++. None where that call does not apply (the Python trie, corpora, or
+        no scheduler driving rounds): the caller steps one round at a time."""
+        cache = self.cache
+        if not (isinstance(cache, CompiledNgramCache) and self._rounds_driven
+                and not (self._corpora is not None and self._sam_budget)) or length >= len(sequence):
+            return None
+        self._due(state)
+        if state.native is None:
+            state.native = cache.sequence(sequence)
+        landing, self._landing = self._landing, False
+        steps = cache.run(state.match, state.native, length, landing)
+        # the rounds after the first each began (and landed the previous step's insert) inside the call
+        self._round += len(steps) - 1
+        state.drafted_in = self._round
+        return steps
+
     def reset(self) -> None:
         """`/flush_cache`: drop the pending inserts and empty the trie (corpora are kept)."""
         self._pending.clear()

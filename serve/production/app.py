@@ -21,7 +21,6 @@ Auth, limits and backpressure (`serve.production.settings`, docs/security.md): b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ from serve.engines.base import ReplicaConfig
 from serve.production.engine_app import backpressure, engine_deployment, load_serving_config
 from serve.production.roll import STOP_THEN_START, SURGE, Roll, deploy_timeout_s, free_per_node, plan_roll
 from serve.production.settings import ProductionSettings
+from serve.replica.status import app_state, wait_for_app
 from serve.serving import ENGINE_DEPLOYMENTS, HIGH, LOW, SERVING_FILE, ServingConfig
 
 CONFIG_FILE = SERVING_FILE
@@ -88,8 +88,7 @@ def running_serving(app_name: str) -> dict[str, Any] | None:
     """What the running app's ingress serves (`resolve_serving`'s dict), None when the app is not running."""
     from ray import serve
 
-    status = serve.status().applications.get(app_name)
-    if status is None or not str(status.status).endswith("RUNNING"):
+    if app_state(app_name).status != "RUNNING":
         return None
     try:
         return dict(serve.get_app_handle(app_name).serving_now.remote().result(timeout_s=60))
@@ -123,7 +122,7 @@ def deploy(settings: ProductionSettings, timeout_s: float | None = None,
         serve.get_app_handle(settings.app_name).announce_gap.remote(why).result(timeout_s=60)
     # No engine answers until the new ones run: a stop-then-start roll, or an app that exists but does not run (a
     # rollback after a failed roll). A first deploy keeps Serve's own behaviour: requests wait for the engine.
-    gap = roll == STOP_THEN_START or (now is None and settings.app_name in serve.status().applications)
+    gap = roll == STOP_THEN_START or (now is None and app_state(settings.app_name).exists)
     try:
         serve.run_many([serve.RunTarget(build_app(settings, serving, roll, gap), name=settings.app_name,
                                         route_prefix="/")], wait_for_applications_running=False)
@@ -131,23 +130,12 @@ def deploy(settings: ProductionSettings, timeout_s: float | None = None,
         if roll == STOP_THEN_START:  # nothing was rolled: the running ingress serves again
             serve.get_app_handle(settings.app_name).announce_gap.remote(None).result(timeout_s=60)
         raise
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(settings.app_name)
-        state = str(status.status) if status else "MISSING"
-        if state.endswith("RUNNING"):
-            if gap:  # every engine runs now: the ingress answers at once, not at its own next look
-                serve.get_app_handle(settings.app_name).announce_gap.remote(None).result(timeout_s=60)
-            return serving
-        if state.endswith("DEPLOY_FAILED"):
-            raise RuntimeError(f"production app failed to deploy: {_reason(status)}")
-        time.sleep(0.5)  # the controller's status, polled under the deadline above
+    state = wait_for_app(settings.app_name, wait_s, lambda s: s.status in ("RUNNING", "DEPLOY_FAILED"))
+    if state is not None and state.status == "RUNNING":
+        if gap:  # every engine runs now: the ingress answers at once, not at its own next look
+            serve.get_app_handle(settings.app_name).announce_gap.remote(None).result(timeout_s=60)
+        return serving
+    if state is not None:  # the deployments' own messages (a constructor's exception text) first
+        raise RuntimeError(f"production app failed to deploy: {state.failure()}")
     raise TimeoutError(f"production app not RUNNING after {wait_s:.0f} s (the serving config's start_timeout_s "
                        "plus the old engines' drain and Serve's margin)")
-
-
-def _reason(status: Any) -> str:
-    """The deployments' own messages (a constructor's exception text) before the app's generic one."""
-    messages = [f"{name}: {d.message}" for name, d in (getattr(status, "deployments", None) or {}).items()
-                if getattr(d, "message", "")]
-    return "\n".join(messages) or str(status.message)

@@ -1,10 +1,12 @@
 """`python -m serve.production`: start (or join) Ray, deploy the production app, follow the registry alias.
 
-Auth and the capture directory are checked before Ray starts (exit 2 with the reason) and the banner reports what
-the running ingress enforces (docs/security.md). A promotion or rollback moves the alias; `follow` rolls the app to
-it (`serve.production.roll`), and a roll that fails or does not finish in time is rolled back to the version that
-served before: a failed roll never leaves the endpoint down, and the failed version is not tried again until the
-alias moves on.
+Auth, the capture directory, the registry (model, alias or version, and a tracking URI that answers), the config
+file and the Ray address are checked before Ray starts (exit 2 with one line naming the value and the fix,
+`serve.production.preflight`), and the banner reports what the running ingress enforces (docs/security.md). The
+HTTP proxy gets the connection limits of `serve.production.connection_guard` (header deadline, per-client and total
+caps). A promotion or rollback moves the alias; `follow` rolls the app to it (`serve.production.roll`), and a roll
+that fails or does not finish in time is rolled back to the version that served before: a failed roll never leaves
+the endpoint down, and the failed version is not tried again until the alias moves on.
 
 Stopping: SIGTERM (a service manager, `kill PID`) and Ctrl-C both stop the endpoint gracefully: Serve drains each
 replica (in-flight requests finish, buffered capture rows are written) and stops the engines. The handler is
@@ -24,6 +26,8 @@ from typing import Any
 from serve.closed_loop.capture import private_dir_problem
 from serve.engines.base import ENDPOINT_MALLOC_MARKER
 from serve.production.app import deploy
+from serve.production.connection_guard import ConnectionLimits, proxy_environment
+from serve.production.preflight import start_problem
 from serve.production.settings import ProductionSettings, auth_problem, load_admin_keys, load_api_keys
 
 # Set by the stop signals' handler before it raises KeyboardInterrupt, and checked by `follow` every second: a
@@ -31,28 +35,59 @@ from serve.production.settings import ProductionSettings, auth_problem, load_adm
 # there, and the endpoint then served on through its own Ctrl-C (seen in CI: "serving ..." printed after the
 # signal, then no "stopping" line in 120 s).
 STOP_REQUESTED = threading.Event()
+SCRIPT = "specdec-serve"
+PRINT_VERSION = object()  # what a bare --version parses to
 
 
 def _parser() -> Any:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m serve.production",
-                                     description="Serve the promoted config behind an OpenAI-compatible endpoint.")
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("specdec-tuner")
+    except PackageNotFoundError:
+        installed = "unknown (not installed: pip install -e .)"
+    # the usage line names the way it was started: the console script, or `python -m`
+    started = os.path.basename(sys.argv[0])
+    parser = argparse.ArgumentParser(prog=SCRIPT if started == SCRIPT else "python -m serve.production",
+                                     description="Serve the promoted config behind an OpenAI-compatible endpoint. "
+                                                 "--tracking-uri defaults to $MLFLOW_TRACKING_URI.")
     for name, field in ProductionSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        if field.annotation in (bool, bool | None):
+        if name == "version":
+            # `--version N` pins a registered version (as it always has); a bare `--version` prints the program's
+            parser.add_argument(flag, dest=name, nargs="?", const=PRINT_VERSION, default=None, metavar="N",
+                                help=f"{field.description}; alone: print the installed specdec-tuner version "
+                                     f"({installed}) and exit")
+        elif field.annotation in (bool, bool | None):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=field.description)
         else:
             parser.add_argument(flag, dest=name, default=None, help=f"{field.description or name} "
                                 f"(default: {field.default})")
     parser.add_argument("--ray-address", default=None, help="join a Ray cluster instead of starting a local one")
+    parser.set_defaults(installed_version=installed)
     return parser
 
 
+def console_main() -> int:
+    """The `specdec-serve` console script: what `python -m serve.production` sets before `main`."""
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = vars(_parser().parse_args(argv))
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    if args.get("version") is PRINT_VERSION:
+        print(f"{parser.prog} {parser.get_default('installed_version')}")
+        return 0
+    args.pop("installed_version", None)
     address = args.pop("ray_address")
+    if args.get("tracking_uri") is None and os.environ.get("MLFLOW_TRACKING_URI", "").strip():
+        args["tracking_uri"] = os.environ["MLFLOW_TRACKING_URI"].strip()  # MLflow's own variable, below the flag
     try:
         settings = ProductionSettings.model_validate({k: v for k, v in args.items() if v is not None})
         settings.source_uri()
@@ -72,9 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     if problem is None and settings.capture is not None:
         found = private_dir_problem(Path(settings.capture.dir))
         problem = f"--capture: the capture directory {found}" if found else None
+    if not problem:
+        # The registry, the config and the cluster, each within a deadline: a typo or a dead service is one line
+        # here, not a traceback after Ray and Serve have started (or minutes of MLflow's retries).
+        problem = start_problem(settings, address)
     if problem:
         print(f"error: {problem}", flush=True)
         return 2
+    # The proxy's connection limits (serve.production.connection_guard): uvicorn under Serve never times out a
+    # half-sent header and accepts sockets until its open-file limit, so one client could hold them all. Ray's
+    # processes read this environment when they start: a cluster joined with --ray-address needs it on its nodes.
+    note = proxy_environment(os.environ, connection_limits(settings))
+    if note:
+        print(f"warning: {note}", flush=True)
     if not address:
         local_ray_environment(os.environ)
     import ray
@@ -141,6 +186,12 @@ def local_ray_environment(env: MutableMapping[str, str]) -> None:
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if "MALLOC_MMAP_THRESHOLD_" not in env:
         env["MALLOC_MMAP_THRESHOLD_"] = env[ENDPOINT_MALLOC_MARKER] = str(128 * 1024)
+
+
+def connection_limits(settings: ProductionSettings) -> ConnectionLimits:
+    return ConnectionLimits(header_timeout_s=settings.header_timeout_s,
+                            max_connections_per_client=settings.max_connections_per_client,
+                            max_connections=settings.max_connections)
 
 
 def _interrupt(signum: int, _frame: Any) -> None:

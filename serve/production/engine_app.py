@@ -13,7 +13,9 @@ from serve.engines.base import ReplicaConfig
 from serve.production.settings import ProductionSettings
 from serve.serving import SERVING_FILE, ServingConfig
 
-__all__ = ["load_serving_config", "backpressure", "engine_deployment"]
+__all__ = ["ENGINE_START_ATTEMPTS", "load_serving_config", "backpressure", "engine_deployment"]
+
+ENGINE_START_ATTEMPTS = 3  # starts of a production engine before its replica fails (`start_ready_engine`)
 
 
 def load_serving_config(tracking_uri: str | None, uri: str) -> ServingConfig:
@@ -70,7 +72,9 @@ def engine_deployment(settings: ProductionSettings, replica: ReplicaConfig, name
     from serve.replica.placement import actor_options
 
     # @serve.deployment made EngineBackend a Deployment (mypy sees the class).
+    # The replica retries its engine's start itself (`start_ready_engine`), except a load failure a retry would repeat;
+    # Serve's own constructor retries could not tell one apart.
     return EngineBackend.options(  # type: ignore[attr-defined]
         name=name, num_replicas=settings.num_replicas, max_surge_percent=100 if surge else 0,
-        max_constructor_retry_count=3, **backpressure(settings), ray_actor_options=actor_options(replica)
-    ).bind(replica.to_replica())
+        max_constructor_retry_count=1, **backpressure(settings), ray_actor_options=actor_options(replica)
+    ).bind(replica.to_replica(), start_attempts=ENGINE_START_ATTEMPTS)

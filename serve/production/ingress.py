@@ -55,7 +55,7 @@ from serve.http_errors import (RequestRejected, busy_response, error_response, f
                                unavailable_response)
 from serve.engines import engine_for
 from serve.production.auth import IngressAuth
-from serve.http_limits import BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
+from serve.http_limits import BadJson, check_max_tokens, check_required, fill_max_tokens, parse_json, read_body
 from serve.production.config_view import user_view
 from serve.production.generate import generate, production_stream, takeover_for
 from serve.production.ingress_support import IngressMetrics, bounded, explain_filled, serve_bind_host, timed
@@ -64,6 +64,7 @@ from serve.closed_loop.live_book import LiveBook, feed_query, version_label
 from serve.closed_loop.live_stream import Added, Measure, ask_spec_details, ask_usage
 from serve.closed_loop.control_routes import PARQUET_MEDIA_TYPE, DriftBoard, capture_listing, capture_part, contract_body
 from serve.production.ingress_lifecycle import IngressLifecycle
+from serve.production.stream_relay import leaving
 from serve.production.settings import (ProductionSettings, admin_access, auth_problem, auth_required,
                                        load_admin_keys, load_api_keys)
 from serve.serving import HIGH, LOW, RoutingPolicy, ServingConfig
@@ -125,6 +126,7 @@ class OpenAIIngress(IngressAuth, IngressLifecycle):
             raise RequestRejected(400, f"request body: {exc}") from None
         if not isinstance(data, dict):
             raise RequestRejected(400, "request body must be a JSON object")
+        check_required(data, request.url.path)
         check_max_tokens(data, self.settings.max_tokens_limit)
         filled = fill_max_tokens(data, request.url.path.endswith("/chat/completions"), self.settings.max_tokens_limit)
         if filled is not None:
@@ -281,7 +283,8 @@ class OpenAIIngress(IngressAuth, IngressLifecycle):
         started = request.state.arrived = time.monotonic()
         try:
             self._authorize(request, admin)
-            response = await asyncio.wait_for(handler(request), self.settings.request_timeout_s)
+            async with asyncio.timeout(self.settings.request_timeout_s):  # in this task: no exception left unread
+                response = await handler(request)
         except RequestRejected as rejected:
             response = error_response(rejected.status, rejected.message, rejected.kind, rejected.headers)
         except BackPressureError:
@@ -290,6 +293,8 @@ class OpenAIIngress(IngressAuth, IngressLifecycle):
             response = error_response(504, f"the request took longer than request_timeout_s="
                                            f"{self.settings.request_timeout_s:g}; it was cancelled", "timeout_error")
         except Exception as exc:  # noqa: BLE001 - every failure is an answer in OpenAI's shape, and is counted
+            if leaving():  # the client left and Serve cancelled the calls (RequestCancelledError): no one to answer
+                raise asyncio.CancelledError from None
             response = self._failure(route, exc)
         data = getattr(request.state, "body", None)
         response = await self.capture.observe(route, data, response)  # opt-in traffic capture (serve.closed_loop.capture)

@@ -76,9 +76,13 @@ async def timed(chunks: AsyncIterator[Any], done: Callable[[], None]) -> AsyncIt
 
 
 async def bounded(call: Any, timeout_s: float) -> Any:
-    """Await a Serve handle call for at most `timeout_s`; on timeout (or cancellation) the call is cancelled too."""
+    """Await a Serve handle call for at most `timeout_s`; on timeout (or cancellation) the call is cancelled too.
+    Awaited in this task (`asyncio.timeout`), not in a task of its own: `asyncio.wait_for` leaves the exception of
+    the inner task it cancels unretrieved (Serve's cancelled handle call raises RequestCancelledError), and asyncio
+    then logs "Task exception was never retrieved"."""
     try:
-        return await asyncio.wait_for(asyncio.ensure_future(call), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await call
     except (asyncio.TimeoutError, asyncio.CancelledError):
         call.cancel()
         raise

@@ -9,18 +9,19 @@ announced, not hidden: from the moment the driver decides on it until the new en
 and leaves it when the controller reports its engines healthy). `plan_roll` decides from what each changing engine
 needs and what each node has free now (`fits`, pure).
 
-The deploy waits as long as the serving config allows (`deploy_timeout_s`): the slowest engine's `start_timeout_s`,
-the old engines' drain, and a margin; a roll that fails or times out is rolled back by `python -m serve.production`
+The deploy waits as long as the serving config allows (`deploy_timeout_s`): the slowest engine's `start_timeout_s`
+with its cold-start allowance (the trial's and `pipeline.promote --deploy`'s wait too: `serve.engines.waits`), the
+old engines' drain, and a margin; a roll that fails or times out is rolled back by `python -m serve.production`
 (`serve.production.cli.Follower`), never left half done.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from serve.engines.base import ReplicaConfig
+from serve.replica.status import wait_for_app
 from serve.serving import ServingConfig
 
 __all__ = ["Roll", "SURGE", "STOP_THEN_START", "DEPLOY_MARGIN_S", "deploy_timeout_s", "needs_of", "fits",
@@ -33,11 +34,13 @@ DEPLOY_MARGIN_S = 120.0  # Serve's own steps around the engine's start: placing,
 
 
 def deploy_timeout_s(config: ServingConfig) -> float:
-    """How long a deploy of `config` may take: its slowest engine's `start_timeout_s`, the old engines' drain (a
-    stop-then-start roll waits for it) and `DEPLOY_MARGIN_S`. Pure."""
+    """How long a deploy of `config` may take: its slowest engine's start on a cold node (`start_timeout_s` plus the
+    engine's cold-start allowance: `serve.engines.waits`), the old engines' drain (a stop-then-start roll waits for
+    it) and `DEPLOY_MARGIN_S`."""
+    from serve.engines.waits import slowest_start_s
     from serve.replica.deployment import STOP_GRACE_S
 
-    slowest = max(replica.start_timeout_s for replica in config.replicas().values())
+    slowest = slowest_start_s(config.replicas().values())
     return slowest + 2 * STOP_GRACE_S + 5 + DEPLOY_MARGIN_S
 
 
@@ -95,16 +98,6 @@ def await_engines(app: str, deployments: Sequence[str], deadline_s: float,
     """Poll the Serve controller until `deployments` of `app` are all HEALTHY, or for `deadline_s` at most (a roll
     that failed is the driver's to roll back), then call `done(None)`: the new ingress's gap ends. Runs on a
     thread of the ingress replica."""
-    from ray import serve
-
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            status = serve.status().applications.get(app)
-            found = status.deployments if status is not None else {}
-            if all(name in found and str(found[name].status).endswith("HEALTHY") for name in deployments):
-                break
-        except Exception:  # noqa: BLE001 - the controller busy or restarting: ask again
-            pass
-        time.sleep(0.5)  # the controller's status, polled under the deadline above
+    # a controller busy or restarting is asked again
+    wait_for_app(app, deadline_s, lambda s: s.healthy(list(deployments)), retry_errors=True)
     done(None)

@@ -72,6 +72,15 @@ class ProductionSettings(FrozenModel):
                                                             "warning in docs/security.md)")
     live_records: int = Field(10_000, ge=1, description="live records (GET /v1/live) each ingress replica holds; "
                                                        "older ones are dropped")
+    header_timeout_s: float = Field(10.0, gt=0, description="python -m serve.production: a connection whose request "
+                                                          "headers are not complete this long after it opened (or "
+                                                          "after its request began) is closed with 408")
+    max_connections_per_client: int = Field(1000, ge=1, description="python -m serve.production: connections one "
+                                                                   "client address may hold at the HTTP proxy; more "
+                                                                   "get 503 and are closed")
+    max_connections: int | None = Field(None, ge=1, description="python -m serve.production: connections the HTTP "
+                                                                "proxy holds in all (default: its open-file limit "
+                                                                "less a quarter, at most 2048 kept)")
     follow_alias_s: float = Field(10.0, ge=0, description="python -m serve.production: poll the registry alias this "
                                                           "often and roll to a new version (0 = off)")
 

@@ -16,9 +16,15 @@ from typing import Any
 
 from serve.http_errors import error_body, failure_answer
 
-__all__ = ["error_event", "relay"]
+__all__ = ["error_event", "relay", "leaving"]
 
 _KINDS = {503: "service_unavailable", 504: "timeout_error"}
+
+
+def leaving() -> bool:
+    """Whether this task is being cancelled (its client left), whatever the awaited call turned that into."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def error_event(status: int, message: str, after_partial: bool = False) -> bytes:
@@ -40,7 +46,10 @@ async def relay(stream: Any, timeout_s: float, release: Callable[[], None],
         while True:
             left = deadline - time.monotonic()
             try:
-                chunk = await asyncio.wait_for(stream.__anext__(), max(left, 0.001))
+                # In this task, not one of its own (`asyncio.wait_for`), whose exception would go unretrieved when
+                # the client leaves and Serve cancels the handle call ("Task exception was never retrieved")
+                async with asyncio.timeout(max(left, 0.001)):
+                    chunk = await stream.__anext__()
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
@@ -49,6 +58,8 @@ async def relay(stream: Any, timeout_s: float, release: Callable[[], None],
                                        "cancelled", not tail.endswith(b"\n\n"))
                 return
             except Exception as exc:  # noqa: BLE001 - any failure of the engine side ends the stream cleanly
+                if leaving():  # the client left: Serve cancelled the call (RequestCancelledError), nobody reads on
+                    raise asyncio.CancelledError from None
                 status, message = failure_answer(exc)
                 failed(status)
                 yield error_event(status, f"{message}; the answer is incomplete, retry the request",

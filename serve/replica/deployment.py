@@ -40,10 +40,12 @@ from ray import serve
 
 from serve.replica import engine_client
 from serve.engines import engine_for
-from serve.engines.base import CORPUS_FOLDER, ReplicaConfig, corpus_file_name, corpus_jsonl, python_module_argv
+from serve.engines.base import (CORPUS_FOLDER, ConfigRejected, ReplicaConfig, corpus_file_name, corpus_jsonl,
+                                python_module_argv)
+from serve.engines.load_failures import repeating_cause, with_cause
 from serve.engines.phases import StartState
 from serve.ports import free_port
-from serve.replica.engine_start import TrialStarts
+from serve.replica.engine_start import TrialStarts, engine_env
 from serve.replica.placement import START_TIMEOUT_MARKER, actor_options, log_tail
 from serve.replica.usage import read_usage
 
@@ -101,7 +103,8 @@ class EngineProcess:
             # Own session = own process group, led by the watchdog: teardown kills the engine and its children.
             pinned = ["--cpus", ",".join(map(str, config.cpus))] if config.cpus else []
             self.process = subprocess.Popen(python_module_argv("serve.engines.watchdog") + [*pinned, "--", *self.argv],
-                                            stdout=log, stderr=subprocess.STDOUT, env=self.kind.start_env(config),
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            env=engine_env(self.kind.start_env(config), config),
                                             start_new_session=True, cwd=os.getcwd())
 
     def wait_ready(self) -> None:
@@ -155,6 +158,33 @@ def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
     process.wait(timeout=STOP_GRACE_S)
 
 
+def start_ready_engine(config: ReplicaConfig, attempts: int = 1) -> EngineProcess:
+    """`config`'s engine started and ready, tried up to `attempts` times. A refused config, or a load failure a
+    retry would repeat (out of memory at load, a missing file, an unsupported architecture:
+    `serve.engines.load_failures`), fails at once with its cause: another start would cost the same minutes of the
+    replica's GPUs and end the same way."""
+    for attempt in range(1, attempts + 1):
+        engine: EngineProcess | None = None
+        try:
+            engine = EngineProcess(config)
+            engine.wait_ready()
+            return engine
+        except ConfigRejected:
+            raise
+        except RuntimeError as exc:
+            if engine is not None:
+                engine.stop()
+            cause = repeating_cause(str(exc))
+            if cause:
+                raise RuntimeError(f"{with_cause(str(exc), cause)} (start {attempt} of at most {attempts}: "
+                                   "not retried)") from None
+            if attempt == attempts:
+                raise
+            print(f"engine start {attempt} of {attempts} failed, starting it again: {str(exc).splitlines()[0]}",
+                  flush=True)
+    raise ValueError(f"start_attempts={attempts}: at least 1")
+
+
 app = FastAPI()
 _DEPLOYMENT_OPTIONS: dict[str, Any] = dict(
     max_ongoing_requests=256,  # the engine queues (FIFO, max_running_requests); the replica must not
@@ -169,9 +199,10 @@ _DEPLOYMENT_OPTIONS: dict[str, Any] = dict(
 class _EngineOwner:
     """One engine process owned by a Serve replica: start in the constructor, health, handle calls, kill on exit."""
 
-    def __init__(self, config: dict[str, Any], standby: bool = False) -> None:
+    def __init__(self, config: dict[str, Any], standby: bool = False, start_attempts: int = 1) -> None:
         """`standby`: start no engine; the replica waits for a `POST /replica/engine` (a study's first trial, which
-        claims it through `POST /replica/claim`). Its actor is up, so that trial skips a fresh replica's start."""
+        claims it through `POST /replica/claim`). Its actor is up, so that trial skips a fresh replica's start.
+        `start_attempts`: how many times the engine is started before the constructor fails (`start_ready_engine`)."""
         self.config = ReplicaConfig.model_validate(config)
         self.replacing = False  # an engine restart is under way: no engine to check
         self.refused: str | None = None  # why the last restart started no engine (its old one is stopped)
@@ -180,8 +211,7 @@ class _EngineOwner:
         if standby:
             self.refused = "standby replica: no engine started yet (a trial's POST /replica/engine starts one)"
         else:
-            self.engine = EngineProcess(self.config)
-            self.engine.wait_ready()
+            self.engine = start_ready_engine(self.config, start_attempts)
         self.client = self._engine_client()
 
     def _engine_client(self) -> httpx.AsyncClient:

@@ -16,11 +16,23 @@ from serve.engines.phases import StartState, reporting
 from serve.replica.sharing import can_share, launch_config, runtime_corpus
 from serve.spec import NgramSpec
 
-__all__ = ["TrialStarts", "PREFLIGHT_LIMIT_S", "CORPUS_LIMIT_S"]
+__all__ = ["TrialStarts", "PREFLIGHT_LIMIT_S", "CORPUS_LIMIT_S", "ENDPOINT_SECRETS", "engine_env"]
+
+# The production endpoint's key variables (`serve.production.settings`): the replica that starts an engine inherits
+# them from the driver through Ray, and an engine (no auth of its own, a process anyone on the node may inspect)
+# has no use for them.
+ENDPOINT_SECRETS = ("SPECDEC_API_KEYS", "SPECDEC_ADMIN_KEYS")
 
 # Limits of the start phases (serve/engines/phases.py) besides stopping (the host's) and loading (start_timeout_s).
 PREFLIGHT_LIMIT_S = 600.0  # the engine's own bounds inside: SGLang's preflight 300 s, its GPU wait 120 s
 CORPUS_LIMIT_S = 600.0
+
+
+def engine_env(env: dict[str, str], config: ReplicaConfig) -> dict[str, str]:
+    """The engine process's environment: `env` less the endpoint's key variables, unless the serving config names
+    one itself (`env` / `env_from`). Pure."""
+    named = set(config.env) | set(config.env_from)
+    return {name: value for name, value in env.items() if name not in ENDPOINT_SECRETS or name in named}
 
 
 def _engine_json(method: str, url: str, body: dict[str, Any] | None = None,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pipeline.config import load_study
 from pipeline.trial.corpus import main as corpus_main
@@ -62,13 +63,15 @@ def captured(tmp_path_factory):
         api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused-on-localhost", max_retries=0, timeout=120)
         answers = []
         for i, question in enumerate(QUESTIONS):
-            messages = [{"role": "user", "content": question}]
+            messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": question}]
             if i % 2:
                 answers.append("".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
                     model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices))
             else:
-                answers.append(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                                           temperature=0).choices[0].message.content)
+                content = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                      temperature=0).choices[0].message.content
+                assert content is not None
+                answers.append(content)
         answers.append(api.completions.create(model=MODEL, prompt="def add(a, b):\n    return", max_tokens=8,
                                               temperature=0).choices[0].text)
         deadline = time.monotonic() + 60  # parts are written off the request path

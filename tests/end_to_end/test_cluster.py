@@ -42,6 +42,7 @@ def two_node_cluster():
     # be placed there and run its checks on that node (this machine has no real GPU).
     env = dict(os.environ)
     holder = subprocess.Popen([sys.executable, "-c", CLUSTER], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout is not None
     try:
         started, _, _ = select.select([holder.stdout], [], [], 300)  # a start that hangs fails instead of blocking
         address = holder.stdout.readline().strip() if started else ""
@@ -87,6 +88,7 @@ def test_trial_and_replica_run_on_different_nodes_and_the_study_decides(tmp_path
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("cluster")
+    assert experiment is not None
     runs = client.search_runs([experiment.experiment_id], filter_string="tags.`specdec.kind` = 'trial'")
     assert len(runs) == 2 and all(r.data.tags["outcome"] == "COMPLETE" for r in runs)
     nodes = ray_nodes(address, env)
@@ -103,7 +105,7 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 
 
 def sglang_study(tmp_path, address, env, name, extra=""):
-    from serve.engines.sglang import installed_version
+    from serve.engines.sglang.engine import installed_version
 
     if installed_version() is None:
         pytest.skip("sglang is not installed in this venv: bash infra/install-sglang-parser.sh")
@@ -125,6 +127,7 @@ def sglang_study(tmp_path, address, env, name, extra=""):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name(name)
+    assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`specdec.kind` = 'trial'")
     return run.data.tags
 
@@ -132,7 +135,8 @@ def sglang_study(tmp_path, address, env, name, extra=""):
 def test_sglang_checks_run_in_the_replica_on_the_engine_node(tmp_path, two_node_cluster):
     # Defect 3: SGLang's own parser and the node checks run where the engine would run (the replica on the engine
     # node), not in the trial process on the head. The parser accepts the flags there; the node has no NVIDIA driver.
-    tags = sglang_study(tmp_path, *two_node_cluster, "cluster-sglang")
+    address, env = two_node_cluster
+    tags = sglang_study(tmp_path, address, env, "cluster-sglang")
     assert tags["outcome"] == "LAUNCH_FAILED", tags["reason"]
     assert "no NVIDIA driver" in tags["reason"] and "engine.kind: cpu" in tags["reason"]
     assert "preflight ok" in tags["reason"]
@@ -140,7 +144,8 @@ def test_sglang_checks_run_in_the_replica_on_the_engine_node(tmp_path, two_node_
 
 def test_flags_the_installed_sglang_refuses_make_an_invalid_trial(tmp_path, two_node_cluster):
     # SGLang's parser, in the replica, refuses the argv: INVALID with SGLang's own words, not LAUNCH_FAILED.
-    tags = sglang_study(tmp_path, *two_node_cluster, "cluster-sglang-bad",
+    address, env = two_node_cluster
+    tags = sglang_study(tmp_path, address, env, "cluster-sglang-bad",
                         extra=", extra_flags: [--no-such-flag-in-sglang, '1']")
     assert tags["outcome"] == "INVALID", tags["reason"]
     assert "SGLang rejected the flags at parse" in tags["reason"] and "unrecognized arguments" in tags["reason"]

@@ -51,7 +51,8 @@ branches:
     external_corpus: {{type: categorical, choices: [null, warmup]}}
     external_sam_budget: {{type: fixed, value: 2, when: {{external_corpus: [warmup]}}}}
 """
-POINTS = [{"algorithm": "ngram", "ngram.external_corpus": None}, {"algorithm": "ngram", "ngram.external_corpus": "warmup"}]
+POINTS: list[dict[str, Any]] = [
+    {"algorithm": "ngram", "ngram.external_corpus": None}, {"algorithm": "ngram", "ngram.external_corpus": "warmup"}]
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +114,13 @@ def test_corpus_trial_loads_the_warmup_split_and_records_its_size_and_load_time(
     tokenizer = target_tokenizer(MODEL)
     warm_ids = [r.input_ids for r in requests_of(split.warmup, MODEL)]
     assert [tuple(tokenizer.encode(d, add_special_tokens=False)) for d in documents] == warm_ids
-    assert all(p.messages[-1][1] in d for p, d in zip(split.warmup, documents))
-    assert not any(p.messages[-1][1] in d for p in split.measure for d in documents)
+    assert all(p.messages is not None and p.messages[-1][1] in d for p, d in zip(split.warmup, documents))
+    assert all(p.messages is not None and p.messages[-1][1] not in d for p in split.measure for d in documents)
     metrics = warm.data.metrics
     assert metrics["corpus_documents"] == len(documents)
     assert metrics["corpus_bytes"] == files[0].stat().st_size
     # The engine reports the tokens it loaded, one separator per document on top of the documents' own tokens.
-    tokens = sum(len(ids) for ids in warm_ids)
+    tokens = sum(len(ids) for ids in warm_ids if ids is not None)  # none is None: compared with the documents above
     assert tokens <= metrics["corpus_tokens"] <= tokens + len(documents)
     assert metrics["corpus_load_s"] >= 0.0  # present: a cost paid at every engine start
     assert not {k for k in plain.data.metrics if k.startswith("corpus_")}

@@ -125,6 +125,7 @@ def test_study_on_postgres_and_a_ray_cluster_resumes_from_the_database(tmp_path,
 
     client = MlflowClient(tracking_uri=f"{postgres}/mlflow", registry_uri=f"{postgres}/mlflow")
     experiment = client.get_experiment_by_name("dist")
+    assert experiment is not None
     runs = client.search_runs([experiment.experiment_id], filter_string="tags.`specdec.kind` = 'trial'")
     assert len(runs) == 3
     studies = client.search_runs([experiment.experiment_id], filter_string="tags.`specdec.kind` = 'study'")

@@ -8,7 +8,7 @@ decision: a failed trial is an outcome, never a crashed study. Which point fails
 the scopes, never by timing; the slowed config is 20x slower (~0.05-0.1x the baseline), and the disturbed window runs
 beside busy processes pinned to the engine's own CPUs until the trial's next flush.
 
-Early stopping's bound (pipeline/search/stopping.py) is the measured figure times exp(t * s / sqrt(k)) and the run
+Early stopping's bound (pipeline/decide/stopping.py) is the measured figure times exp(t * s / sqrt(k)) and the run
 noise, s the spread of the k requests' log throughput: on a quiet machine s is ~0.1 and the bound ~2x, but beside
 another test's study (the engine waiting for a core half its runnable time) the 10x-slowed config's requests spread
 0.6 (0.86-4.23 tok/s), its bound at 5 requests crossed the baseline's lower bound and the trial ran to completion.

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.records.registry import CANDIDATE, PRODUCTION, alias_version, register_config
 from pipeline.records.tracking import Tracker
-from pipeline.retune import RetuneOptions, retune
+from pipeline.loop.retune import RetuneOptions, retune
 from pipeline.workloads import load_workload
 from serve.closed_loop.capture import Capture, CaptureSettings
 from serve.engines.base import ReplicaConfig

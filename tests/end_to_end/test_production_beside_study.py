@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from serve.engines.base import ReplicaConfig, child_env
-from serve.engines.cpu.models import cache_root
+from serve.model_store import cache_root
 from serve.ports import free_port
 from serve.serving import Provenance, ServingConfig
 from tests.integration.production_helpers import alive, app_processes, wait_for

@@ -59,8 +59,9 @@ def test_streamed_answers_are_measured_to_their_done_with_the_engines_usage(endp
     delta = {key: after[key] - before[key] for key in after}
     # the client that did not ask for usage gets no usage chunk; the one that asked gets it
     assert all(c.choices and c.usage is None for c in plain)
-    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 4
-    assert delta["tokens"] == 8 + 4 and delta["prompt"] > chat[-1].usage.prompt_tokens
+    usage = chat[-1].usage
+    assert chat[-1].choices == [] and usage is not None and usage.completion_tokens == 4
+    assert delta["tokens"] == 8 + 4 and delta["prompt"] > usage.prompt_tokens
     assert delta["ok"] == delta["ttft"] == delta["tput"] == 2
     texts = sum(1 for c in plain if c.choices[0].text) + sum(1 for c in chat if c.choices and c.choices[0].delta.content)
     assert delta["itl"] == texts - 2  # the gaps after each stream's first text chunk
@@ -85,6 +86,7 @@ def test_the_live_feed_holds_each_answered_request_as_the_loop_reads_it(endpoint
     assert len(first.itl_s) == sum(1 for c in streamed if c.choices and c.choices[0].text) - 1
     assert first.ttft_s is not None and first.e2e_s >= first.ttft_s + sum(first.itl_s) - 1e-9
     assert not second.streamed and second.itl_s == () and second.seq == first.seq + 1
+    assert plain.usage is not None
     assert (second.completion_tokens, second.prompt_tokens) == (plain.usage.completion_tokens,
                                                                 plain.usage.prompt_tokens)
     summary = LiveSummary.model_validate(httpx.get(f"{base_url}/v1/live/summary", headers=AUTH, timeout=60).json())
@@ -162,6 +164,7 @@ def test_a_canary_serves_its_share_on_the_candidates_own_engine_and_stops(endpoi
     assert (record.arm, record.version, record.status) == ("candidate", "2", 200)  # share 1: every request
     # the candidate (NGRAM) reported its verify steps to the ingress, which kept them from this client
     assert record.completion_tokens == 8 and 0 < (record.spec_verify_ct or 0) <= 8
+    assert record.spec_verify_ct is not None
     assert record.accept_length == 8 / record.spec_verify_ct and "sglext" not in (answer.model_extra or {})
     shown = loop.config()
     assert shown["version"] == "1" and shown["canary"]["requests"]["candidate"] == 1

@@ -42,6 +42,7 @@ def test_interrupted_study_resumes_without_duplicates(tmp_path):
     assert not Path(env["HOME"], ".ray").exists()
     driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
+    assert driver.stdout is not None
     for line in driver.stdout:  # interrupt as soon as the first trial has finished (Ctrl-C, as a user would)
         seen.append(line)
         if line.startswith("[trial 1/3]"):
@@ -63,7 +64,7 @@ def test_interrupted_study_resumes_without_duplicates(tmp_path):
     assert len(trials) == 3 and sorted(t.number for t in trials) == [0, 1, 2]
     assert [t.number for t in trials if t.user_attrs.get(BASELINE_ATTR)] == [0]
     assert trials[0].state is optuna.trial.TrialState.COMPLETE  # the reported result counts, not re-measured:
-    reported = float(first.split("tput_tok_s=")[1].split()[0])
+    reported = float(re.findall(r" ([0-9.]+) tok/s", first)[0])
     assert trials[0].value == pytest.approx(reported, abs=0.01)  # the figure printed before Ctrl-C (2 decimals)
     study = load_study(None, {"name": "it-resume"})
     _, runs = child_runs(study, tmp_path / "out")

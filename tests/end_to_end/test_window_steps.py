@@ -16,7 +16,7 @@ import pytest
 from pipeline.config import TrialConfig, load_study
 from pipeline.measure.window import STEP_LIMIT
 from pipeline.records.tracking import Tracker
-from pipeline.search.space import Resolution
+from pipeline.vocabulary.resolution import Resolution
 from pipeline.study.driver import build_context, connect_ray
 from pipeline.trial.lifecycle import run_trial
 from pipeline.trial.replicas import delete_study_apps

@@ -11,9 +11,9 @@ import httpx
 import psutil
 import pytest
 
-from serve.engines import sglang_cpu
+from serve.engines.sglang import cpu as sglang_cpu
 from serve.engines.base import ConfigRejected, ReplicaConfig
-from serve.engines.sglang import run_preflight, sglang_argv
+from serve.engines.sglang.engine import run_preflight, sglang_argv
 from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 from tests.sglang_contract import CORPUS, SglangContract
@@ -45,7 +45,7 @@ class TestSglangCpuContract(SglangContract):
     def test_the_engine_runs_sglangs_own_server_from_its_cpu_venv(self, engine):
         # Defect 2.6 and the CPU flags: what the adapter rendered is what was launched.
         argv = engine.argv
-        assert argv[:4] == [str(sglang_cpu.venv_python()), "-m", "serve.engines.sglang_cpu", "serve"]
+        assert argv[:4] == [str(sglang_cpu.venv_python()), "-m", "serve.engines.sglang.cpu", "serve"]
         for flag, value in (("--device", "cpu"), ("--dtype", "float32"), ("--attention-backend", "torch_native"),
                             ("--max-running-requests", "48")):
             assert argv[argv.index(flag) + 1] == value
@@ -119,8 +119,8 @@ def test_preflight_refuses_a_bad_argv_with_sglangs_words_before_any_launch(tmp_p
     corpus.write_text('"def add(a, b):\\n    return a + b"\\n')
     too_big = CONFIG.model_copy(update={"spec": NgramSpec(num_draft_tokens=4, external_corpus=str(corpus),
                                                           external_sam_budget=5)})
-    (result,) = run_preflight([sglang_argv(too_big, "127.0.0.1", 1)], python=str(sglang_cpu.venv_python()))
-    assert result.rejected and result.stage == "resolve" and "external_sam_budget" in result.error
+    (result,) = run_preflight([sglang_argv(too_big, "127.0.0.1", 1)], python=str(sglang_cpu.venv_python())) or []
+    assert result.rejected and result.stage == "resolve" and "external_sam_budget" in (result.error or "")
     assert not list(tmp_path.glob("engine-*.log"))  # refused in the replica's preflight: nothing was launched
 
 

@@ -21,11 +21,11 @@ import pytest
 
 from pipeline.search.draft_replay import tables_of
 from pipeline.simulate.replay import Answer, ClosedLoop, Phase, replay
-from serve.engines import sglang_cpu
+from serve.engines.sglang import cpu as sglang_cpu
 from serve.engines.base import ReplicaConfig
 from serve.engines.cpu.convert import load_tokenizer
 from serve.engines.cpu.draft_replay import replay_answers
-from serve.engines.cpu.models import resolve_model
+from serve.model_store import resolve_model
 from serve.engines.cpu.runner import ModelRunner
 from serve.spec import NoSpec, StandaloneSpec
 from tests.sglang_servers import needs_sglang_cpu, owned_engine

@@ -18,6 +18,7 @@ import json
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pipeline.config import load_study
 from pipeline.records.tracking import Tracker
@@ -94,7 +95,7 @@ def test_production_serves_the_registered_config_on_sglang_to_the_openai_client(
         streamed = "".join(c.choices[0].text for c in api.completions.create(
             model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
         assert plain and plain == streamed
-        messages = [{"role": "user", "content": "Say hello."}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
         chat = api.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
         chat_streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
             model=model, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)

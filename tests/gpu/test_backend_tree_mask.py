@@ -28,9 +28,9 @@ from pipeline.study.backend import decide_backend
 from pipeline.trial.engine_pass import flush
 from pipeline.trial.replica_config import replica_config
 from pipeline.workloads import load_workload
-from serve.engines.sglang import installed_version
-from serve.engines.sglang_backend import attention_kind, deterministic_problem
-from serve.engines.sglang_node import local_model_config
+from serve.engines.sglang.engine import installed_version
+from serve.engines.sglang.backend import attention_kind, deterministic_problem
+from serve.engines.sglang.node import local_model_config
 from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec, NoSpec
 

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from serve.engines.base import ReplicaConfig
-from serve.engines.sglang import installed_version
+from serve.engines.sglang.engine import installed_version
 from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 from tests.sglang_contract import SglangContract
@@ -49,7 +49,7 @@ class TestSglangEngineContract(SglangContract):
 def test_stopping_the_engine_frees_its_gpu(tmp_path):
     """Defect 6 on real hardware: after teardown (watchdog-led process group killed) the GPU holds no engine memory,
     so the next trial's node check passes."""
-    from serve.engines.sglang import wait_gpus_free
+    from serve.engines.sglang.engine import wait_gpus_free
 
     config = ReplicaConfig(engine="sglang", device="cuda", model=MODEL or "", start_timeout_s=1200,
                            log_dir=str(tmp_path))

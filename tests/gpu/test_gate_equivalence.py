@@ -30,7 +30,7 @@ from pipeline.trial.engine_pass import flush
 from pipeline.workloads import load_workload
 from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
-from serve.engines.sglang import installed_version
+from serve.engines.sglang.engine import installed_version
 from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec, NoSpec
 

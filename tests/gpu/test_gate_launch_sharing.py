@@ -21,7 +21,7 @@ import pytest
 from pipeline.study.driver import connect_ray
 from pipeline.trial.replicas import delete_study_apps, launch_fresh, release, start_engine
 from serve.engines.base import ReplicaConfig
-from serve.engines.sglang import installed_version
+from serve.engines.sglang.engine import installed_version
 
 MODEL = os.environ.get("SPECDEC_GPU_MODEL")
 STUDY = "gpu-sharing"

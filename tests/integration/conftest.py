@@ -46,7 +46,7 @@ def cpu_server():
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The converted SmolLM2-135M HF dir (fetching/converting it once if the cache lacks it)."""
-    from serve.engines.cpu.models import resolve_model
+    from serve.model_store import resolve_model
 
     return resolve_model(SMOL)
 

@@ -23,11 +23,14 @@ TIMEOUT_MS = 60_000
 
 @dataclass(frozen=True)
 class ReportPage:
-    """What the page showed: the headline's text, the level table's rows (cells), the figures' ids with their
-    images' natural widths, the page's scroll width vs the window's, and where the screenshot went."""
+    """What the page showed: the headline's text, the level table's rows (cells), the study details (label: value),
+    the rows of the runs the decision rests on (cells), the figures' ids with their images' natural widths, the
+    page's scroll width vs the window's, and where the screenshot went."""
 
     headline: str
     level_rows: list[list[str]]
+    details: dict[str, str]
+    run_rows: list[list[str]]
     figures: dict[str, int]
     scroll_width: int
     client_width: int
@@ -36,8 +39,9 @@ class ReportPage:
     screenshot: Path
 
 
-def read_report(report: Path, shot_name: str) -> ReportPage:
-    """Open `report` as a user would (a file in the browser) and read what it shows."""
+def read_report(report: Path, shot_name: str, shot_to: Path | None = None) -> ReportPage:
+    """Open `report` as a user would (a file in the browser) and read what it shows; the full-page screenshot goes
+    to the test artifacts as `shot_name`, or to `shot_to`."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -52,11 +56,17 @@ def read_report(report: Path, shot_name: str) -> ReportPage:
                 f => [f.id, f.querySelector('img') ? f.querySelector('img').naturalWidth : 0]))""")
             rows = page.evaluate("""() => [...document.querySelectorAll('#level-table tbody tr')].map(
                 tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))""")
+            details = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll(
+                '#details-table tr')].map(tr => [tr.querySelector('th').innerText.trim(),
+                                                 tr.querySelector('td').innerText.trim()]))""")
+            run_rows = page.evaluate("""() => [...document.querySelectorAll('#runs-table tbody tr')].map(
+                tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))""")
             widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
             first = page.evaluate("document.body.children[1].id")  # after the title
-            shot = artifact_dir(ARTIFACT_SUBDIR) / shot_name
+            shot = shot_to or artifact_dir(ARTIFACT_SUBDIR) / shot_name
             page.screenshot(path=shot, full_page=True)
-            return ReportPage(headline=headline.inner_text(), level_rows=rows, figures=figures,
+            return ReportPage(headline=headline.inner_text(), level_rows=rows, details=details, run_rows=run_rows,
+                              figures=figures,
                               scroll_width=widths[0], client_width=widths[1], first_section=first,
                               body_text=page.locator("body").inner_text(), screenshot=shot)
         finally:

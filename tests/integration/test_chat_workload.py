@@ -8,6 +8,7 @@ import json
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pipeline.measure.load import requests_of, run_phase
 from pipeline.workloads import read_prompts
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 ARGS = ["--model-path", "smollm2-135m", "--threads", "1", "--context-length", "512",
         "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "6", "--verify-probe-seconds", "0"]
-CHATS = [
+CHATS: list[list[ChatCompletionMessageParam]] = [
     [{"role": "user", "content": "Name three rivers."}],
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
@@ -40,6 +41,7 @@ def test_rendered_ids_equal_the_chat_route(server, tmp_path):
     for messages, item, record in zip(CHATS, items, records):
         assert record.error is None, record.error
         chat = api.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=NEW, temperature=0)
+        assert chat.usage is not None and item.input_ids is not None
         assert chat.usage.prompt_tokens == record.prompt_tokens == len(item.input_ids)
         assert record.spec_verify_ct  # the reason for /generate: per-request spec counters
         generated = api.completions.create(model="smollm2-135m", prompt=list(item.input_ids), max_tokens=NEW,

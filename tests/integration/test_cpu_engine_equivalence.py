@@ -122,6 +122,9 @@ class _WrongTrees:
     def reset(self):
         pass
 
+    def begin_round(self):
+        pass
+
 
 def test_partly_wrong_trees_are_rejected_exactly(runner, tokenizer, plain):
     for p in PROMPTS:

@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.config import TrialConfig, load_study
 from pipeline.records.tracking import Tracker
-from pipeline.search.space import Resolution
+from pipeline.vocabulary.resolution import Resolution
 from pipeline.study.driver import build_context, connect_ray
 from pipeline.trial.gate import NOISE_ARTIFACT
 from pipeline.trial.lifecycle import run_trial

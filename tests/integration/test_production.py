@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pipeline.records.registry import set_production
 from serve.engines.base import ReplicaConfig
@@ -39,7 +40,7 @@ def test_openai_routes_match_the_engine_directly(endpoint):
     served = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
     streamed = "".join(c.choices[0].text for c in api.completions.create(
         model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
-    messages = [{"role": "user", "content": "Say hello."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
     chat = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     chat_streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
@@ -179,7 +180,7 @@ def test_a_non_ascii_bearer_is_401_and_counted(endpoint):
     base_url, _, _ = endpoint
     before = _count(base_url, "/v1/completions", 401)
     response = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                          headers={"Authorization": "Bearer clé-ключ".encode("utf-8")}, timeout=60)
+                          headers={b"Authorization": "Bearer clé-ключ".encode("utf-8")}, timeout=60)
     assert response.status_code == 401, response.text
     assert _count(base_url, "/v1/completions", 401) == before + 1
 
@@ -195,6 +196,7 @@ def test_chat_without_max_tokens_gets_the_endpoint_limit(endpoint):
     base_url, settings, _ = endpoint
     out = client(base_url).chat.completions.create(
         model=MODEL, temperature=0, messages=[{"role": "user", "content": "Count from 1 to 500, one per line."}])
+    assert out.usage is not None
     assert out.usage.completion_tokens <= settings.max_tokens_limit
 
 
@@ -273,7 +275,24 @@ def test_every_error_path_answers_in_openai_shape_and_is_counted(endpoint):
     expected = {key: sum(1 for p, _, _, s in _ERROR_CASES if (p, s) == key) for key in keys}
     assert {key: after[key] - before[key] for key in keys} == expected
     ok = client(base_url).completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.usage is not None
     assert ok.usage.completion_tokens >= 1  # refused requests never disturbed the engine
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/completions", {"model": MODEL, "max_tokens": 2, "stream": True}, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "stream": True, "messages": [{"content": "Hi"}]},
+     "messages.0.role"),
+])
+def test_a_400_names_only_fields_the_client_sent(endpoint, path, body, field):
+    """The ingress adds `return_spec_tokens_details` (and a stream's `stream_options`) to what the engine gets; a
+    "field required" answer echoed them with the whole body (issue #63 item 9)."""
+    base_url, _, _ = endpoint
+    response = httpx.post(base_url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    message = openai_error(response)["message"]
+    assert response.status_code == 400 and message == f"{field}: field required", message
+    assert "return_spec_tokens_details" not in message and "include_usage" not in message, message
 
 
 def test_a_chunked_upload_past_the_limit_is_refused_before_it_is_read(endpoint):

@@ -114,14 +114,17 @@ def test_a_killed_engine_is_503_with_retry_after_until_serve_replaces_it(endpoin
     base_url, settings = endpoint
     before_503 = metric(base_url, KEY, "specdec_requests_total", route="/v1/completions", status="503")
     health: list[int] = []
+
+    def health_is(status: int) -> bool:
+        health.append(httpx.get(f"{base_url}/health", timeout=30).status_code)
+        return health[-1] == status
+
     with _Load(base_url) as load:
         wait_for(lambda: load.ok_count() >= 4, "4 answers before the fault", 300)
         engine = wait_for(_engine, "the engine process found", 60)
         engine.kill()  # SIGKILL, as an OOM kill or a crash would
-        wait_for(lambda: health.append(httpx.get(f"{base_url}/health", timeout=30).status_code) or health[-1] == 503,
-                 "/health answering 503", 60)
-        wait_for(lambda: health.append(httpx.get(f"{base_url}/health", timeout=30).status_code) or health[-1] == 200,
-                 "/health healthy again (Serve replaced the replica)", 300)
+        wait_for(lambda: health_is(503), "/health answering 503", 60)
+        wait_for(lambda: health_is(200), "/health healthy again (Serve replaced the replica)", 300)
         served_before = load.ok_count()
         wait_for(lambda: load.ok_count() >= served_before + 4, "4 answers after the recovery", 300)
     # 503 while the dead engine's replica is still there; 504 (no answer within health_timeout_s) while Serve has no

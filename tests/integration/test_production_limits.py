@@ -9,6 +9,7 @@ not a race. No timing is asserted: the httpx/openai timeouts below only bound a 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import openai
@@ -21,7 +22,7 @@ from tests.integration.production_endpoint import BASELINE, KEY, MODEL, client, 
 
 pytestmark = pytest.mark.integration
 HANG = ["--test-fault", "hang-after=0"]  # serve/engines/cpu/faults.py
-BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+BODY: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}  # JSON, or the client's kwargs
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from serve.engines.cpu import gguf_linear as gl
 from serve.engines.cpu import kernel_store
 from serve.engines.cpu import probe
 from serve.engines.cpu.llama import KERNEL_MAX_ROWS
-from serve.engines.cpu.models import fetch_gguf, resolve_model
+from serve.model_store import fetch_gguf, resolve_model
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
 
 pytestmark = pytest.mark.model
@@ -102,8 +102,8 @@ def test_blocks_match_gguf_own_dequantization():
         assert torch.equal(blocks[name].dequantize(), want), name
     # q/k rows: gguf's values in HF's row order (the permutation moves whole rows)
     t = raw["blk.2.attn_q.weight"]
-    want = gl.unpermute_rows(dequantize(t.data, t.tensor_type).astype(np.float32), 9)
-    assert torch.equal(blocks["blk.2.attn_q.weight"].dequantize(), torch.from_numpy(want))
+    want_rows = gl.unpermute_rows(dequantize(t.data, t.tensor_type).astype(np.float32), 9)
+    assert torch.equal(blocks["blk.2.attn_q.weight"].dequantize(), torch.from_numpy(want_rows))
 
 
 def test_the_blocks_cache_is_read_back_not_rewritten(model_dir, blocks, fp32):
@@ -130,6 +130,26 @@ def test_a_venv_that_never_built_the_kernel_imports_the_kept_build(kernel, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert Path(done.stdout.strip()).parent.name.startswith(f"specdec_gguf_mm_{isa}-")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_study_builds_the_kernel_ahead_with_the_engines_own_command_and_only_for_local_engines(kernel):
+    # pipeline.tune starts the engine's `build_ahead` beside the model's fetch on a fresh machine; with the kernel
+    # kept it must be the quick no-op the driver counts on, and it must load the very build engines import.
+    from pipeline.config import resolve_study
+    from pipeline.tune import start_build_ahead
+    from serve.engines import engine_for
+
+    argv = engine_for("cpu").build_ahead()
+    assert argv is not None
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"from {kernel.__file__}" in done.stdout
+    remote, _ = resolve_study(None, {"ray.address": "ray://10.0.0.1:10001"})
+    assert start_build_ahead(remote) is None  # the engines run on other nodes: nothing to build here
+    local, _ = resolve_study(None, {})
+    started = start_build_ahead(local)
+    assert started is not None and started.args == argv
+    assert started.wait(timeout=300) == 0
 
 
 def test_the_kept_build_is_keyed_by_source_and_flags(tmp_path):
@@ -220,6 +240,7 @@ def test_weights_fp32_keeps_every_matmul_on_the_fp32_tensors(fp32):
 def test_auto_falls_back_to_fp32_without_the_kernel_and_gguf_fails(model_dir, monkeypatch):
     monkeypatch.setenv(gl.KERNEL_ENV, "off")
     runner = ModelRunner.from_dir(model_dir, "float32", "auto")
+    assert runner.fast is not None
     assert runner.weights.mode == "fp32" and runner.fast.kernel is None
     assert f"{gl.KERNEL_ENV}=off" in runner.weights.reason
     with pytest.raises(gl.WeightsError, match="--weights gguf: disabled by SPECDEC_GGUF_KERNEL=off.*Fix"):
@@ -227,7 +248,9 @@ def test_auto_falls_back_to_fp32_without_the_kernel_and_gguf_fails(model_dir, mo
 
 
 def test_auto_stays_fp32_for_bfloat16_and_for_dirs_without_a_gguf(model_dir, tmp_path):
-    shape = ModelRunner.from_dir(model_dir, "float32", "fp32").fast.shape
+    fast = ModelRunner.from_dir(model_dir, "float32", "fp32").fast
+    assert fast is not None
+    shape = fast.shape
     choice, weights, _ = gl.resolve_weights("auto", model_dir, shape, "bfloat16")
     assert choice.mode == "fp32" and "--dtype bfloat16" in choice.reason and weights is None
     choice, _, _ = gl.resolve_weights("auto", tmp_path, shape, "float32")

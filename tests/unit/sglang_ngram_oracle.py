@@ -191,7 +191,7 @@ _NGRAM_SRC = ("kernels", "jit", "csrc", "ngram_corpus")
 
 
 def _installed_sglang() -> tuple[Path, str] | None:
-    """(package dir, version) of sglang in this interpreter, else in the SGLang CPU venv (`serve.engines.sglang_cpu`)."""
+    """(package dir, version) of sglang in this interpreter, else in the SGLang CPU venv (`serve.engines.sglang.cpu`)."""
     spec = importlib.util.find_spec("sglang")  # finds the package without importing it
     if spec is not None and spec.submodule_search_locations:
         try:
@@ -199,7 +199,7 @@ def _installed_sglang() -> tuple[Path, str] | None:
         except importlib.metadata.PackageNotFoundError:
             pass
     try:
-        from serve.engines.sglang_cpu import venv_dir
+        from serve.engines.sglang.cpu import venv_dir
     except ImportError:  # a tree without the SGLang CPU runtime
         return None
     for info in sorted(venv_dir().glob("lib/python3*/site-packages/sglang-*.dist-info")):

@@ -8,8 +8,8 @@ from pipeline.config import TrialConfig, load_study
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.records.tracking import Tracker
 from pipeline.trial.engine_pass import lost_requests
-from pipeline.trial.lifecycle import _compare, baseline_outputs
-from pipeline.vocabulary.context import Measurement, TrialContext
+from pipeline.trial.lifecycle import baseline_outputs, check_pass
+from pipeline.trial.context import TrialContext
 from pipeline.vocabulary.outcome import Outcome
 from serve.spec import NgramSpec
 
@@ -39,14 +39,16 @@ def log_baseline(tracker, parent: str, records: list[RequestRecord],
 
 
 def test_a_baseline_with_one_failed_request_is_not_complete():
-    outcome, reason = lost_requests([record(0), record(1), record(2), record(3, error="HTTP 500: engine died")])
-    assert outcome is Outcome.UNHEALTHY
-    assert "1 of 4 measured requests failed (prompts [3]); first: HTTP 500: engine died" in reason
+    lost = lost_requests([record(0), record(1), record(2), record(3, error="HTTP 500: engine died")])
+    assert lost is not None
+    assert lost.outcome is Outcome.UNHEALTHY
+    assert "1 of 4 measured requests failed (prompts [3]); first: HTTP 500: engine died" in lost.reason
 
 
 def test_a_baseline_whose_failures_are_timeouts_is_a_timeout():
-    outcome, _ = lost_requests([record(0), record(1, error="timeout after 300 s")])
-    assert outcome is Outcome.TIMEOUT
+    lost = lost_requests([record(0), record(1, error="timeout after 300 s")])
+    assert lost is not None
+    assert lost.outcome is Outcome.TIMEOUT
 
 
 def test_a_driver_in_another_folder_compares_with_the_baseline_outputs_from_mlflow(tracker, tmp_path):
@@ -54,19 +56,19 @@ def test_a_driver_in_another_folder_compares_with_the_baseline_outputs_from_mlfl
     log_baseline(tracker, parent, [record(0), record(1, ids=(4, 5, 6))])
     # A second driver: a fresh folder with nothing in it, the same tracking store and study run.
     other = context(tracker, parent, tmp_path / "driver2")
-    assert [r.output_ids for r in baseline_outputs(other)] == [(1, 2, 3), (4, 5, 6)]
+    outputs = baseline_outputs(tracker, parent)
+    assert outputs is not None and [r.output_ids for r in outputs] == [(1, 2, 3), (4, 5, 6)]
     ngram = TrialConfig(spec=NgramSpec())
-    same = Measurement(records=[record(0), record(1, ids=(4, 5, 6))])
-    outcome, reason, report = _compare(other, ngram, same)
-    assert (outcome, reason) == (Outcome.COMPLETE, "") and report is not None and report.passed
-    differ = Measurement(records=[record(0), record(1, ids=(4, 5, 9))])
-    outcome, _, report = _compare(other, ngram, differ)
-    assert outcome is Outcome.NOT_EQUIVALENT and not report.passed
+    same = check_pass(other, ngram, [record(0), record(1, ids=(4, 5, 6))])
+    assert (same.outcome, same.reason) == (Outcome.COMPLETE, "") and same.report is not None and same.report.passed
+    assert same.launches == 0  # `exact` compares with the stored outputs: no engine started
+    differ = check_pass(other, ngram, [record(0), record(1, ids=(4, 5, 9))])
+    assert differ.outcome is Outcome.NOT_EQUIVALENT and differ.report is not None and not differ.report.passed
 
 
 def test_only_a_complete_baseline_is_a_reference(tracker, tmp_path):
     parent = tracker.start_study("s", "name: s\n", resume=False)
     log_baseline(tracker, parent, [record(0)], outcome=Outcome.UNHEALTHY)
     ctx = context(tracker, parent, tmp_path)
-    assert baseline_outputs(ctx) is None
-    assert _compare(ctx, TrialConfig(), Measurement(records=[record(0)]))[0] is Outcome.COMPLETE  # the baseline is its own reference
+    assert baseline_outputs(tracker, parent) is None
+    assert check_pass(ctx, TrialConfig(), [record(0)]).outcome is Outcome.COMPLETE  # the baseline is its own reference

@@ -121,8 +121,10 @@ def test_chat_prompts_without_a_target_are_refused(tmp_path):
 
 def test_capture_rows_follow_the_workload_schema():
     chat = row_of("/v1/chat/completions", {"messages": CHAT, "max_tokens": 9}, "Blue.", 2048)
+    assert chat is not None
     assert json.loads(chat["messages"]) == CHAT and chat["prompt"] is None and chat["max_new_tokens"] == 9
     plain = row_of("/v1/completions", {"prompt": "Once"}, " upon", 16)
+    assert plain is not None
     assert plain["prompt"] == "Once" and plain["max_new_tokens"] == 16 and plain["output"] == " upon"
     assert row_of("/v1/completions", {"prompt": [1, 2, 3]}, "x", 16) is None  # token ids: not replayable
     assert row_of("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": "x"}]}, "", 8) \
@@ -130,9 +132,10 @@ def test_capture_rows_follow_the_workload_schema():
 
 
 def test_capture_settings_from_the_command_line():
-    assert ProductionSettings.model_validate({"capture": "/tmp/cap"}).capture.dir == "/tmp/cap"
+    by_dir = ProductionSettings.model_validate({"capture": "/tmp/cap"}).capture
+    assert by_dir is not None and by_dir.dir == "/tmp/cap"
     parsed = ProductionSettings.model_validate({"capture": '{"dir": "/tmp/cap", "sample_rate": 1}'}).capture
-    assert parsed.sample_rate == 1.0
+    assert parsed is not None and parsed.sample_rate == 1.0
     assert ProductionSettings().capture is None  # opt-in
     with pytest.raises(ValueError, match="sample_rate"):
         CaptureSettings.model_validate({"dir": "/tmp/cap", "sample_rate": 0})
@@ -227,13 +230,15 @@ def test_warmup_sentinel_becomes_a_shared_corpus_file(tmp_path):
     trial = TrialConfig(spec=NgramSpec(num_draft_tokens=8, external_corpus=WARMUP_CORPUS, external_sam_budget=3))
     warm = [LoadRequest(0, "alpha", 4), LoadRequest(1, "beta", 4), LoadRequest(0, "alpha", 4)]  # cycled split
     resolved, written = corpus_for_trial(trial, warm, tmp_path)
+    assert written is not None and isinstance(resolved.spec, NgramSpec)
     assert resolved.spec.external_corpus == written.path and written.documents == 2
     lines = [json.loads(line) for line in open(written.path)]
     assert lines == ["alpha", "beta"]
     again, same = corpus_for_trial(trial, warm, tmp_path)
-    assert same.path == written.path  # content-addressed: every trial of the study shares it
+    assert same is not None and same.path == written.path  # content-addressed: every trial of the study shares it
     # what the engine lists (GET /list_external_corpora) and the replica's record of its runtime load
     listed, loaded = {written.path: 7}, {"id": written.path, "load_s": 0.5, "loaded_token_count": 7}
+    assert written.bytes is not None  # a written file knows its size
     assert corpus_record(listed, loaded, written) == ({"corpus_documents": 2.0, "corpus_bytes": float(written.bytes),
                                                        "corpus_tokens": 7.0, "corpus_load_s": 0.5}, None)
 
@@ -245,6 +250,7 @@ def test_no_corpus_passes_through_and_a_user_file_is_read_to_be_shipped(tmp_path
     trial = TrialConfig(spec=NgramSpec(num_draft_tokens=8, external_corpus=user.path, external_sam_budget=2))
     resolved, info = corpus_for_trial(trial, [], tmp_path / "trial")
     # The engine's node may not see the user's file: its documents travel, and the trial keeps its own copy.
+    assert info is not None and isinstance(resolved.spec, NgramSpec)
     assert info.documents == 2 and info.texts == ("x", "y")
     assert resolved.spec.external_corpus == info.path and Path(info.path).parent == tmp_path / "trial" / "corpora"
     missing = TrialConfig(spec=NgramSpec(num_draft_tokens=8, external_corpus="/no/such.jsonl", external_sam_budget=2))

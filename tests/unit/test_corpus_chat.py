@@ -39,6 +39,7 @@ def test_a_trial_renders_chat_warmup_items_with_the_target_model_template(tmp_pa
     warm = requests_of([Prompt(0, "c0", f"user: {question}", 8, messages=(("user", question),))], model)
     trial = TrialConfig(spec=NgramSpec(num_draft_tokens=8, external_corpus=WARMUP_CORPUS, external_sam_budget=3))
     _, written = corpus_for_trial(trial, warm, tmp_path / "trial", target=model)
+    assert written is not None
     [document] = [json.loads(line) for line in open(written.path)]
     assert document == f"<|user|>\n{question}\n<|assistant|>\n"  # the target's template, not the readable view
     tokenizer = target_tokenizer(model)

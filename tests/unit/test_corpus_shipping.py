@@ -22,7 +22,7 @@ from pipeline.trial.engine_pass import shipped_replica_config
 from serve.engines import engine_for
 from serve.engines.base import MAX_SHIPPED_CORPUS_BYTES, REDACTED, ReplicaConfig
 from serve.engines.spec_flags import effective_diff
-from serve.engines.sglang import sglang_args
+from serve.engines.sglang.engine import sglang_args
 from serve.production.app import replica_config as production_replica
 from serve.replica.deployment import write_shipped_corpus
 from serve.serving import COMMAND_FILE, Provenance, deploy_files, engine_argv, serving_config, spec_params
@@ -50,6 +50,7 @@ def test_the_replica_config_carries_the_documents_to_the_replica_and_secrets_sta
     log_dir = tmp_path / "trials" / "0"
     config, corpus = shipped_replica_config(study, corpus_trial(), WARM, log_dir)
     assert corpus is not None and config.corpus_documents == ("the cat sat on the mat", "a dog ran — far")
+    assert isinstance(config.spec, NgramSpec)
     assert config.spec.external_corpus == corpus.path == str(log_dir / "corpora" / Path(corpus.path).name)
     # The form Serve hands the replica carries the documents (and the env values, as before); logged forms carry the
     # documents but never the env values.
@@ -65,6 +66,8 @@ def test_on_another_node_the_replica_writes_the_corpus_and_points_the_flag_at_it
     received = ReplicaConfig.model_validate(config.to_replica())
     shutil.rmtree(tmp_path / "trials")  # the engine's node never had the trial's folder (no shared filesystem)
     local = write_shipped_corpus(received, received.log_dir or "")
+    assert isinstance(local.spec, NgramSpec) and local.spec.external_corpus is not None
+    assert corpus is not None
     path = Path(local.spec.external_corpus)
     assert path.is_file() and [json.loads(line) for line in path.read_text().splitlines()] == list(corpus.texts)
     assert local.corpus_documents is None  # written once; what remains is an ordinary path on this node
@@ -77,8 +80,10 @@ def test_on_another_node_the_replica_writes_the_corpus_and_points_the_flag_at_it
 
 def test_on_the_driver_node_the_replica_rewrites_the_same_bytes_and_a_plain_path_is_left_alone(study, tmp_path):
     config, corpus = shipped_replica_config(study, corpus_trial(), WARM, tmp_path / "t")
+    assert corpus is not None
     before = Path(corpus.path).read_bytes()
     local = write_shipped_corpus(config, tmp_path / "t")
+    assert isinstance(local.spec, NgramSpec)
     assert local.spec.external_corpus == corpus.path and Path(corpus.path).read_bytes() == before
     plain, _ = shipped_replica_config(study, TrialConfig(spec=NgramSpec(num_draft_tokens=8)), WARM, tmp_path / "t")
     assert write_shipped_corpus(plain, tmp_path / "t") is plain
@@ -88,10 +93,12 @@ def test_a_user_file_is_shipped_and_shared_paths_are_passed_as_they_are(study, t
     user = tmp_path / "mine.jsonl"
     user.write_text('"alpha beta"\n\n"gamma"\n')
     config, corpus = shipped_replica_config(study, corpus_trial(str(user)), [], tmp_path / "t")
+    assert isinstance(config.spec, NgramSpec) and config.spec.external_corpus is not None
     assert config.corpus_documents == ("alpha beta", "gamma") and Path(config.spec.external_corpus).stem.startswith(
         "mine-")
     shared = corpus_trial(f"{SHARED_PREFIX}/mnt/shared/big.jsonl")
     config, corpus = shipped_replica_config(study, shared, [], tmp_path / "t")
+    assert isinstance(config.spec, NgramSpec)
     assert config.spec.external_corpus == "/mnt/shared/big.jsonl" and config.corpus_documents is None
     assert corpus is not None and corpus.documents is None  # the driver need not see a shared file
     with pytest.raises(ValueError, match="spec.external_corpus: 'shared:rel.jsonl' is relative.*absolute path"):
@@ -121,15 +128,18 @@ def test_bad_or_oversized_corpora_are_refused_naming_field_value_and_fix(study, 
 def test_the_served_config_carries_the_corpus_and_production_writes_it_on_its_own_node(study, tmp_path):
     out = tmp_path / "study"
     config, corpus = shipped_replica_config(study, corpus_trial(), WARM, out)
+    assert corpus is not None
     provenance = Provenance(study="s", decision="promote", source="final-0-trial-1", workload="w",
                             workload_digest="0123456789abcdef")
     serving = serving_config(config, provenance)
     name = Path(corpus.path).name
+    assert isinstance(serving.replica.spec, NgramSpec)
     assert serving.replica.spec.external_corpus == name and serving.replica.corpus_documents == corpus.texts
     # Production loads the registered JSON (on any node) and its replica writes the corpus in its own folder.
     served = production_replica({"config": json.loads(serving.model_dump_json())})
     assert served == serving.replica
     local = write_shipped_corpus(served, tmp_path / "prod-node")
+    assert isinstance(local.spec, NgramSpec) and local.spec.external_corpus is not None
     assert Path(local.spec.external_corpus) == tmp_path / "prod-node" / "corpora" / name
     assert Path(local.spec.external_corpus).read_bytes() == Path(corpus.path).read_bytes()
     # The deploy files: the corpus beside the engine command, which runs from its own folder; no trial folder named.
@@ -143,7 +153,8 @@ def test_the_served_config_carries_the_corpus_and_production_writes_it_on_its_ow
         (deploy / file).write_text(text)
     script = files[COMMAND_FILE]
     assert 'cd "$(dirname "$0")"' in script and subprocess.run(["sh", "-n", str(deploy / COMMAND_FILE)]).returncode == 0
-    exec_line = next(line for line in script.splitlines() if line.startswith("exec "))
+    # the env references (`NAME="$NAME" `) come before `exec`
+    exec_line = next(line for line in script.splitlines() if not line.startswith("#") and " exec " in f" {line}")
     assert (deploy / flag_value(shlex.split(exec_line))).is_file()
     params = spec_params(serving)
     assert params["corpus_documents"] == str(len(corpus.texts)) and "cat sat" not in json.dumps(params)

@@ -33,7 +33,7 @@ def test_ngram_mirrors_sglang_resolution():
 
 def test_ngram_defaults_and_ignored_topk_warn():
     cfg = parse_config(BASE + ["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "3"])
-    assert cfg.spec.num_draft_tokens == 12
+    assert isinstance(cfg.spec, NgramSpec) and cfg.spec.num_draft_tokens == 12
     assert cfg.speculative_eagle_topk == 10 and cfg.speculative_num_steps == 1
     assert any("eagle-topk" in w for w in cfg.warnings) and any("12" in w for w in cfg.warnings)
 

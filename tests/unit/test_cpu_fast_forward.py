@@ -93,6 +93,7 @@ def test_hf_module_keeps_working_on_the_fused_weights():
     with torch.inference_mode():
         before = model(input_ids=torch.tensor([PROMPT])).logits
     runner = ModelRunner(model)
+    assert runner.fast is not None
     attn = model.model.layers[0].self_attn
     # the HF parameters are views into the fused tensors now: one copy of the weights
     assert attn.q_proj.weight.untyped_storage().data_ptr() == runner.fast.layers[0].qkv.untyped_storage().data_ptr()

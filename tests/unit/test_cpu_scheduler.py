@@ -8,7 +8,7 @@ import threading
 from serve.engines.cpu.decode import Request, StepStats, StopRules
 import pytest
 
-from serve.engines.cpu.scheduler import QueueFull, Scheduler, TooLarge
+from serve.engines.cpu.scheduler import QueueFull, Scheduler, Ticket, TooLarge
 from serve.engines.cpu.verify import Sampling
 
 
@@ -99,7 +99,8 @@ def _started(decoder, **bounds) -> Scheduler:
     return sched
 
 
-def _collect(sched: Scheduler, requests: list[Request], internal: bool = False):
+def _collect(sched: Scheduler, requests: list[Request],
+             internal: bool = False) -> tuple[list[Ticket], list[str], threading.Event]:
     done = threading.Event()
     finished: list[str] = []
 

@@ -5,7 +5,7 @@ marked equivalent by assumption ("checked in the search"). Now a finalist is equ
 its deterministic pass; and a study whose backend SGLang would refuse so is refused before it starts.
 
 The finalists' judgement runs for real against MLflow on SQLite (the baseline trial's run, with or without its
-deterministic pass); SGLang's own refusal is checked with its resolution (serve/engines/sglang_preflight.py).
+deterministic pass); SGLang's own refusal is checked with its resolution (serve/engines/sglang/preflight.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pipeline.study.backend import decide_backend
 from pipeline.study.finalists import Pass, judge_level
 from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, effective_mode, records_json
 from pipeline.trial.lifecycle import Checked
-from pipeline.vocabulary.context import Measurement
+from pipeline.trial.context import Measurement
 from pipeline.vocabulary.outcome import Outcome
-from serve.engines.sglang import sglang_argv
-from serve.engines.sglang_check import installed_version, run_preflight
+from serve.engines.sglang.engine import sglang_argv
+from serve.engines.sglang.check import installed_version, run_preflight
 from serve.spec import NgramSpec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 from serve.engines.cpu.command_line import build_parser
 from serve.engines.spec_flags import ENGINE_OWNED_FLAGS, SETTINGS, effective_diff, render_spec, requested
-from serve.spec import NgramSpec, NoSpec, StandaloneSpec
+from serve.spec import NgramSpec, NoSpec, SpecConfig, StandaloneSpec
 
 
 def test_the_cpu_engine_parses_every_flag_of_the_table():
@@ -11,7 +11,8 @@ def test_the_cpu_engine_parses_every_flag_of_the_table():
 
 
 def test_every_rendered_flag_is_owned_by_the_tuner():
-    specs = [NoSpec(), NgramSpec(), StandaloneSpec(draft_model="d", num_steps=2, topk=2, num_draft_tokens=4)]
+    specs: list[SpecConfig] = [NoSpec(), NgramSpec(),
+                               StandaloneSpec(draft_model="d", num_steps=2, topk=2, num_draft_tokens=4)]
     for spec in specs:
         flags = [a for a in render_spec(spec, max_running_requests=4) if a.startswith("--")]
         assert flags and set(flags) <= ENGINE_OWNED_FLAGS

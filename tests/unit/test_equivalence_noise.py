@@ -5,6 +5,7 @@ on both sides), and its false-reject rate and power on a simulated engine whose 
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import pytest
 
@@ -168,7 +169,7 @@ def test_finalist_runs_are_judged_against_the_baseline_at_their_own_level():
     from pipeline.config import TrialConfig, load_study
     from pipeline.study.finalists import Pass, judge_level
     from pipeline.trial.lifecycle import Checked
-    from pipeline.vocabulary.context import Measurement
+    from pipeline.trial.context import Measurement, TrialContext
     from pipeline.vocabulary.outcome import Outcome
 
     def passes(level, outputs_per_run, spec=None):
@@ -179,7 +180,8 @@ def test_finalist_runs_are_judged_against_the_baseline_at_their_own_level():
     at_one = changed(BASE, {p: 3 for p in range(8)}, fill=-5)  # the engine's outputs at concurrency 1
     base = {8: passes(8, [BASE, BASE, BASE], NoSpec()), 1: passes(1, [at_one, at_one, at_one], NoSpec())}
     for mode in ("exact", "baseline-noise"):
-        ctx = SimpleNamespace(study=load_study(None, {"promotion.equivalence": mode, "workload.measure_prompts": 8}))
+        study = load_study(None, {"promotion.equivalence": mode, "workload.measure_prompts": 8})
+        ctx = cast(TrialContext, SimpleNamespace(study=study))  # judge_level reads only the context's study
         for level, outputs in ((8, BASE), (1, at_one)):
             verdicts = judge_level(ctx, TrialConfig(spec=NgramSpec(num_draft_tokens=4)),
                                    passes(level, [outputs] * 3), base[level])

@@ -6,9 +6,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KIND_STRINGS = {"cpu", "sglang", "llama_cpp"}
+KIND_STRINGS = {"cpu", "sglang", "llama_cpp", "vllm"}
 # Config parsing: the study file's `engine.kind` (its Literal lives in serve/engines/base.py as EngineKind).
-KIND_STRINGS_ALLOWED = {"pipeline/config/engine.py", "pipeline/config/trial.py"}
+KIND_STRINGS_ALLOWED = {"pipeline/config/engine.py", "pipeline/config/trial.py",
+                        # the machine record's "cpu" field (the processor's name), no engine kind
+                        "pipeline/records/provenance.py"}
 
 
 def modules() -> dict[str, Path]:
@@ -97,8 +99,10 @@ def test_serve_never_imports_pipeline():
 
 def test_pipeline_reaches_engines_only_through_the_engine_abstraction():
     edges = graph()
-    # round_table: the round table's consistency check, engine-agnostic (the shape probe reads any engine's table)
-    allowed = {"serve.engines", "serve.engines.base", "serve.engines.spec_flags", "serve.engines.round_table"}
+    # round_table: the round table's consistency check, engine-agnostic (the shape probe reads any engine's table);
+    # load_failures, waits: any engine's failed start classified, any engine's start deadline
+    allowed = {"serve.engines", "serve.engines.base", "serve.engines.spec_flags", "serve.engines.round_table",
+               "serve.engines.load_failures", "serve.engines.waits"}
     leaks = sorted(f"{a} -> {b}" for a, bs in edges.items() if a.startswith("pipeline") for b in bs
                    if b.startswith("serve.engines") and b not in allowed)
     assert leaks == []
@@ -114,3 +118,46 @@ def test_engine_kind_strings_appear_only_in_config_parsing_outside_the_engine_pa
             if isinstance(node, ast.Constant) and node.value in KIND_STRINGS:
                 found.append(f"{relative}:{node.lineno}: {node.value!r}")
     assert found == []
+
+
+def room(module: str) -> str:
+    """A room of pipeline/: its sub-package (`pipeline.trial`) or a module at its root (`pipeline.tune`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def rooms_importing_each_other(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    between: set[tuple[str, str]] = {(room(a), room(b)) for a, bs in edges.items() for b in bs
+                                     if a.startswith("pipeline.") and b.startswith("pipeline.") and room(a) != room(b)}
+    return sorted((a, b) for a, b in between if a < b and (b, a) in between)
+
+
+def room_graph() -> dict[str, set[str]]:
+    """`graph()` with imports of a package's `__init__` kept (`from pipeline.search.space import X` is an import of
+    the search room even though the name lives in a module below it)."""
+    known = modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in known.items():
+        targets = imports_of(name, path, known)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "") in known:
+                targets.add(node.module or "")
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+                if base in known:
+                    targets.add(base)
+        edges[name] = targets - {name}
+    return edges
+
+
+def test_the_room_checker_finds_two_rooms_importing_each_other():
+    edges = {"pipeline.trial.lifecycle": {"pipeline.search.space"}, "pipeline.search.plan": {"pipeline.trial.corpus"},
+             "pipeline.search.space": set(), "pipeline.trial.corpus": set()}
+    assert rooms_importing_each_other(edges) == [("pipeline.search", "pipeline.trial")]
+
+
+def test_floors_only_go_down_no_two_rooms_of_pipeline_import_each_other():
+    """Rooms sit on floors (docs/design.md, "Data flow = module layout"): a room imports only rooms below it, so two
+    rooms never import each other, not even inside a function."""
+    assert rooms_importing_each_other(room_graph()) == []

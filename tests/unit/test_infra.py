@@ -76,7 +76,8 @@ def test_study_files_load(path):
 
 def test_cluster_study_selects_distributed_backends():
     study = load_study(ROOT / "infra/study-cluster.yaml")
-    assert study.tracking.uri.startswith("http") and study.storage.url.startswith("postgresql")
+    assert study.tracking.uri is not None and study.tracking.uri.startswith("http")
+    assert study.storage.url is not None and study.storage.url.startswith("postgresql")
     assert study.ray.address == "auto" and study.engine.kind == "sglang"
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pipeline.config import TrialConfig, load_study
-from pipeline.search.space import Resolution
+from pipeline.vocabulary.resolution import Resolution
 from pipeline.trial.corpus import CorpusFile, corpus_record
 from pipeline.trial.launches import plan_launches
 from pipeline.trial.replicas import LiveApp, launch_of, overdue, wait_started
@@ -33,7 +33,8 @@ def test_equal_engine_settings_share_a_launch_whatever_the_log_folder_timeout_or
     with_corpus = ngram(external_corpus="/t/c.jsonl", external_sam_budget=3)
     other_corpus = ngram(external_corpus="/t/d.jsonl", external_sam_budget=3)
     assert can_share(with_corpus, other_corpus)  # a corpus is loaded at runtime, never a launch flag
-    assert launch_config(with_corpus).spec.external_corpus is None
+    launched = launch_config(with_corpus)
+    assert isinstance(launched.spec, NgramSpec) and launched.spec.external_corpus is None
 
 
 def test_a_config_without_corpus_runs_on_any_sam_budget_but_a_corpus_needs_its_own():
@@ -60,7 +61,7 @@ def test_the_dry_run_plan_on_the_gpu_example_shape():
     spec = NgramSpec(num_draft_tokens=4, max_bfs_breadth=2)
     same_engine = [TrialConfig(spec=spec, warmup_requests=w) for w in (0, 8, 16)]  # warm-up only differs
     other = TrialConfig(spec=NgramSpec(num_draft_tokens=6, max_bfs_breadth=2))
-    sampled = [Resolution(params={}, config=c, violations=()) for c in (base, *same_engine, other)]
+    sampled = [Resolution(params={}, config=c, violations=[]) for c in (base, *same_engine, other)]
     plan = plan_launches(study, sampled)
     assert (plan.trials, plan.search) == (5, 3)  # baseline, one launch for the three warm-ups, the other config
     assert (plan.finalists, plan.finalists_unshared) == (12, 24)
@@ -130,11 +131,14 @@ def test_start_state_times_each_phase_and_the_trial_records_them():
     state.enter("loading", 300)
     state.finish(None)
     snap = state.snapshot()
-    assert snap["done"] and snap["ok"] and list(snap["phases"]) == ["stopping", "loading"]
+    phases = snap["phases"]
+    assert isinstance(phases, dict)  # the snapshot is JSON-shaped: its values are typed object
+    assert snap["done"] and snap["ok"] and list(phases) == ["stopping", "loading"]
     answer = {"phases": snap["phases"], "launch": {"shared": True, "launched": ngram(external_sam_budget=3)
                                                    .model_dump(mode="json")}}
     launch = launch_of(answer, ngram())
     assert launch.shared and launch.launches == 0 and set(launch.timings) == {"start_stopping_s", "start_loading_s"}
+    assert isinstance(launch.config.spec, NgramSpec)
     assert launch.config.spec.external_sam_budget == 3  # the diff compares against what was launched
 
 

@@ -24,8 +24,9 @@ def test_f32_copy_dequantizes_and_keeps_metadata(tmp_path):
     (tensor,) = reader.tensors
     assert tensor.tensor_type == gguf.GGMLQuantizationType.F32
     assert np.allclose(np.asarray(tensor.data).reshape(4, 64), weights, atol=0.01)  # Q8_0 rounding only
-    assert reader.get_field("general.file_type").contents() == 0
-    assert reader.get_field("llama.context_length").contents() == 128
+    file_type, context_length = reader.get_field("general.file_type"), reader.get_field("llama.context_length")
+    assert file_type is not None and file_type.contents() == 0
+    assert context_length is not None and context_length.contents() == 128
     assert not list(tmp_path.glob("*.partial"))
 
 

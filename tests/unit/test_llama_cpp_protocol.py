@@ -3,6 +3,7 @@
 import pytest
 
 from serve.engines.llama_cpp import protocol
+from serve.engines.shim_routes import Totals
 
 
 def test_completion_body_maps_sglang_fields_and_sampling_defaults():
@@ -51,7 +52,7 @@ def test_finish_reasons():
 
 
 def test_totals_reset_and_average():
-    totals = protocol.Totals()
+    totals = Totals()
     assert "avg_spec_accept_length" not in totals.internal_state()
     totals.add({"completion_tokens": 10, "spec_verify_ct": 5})
     totals.add({"completion_tokens": 6, "spec_verify_ct": 3})

@@ -9,6 +9,7 @@ from pipeline.config import TrialConfig, validate_trial
 from serve.engines import algorithms_of, engine_for
 from serve.engines.base import ReplicaConfig
 from serve.engines.llama_cpp import flags, models
+from serve.engines.llama_cpp.adapter import LlamaCppEngine
 from serve.spec import (LLAMA_CPP_ALGORITHMS, LlamaDraftSpec, LlamaNgramCacheSpec, LlamaNgramModSpec,
                         LlamaNgramSimpleSpec, NgramSpec, NoSpec, draft_token_count, parse_spec, validate_spec)
 
@@ -18,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_union_parses_llama_variants_and_rejects_unknown_keys():
     spec = parse_spec({"algorithm": "llama_ngram_mod", "n_min": 2, "n_max": 8})
     assert isinstance(spec, LlamaNgramModSpec) and (spec.n_min, spec.n_max, spec.n_match) == (2, 8, 24)
-    assert TrialConfig(spec={"algorithm": "llama_ngram_simple", "size_n": 3}).spec.size_n == 3
+    simple = TrialConfig(spec={"algorithm": "llama_ngram_simple", "size_n": 3}).spec
+    assert isinstance(simple, LlamaNgramSimpleSpec) and simple.size_n == 3
     with pytest.raises(ValidationError, match="num_draft_tokens"):  # SGLang's knob is not llama.cpp's
         parse_spec({"algorithm": "llama_ngram_simple", "num_draft_tokens": 4})
     with pytest.raises(ValidationError):
@@ -72,7 +74,9 @@ def test_spec_flags(spec, expected):
 def test_server_argv_owns_its_flags_and_resolves_models():
     config = ReplicaConfig(engine="llama_cpp", model="smollm2-135m@f32", threads=2, max_running_requests=3,
                            spec=LlamaDraftSpec(draft_model="smollm2-135m", draft_n_max=4, threads=1))
-    argv = engine_for("llama_cpp").server_argv(config)
+    engine = engine_for("llama_cpp")
+    assert isinstance(engine, LlamaCppEngine)  # server_argv is llama.cpp's own: production runs that command
+    argv = engine.server_argv(config)
     assert argv[argv.index("--model") + 1].endswith("SmolLM2-135M-Instruct.Q4_1.f32.gguf")
     assert argv[argv.index("--spec-draft-model") + 1].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert argv[argv.index("--threads") + 1] == "1"  # the spec's threads win over the study's

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.measure.load import LoadRequest, SseDecoder, SseEvent, StreamState, run_phase
+from pipeline.measure.load import LoadRequest, StreamState, run_phase
+from serve.sse import SseDecoder, SseEvent
 
 
 def sse(obj: object) -> bytes:

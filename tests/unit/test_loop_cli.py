@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.loop.__main__ import duration_s
 from pipeline.loop.__main__ import main as loop_main
-from pipeline.retune import main as retune_main
+from pipeline.loop.retune import main as retune_main
 
 
 def test_durations_read_as_people_write_them():

@@ -27,7 +27,7 @@ from pipeline.loop.state import load_state, send_command
 from pipeline.measure.summary import RequestRecord, to_table
 from pipeline.records.registry import CANDIDATE, PREVIOUS, PRODUCTION, alias_version, register_config
 from pipeline.records.tracking import Tracker
-from pipeline.retune import RetuneResult
+from pipeline.loop.retune import RetuneResult
 from pipeline.vocabulary.outcome import Outcome
 from serve.closed_loop.control import CanaryStart, CanaryStatus
 from serve.engines.base import ReplicaConfig
@@ -226,7 +226,8 @@ def test_drift_starts_a_cycle_and_a_faster_candidate_is_promoted(world):
     assert state.phase == "idle" and state.detectors and not any(d.alarm_at for d in state.detectors.values())
     endpoint.traffic(200, production_accept=1.3)  # the traffic changed: accept length fell by half
     state = loop.tick(state)
-    assert state.phase == "retune" and state.trigger.startswith("DRIFT: accept length at concurrency 1")
+    assert state.phase == "retune" and state.trigger is not None
+    assert state.trigger.startswith("DRIFT: accept length at concurrency 1")
     shown = endpoint.drift[-1]  # what the endpoint shows on /v1/config and /metrics
     assert shown["reference_version"] == "1" and any(line["alarm"] for line in shown["lines"])
     state = run_until_idle(loop, endpoint, state)

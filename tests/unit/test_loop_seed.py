@@ -9,7 +9,7 @@ import pytest
 from pipeline.config import load_study
 from pipeline.errors import PipelineError
 from pipeline.loop.seed import SEEDED_ATTR, production_point, seed_study, with_capture_corpus
-from pipeline.search.space import BASELINE_ATTR, define_by_run, load_space, resolve
+from pipeline.search.space import BASELINE_ATTR, CategoricalParam, define_by_run, load_space, resolve
 from serve.engines.base import ReplicaConfig
 from serve.serving import Provenance, ServingConfig
 
@@ -72,6 +72,8 @@ def test_a_capture_corpus_choice_points_at_the_captures_corpus(tmp_path):
                     "    external_sam_budget: {type: fixed, value: 2, when: {external_corpus: [capture]}}\n")
     space = load_space(path)
     with_corpus = with_capture_corpus(space, "/runs/c/corpus.jsonl").branches["ngram"]
-    assert with_corpus["external_corpus"].choices == [None, "/runs/c/corpus.jsonl"]
+    corpus_param = with_corpus["external_corpus"]
+    assert isinstance(corpus_param, CategoricalParam) and corpus_param.choices == [None, "/runs/c/corpus.jsonl"]
     assert with_corpus["external_sam_budget"].when == {"external_corpus": ["/runs/c/corpus.jsonl"]}
-    assert with_capture_corpus(space, None).branches["ngram"]["external_corpus"].choices == [None]
+    without = with_capture_corpus(space, None).branches["ngram"]["external_corpus"]
+    assert isinstance(without, CategoricalParam) and without.choices == [None]

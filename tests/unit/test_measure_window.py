@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from pipeline.measure.server_info import PlainSteps, ServerInfo
 from pipeline.measure.summary import RequestRecord
 from pipeline.measure.window import (STEP_LIMIT, WAIT_LIMIT, Window, flag, judge_window, request_spread, step_ratio,
                                      window_record)
@@ -69,6 +70,7 @@ def test_a_quiet_window_is_clean_and_carries_its_spread():
 def test_an_engine_that_waited_for_its_cores_is_disturbed():
     window = judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=0), usage(2.0, 2.0, 1.0, busy=4, idle=0), RECORDS)
     assert window.disturbed is True
+    assert window.wait_share is not None
     assert window.wait_share == pytest.approx(1 / 3) and window.wait_share > WAIT_LIMIT
     assert "waited for a core 33%" in window.reasons[0] and "DISTURBED" in window.line()
 
@@ -142,8 +144,10 @@ def test_an_engine_that_barely_ran_is_not_judged_by_its_wait():
 
 # --- steps against the engine's own calibration -------------------------------------------------------------------
 
-def counters(rounds: int, ms: float, context: int) -> dict:
-    return {"solo_plain_rounds": rounds, "solo_plain_ms": ms, "solo_plain_context": context}
+def counters(rounds: int, ms: float, context: int) -> PlainSteps | None:
+    """The engine's counters as its `/server_info` reports them, read at the boundary."""
+    state = {"solo_plain_rounds": rounds, "solo_plain_ms": ms, "solo_plain_context": context, "other": 1}
+    return ServerInfo.parse({"internal_states": [state]}).plain_steps
 
 
 def calibrated_20ms(context: float) -> float:
@@ -155,7 +159,8 @@ def test_the_step_ratio_is_the_windows_mean_step_over_the_calibrated_step_at_its
     assert step_ratio(counters(5, 100.0, 500), counters(15, 340.0, 2500), calibrated_20ms) == pytest.approx(24 / 22)
     assert step_ratio(counters(5, 100.0, 500), counters(12, 300.0, 1900), calibrated_20ms) is None  # 7 steps: too few
     assert step_ratio(None, counters(15, 340.0, 2500), calibrated_20ms) is None
-    assert step_ratio({"num_finished_requests": 3}, {"num_finished_requests": 4}, calibrated_20ms) is None  # SGLang
+    sglang = ServerInfo.parse({"internal_states": [{"num_finished_requests": 3}]})
+    assert sglang.plain_steps is None and ServerInfo().plain_steps is None  # SGLang keeps no such counters
 
 
 def test_steps_near_their_calibration_leave_the_window_clean_and_are_recorded():
@@ -171,7 +176,7 @@ def test_steps_slower_than_the_limit_disturb_a_window_that_neither_waited_nor_lo
     window = judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=2), usage(2.0, 1.9, 0.01, busy=2, idle=2), RECORDS,
                           steps=1.85)
     assert window.wait_share is not None and window.wait_share < WAIT_LIMIT and window.steal_share == 0
-    assert window.disturbed is True and window.step_ratio > STEP_LIMIT
+    assert window.disturbed is True and window.step_ratio is not None and window.step_ratio > STEP_LIMIT
     assert "plain steps took 1.85x its own calibrated step" in window.reasons[0]
     assert flag([window]) == "disturbed"
     assert judge_window(usage(0.0, 0.0, 0.0, busy=0, idle=2), usage(2.0, 1.9, 0.01, busy=2, idle=2), RECORDS,

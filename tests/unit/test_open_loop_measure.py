@@ -16,8 +16,9 @@ from pipeline.errors import ConfigError
 from pipeline.measure.load import LoadRequest
 from pipeline.measure.summary import RequestRecord, summarize
 from pipeline.measure.openloop import poisson_schedule
-from pipeline.search.pruning import Watch, measure_phase, trial_watch
-from pipeline.search.stopping import StoppingPolicy
+from pipeline.measure.server_info import ServerInfo
+from pipeline.trial.pruning import Watch, measure_phase, trial_watch
+from pipeline.decide.stopping import StoppingPolicy
 
 POISSON = {"workload.arrival": {"mode": "poisson", "rate_per_s": 20.0, "max_duration_s": 30.0}}
 
@@ -138,7 +139,7 @@ def test_poisson_measurement_sends_every_request_on_the_seeded_schedule_without_
     schedule = poisson_schedule(len(ITEMS), 20.0, seed=3, max_duration_s=30.0)
     assert len(schedule) == len(ITEMS)
     handler.barrier = threading.Barrier(len(ITEMS))
-    records, pruned = measure_phase(url, ITEMS, KWARGS, None, {}, arrival=arrival, seed=3)
+    records, pruned = measure_phase(url, ITEMS, KWARGS, None, ServerInfo(), arrival=arrival, seed=3)
     assert pruned is None
     assert [r.error for r in records] == [None] * len(ITEMS)  # all five were open at once: an open loop
     assert [r.prompt_index for r in records] == [10, 11, 12, 13, 14]
@@ -151,7 +152,8 @@ def test_the_gate_refuses_a_closed_loop_at_concurrency_1(gate):
     """The control of the test above: the same two requests closed loop never have two in flight."""
     url, handler = gate
     handler.barrier, handler.wait_s = threading.Barrier(2), 0.5
-    records, _ = measure_phase(url, ITEMS[:2], KWARGS, None, {}, arrival=StudyConfig().workload.arrival, seed=3)
+    records, _ = measure_phase(url, ITEMS[:2], KWARGS, None, ServerInfo(), arrival=StudyConfig().workload.arrival,
+                               seed=3)
     assert records[0].error is not None and "did not overlap" in records[0].error
 
 
@@ -162,7 +164,7 @@ def test_the_time_bound_drops_late_arrivals(gate):
     expected = poisson_schedule(20, 1.0, seed=5, max_duration_s=1.5)
     assert 1 <= len(expected) < 20
     handler.barrier = threading.Barrier(1)
-    records, _ = measure_phase(url, items, KWARGS, None, {}, arrival=arrival, seed=5)
+    records, _ = measure_phase(url, items, KWARGS, None, ServerInfo(), arrival=arrival, seed=5)
     assert len(records) == len(expected) and all(r.ok for r in records)
 
 
@@ -178,7 +180,7 @@ def test_open_loop_switches_early_stopping_off():
     arrival = study.workload.arrival
     watched = Watch(baseline=None, total_requests=1, draft_tokens=4, max_new_tokens=2, policy=StoppingPolicy())
     with pytest.raises(ValueError, match="open-loop measurement cannot be watched"):
-        measure_phase("http://127.0.0.1:9", ITEMS, KWARGS, watched, {}, arrival=arrival, seed=0)
+        measure_phase("http://127.0.0.1:9", ITEMS, KWARGS, watched, ServerInfo(), arrival=arrival, seed=0)
 
 
 def test_resume_refuses_a_changed_arrival_mode():
@@ -204,7 +206,7 @@ def test_no_request_starts_before_its_arrival_under_uvloop(gate):
     previous = asyncio.get_event_loop_policy()
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
-        records, _ = measure_phase(url, items, KWARGS, None, {}, arrival=arrival, seed=11)
+        records, _ = measure_phase(url, items, KWARGS, None, ServerInfo(), arrival=arrival, seed=11)
     finally:
         asyncio.set_event_loop_policy(previous)
     assert len(records) == 60 and all(r.ok for r in records)

@@ -36,7 +36,7 @@ def test_no_port_of_ours_lies_where_sglang_draws_its_own_nccl_port():
 
 
 def test_an_sglang_engine_is_given_its_nccl_port_from_our_range(monkeypatch: pytest.MonkeyPatch):
-    from serve.engines import sglang
+    from serve.engines.sglang import engine as sglang
     from serve.engines.base import ReplicaConfig
 
     monkeypatch.setattr(sglang, "server_arg_fields", lambda path=None, python=None: None)

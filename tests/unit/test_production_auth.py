@@ -23,6 +23,7 @@ def test_auth_follows_the_real_bind_address(bind, require, expected):
 
 def test_no_keys_off_localhost_is_refused_with_the_fix():
     problem = auth_problem(ProductionSettings(registered_model="m"), "0.0.0.0", [])
+    assert problem is not None
     assert "SPECDEC_API_KEYS" in problem and "--api-key-file" in problem and "--no-require-auth" in problem
     assert auth_problem(ProductionSettings(registered_model="m"), "127.0.0.1", []) is None
     assert auth_problem(ProductionSettings(registered_model="m", require_auth=False), "0.0.0.0", []) is None

@@ -12,9 +12,11 @@ import builtins
 import dis
 import inspect
 import json
+from typing import Any, cast
 
 import httpx
 import pytest
+from ray.serve import Deployment
 from starlette.requests import Request
 
 import serve.production.ingress as ingress
@@ -35,7 +37,9 @@ def _global_names(code):
 
 def _shipped_classes():
     """OpenAIIngress as Serve deploys it: the wrapper Serve builds and the user class under it."""
-    deployed = ingress.OpenAIIngress.func_or_class
+    # mypy keeps a decorated class's own type; @serve.deployment made the name a Deployment
+    deployed = cast(Deployment, ingress.OpenAIIngress).func_or_class
+    assert isinstance(deployed, type)
     return [c for c in deployed.__mro__ if c.__module__ == "serve.production.ingress"]
 
 
@@ -156,7 +160,9 @@ def test_every_invalid_max_tokens_form_is_422(value):
 
 
 def test_absent_max_tokens_is_filled_as_documented():
-    chat, plain, given = {}, {}, {"max_tokens": 3}
+    chat: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    given = {"max_tokens": 3}
     assert fill_max_tokens(chat, True, 64) == 64 and chat == {"max_tokens": 64}
     assert fill_max_tokens(plain, False, 64) == 16 and plain == {"max_tokens": 16}
     assert fill_max_tokens(given, False, 64) is None and given == {"max_tokens": 3}

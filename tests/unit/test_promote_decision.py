@@ -183,7 +183,7 @@ def test_finalist_needs_spec_or_draft_tokens_and_they_must_agree():
 
 def test_policy_rejects_unknown_keys():
     with pytest.raises(ValidationError, match="extra"):
-        PromotionPolicy(margins=0.1)
+        PromotionPolicy.model_validate({"margins": 0.1})
 
 
 def test_the_study_file_and_the_decision_share_one_policy_type():

@@ -1,5 +1,7 @@
 """Credentials in URLs are masked wherever a URL is shown (issue #15 item 6)."""
 
+from typing import Any
+
 import pytest
 
 from pipeline.redact import mask_study_dict, mask_url
@@ -21,7 +23,7 @@ def test_urls_without_secrets_are_unchanged(url):
 
 
 def test_study_dict_masking_leaves_the_input_alone():
-    data = {"storage": {"url": "postgresql://a:b@h/d"}, "tracking": {"uri": None}, "name": "x"}
+    data: dict[str, Any] = {"storage": {"url": "postgresql://a:b@h/d"}, "tracking": {"uri": None}, "name": "x"}
     assert mask_study_dict(data)["storage"]["url"] == "postgresql://a:***@h/d"
     assert data["storage"]["url"] == "postgresql://a:b@h/d"
 

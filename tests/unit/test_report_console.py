@@ -21,12 +21,12 @@ def test_the_baseline_line_shows_its_own_figure_and_the_others_their_ratio_and_t
              board.line(label="ngram BFS d2 b1 depth18 warm1", algorithm="ngram", outcome=Outcome.COMPLETE, value=11.0),
              board.line(label="ngram BFS d2 b3 depth18 warm1", algorithm="ngram", outcome=Outcome.INVALID, value=0.0,
                         reason="ngram: min_bfs_breadth <= max_bfs_breadth must hold")]
-    assert lines[0].startswith("[trial 1/4] none ") and lines[0].endswith("tput_tok_s=10.00  (the baseline)  (41 s)")
+    assert lines[0].startswith("[trial 1/4] none ") and lines[0].endswith("10.00 tok/s  (the baseline)  (41 s)")
     assert "best=" not in lines[0] and "(-)" not in lines[0]
-    assert lines[1].endswith("tput_tok_s=12.50  1.25x baseline  (best so far)")
-    assert lines[2].endswith("tput_tok_s=11.00  1.10x baseline  (best: 1.25x, ngram BFS d4 b2 depth18 warm1)")
+    assert lines[1].endswith("12.50 tok/s  1.25x baseline  (best so far)")
+    assert lines[2].endswith("11.00 tok/s  1.10x baseline  (best: 1.25x, ngram BFS d4 b2 depth18 warm1)")
     assert lines[3].startswith("[trial 4/4] ngram BFS d2 b3 depth18 warm1")
-    assert "INVALID" in lines[3] and lines[3].endswith("tput_tok_s=-  -- ngram: min_bfs_breadth <= max_bfs_breadth "
+    assert "INVALID" in lines[3] and lines[3].endswith("- tok/s  -- ngram: min_bfs_breadth <= max_bfs_breadth "
                                                       "must hold")
 
 
@@ -55,8 +55,9 @@ def test_a_quick_start_prints_nothing_and_a_slow_one_a_line_then_one_a_minute() 
     assert slow.due(100.0 + SLOW_S + EVERY_S) == [
         f"ngram BFS d4 b2 depth18 warm1: starting the engine ({duration(SLOW_S + EVERY_S)} so far)"]
     slow.update({"phase": "ready", "t": 195.0, "phases": {"preflight": 3.0, "loading": 90.0}})
-    assert slow.due(195.0) == ["ngram BFS d4 b2 depth18 warm1: engine ready after 1 min 35 s (preflight 3 s, "
-                               "loading 1 min 30 s)"]
+    assert slow.due(195.0) == ["ngram BFS d4 b2 depth18 warm1: engine ready after 1 min 35 s"]
+    # where the start spent its time is for the log file, not the console
+    assert slow.details == ["ngram BFS d4 b2 depth18 warm1: engine start (preflight 3 s, loading 1 min 30 s)"]
 
 
 def test_the_watcher_reads_phase_files_as_they_grow_and_leaves_a_half_written_line(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ def _ngram(name, corpus, draft, tput, accept, budget=None, load_s=None, outcome=
 
 
 def test_corpus_comparison_takes_the_best_trial_per_corpus_at_equal_draft_tokens():
-    from pipeline.trial.corpus import corpus_comparison
+    from pipeline.records.corpus_table import corpus_comparison
 
     rows = [_ngram("a", "warmup", 8, 30.0, 2.5, budget=2, load_s=0.4), _ngram("b", None, 8, 25.0, 1.9),
             _ngram("c", "warmup", 8, 33.0, 2.1, budget=3, load_s=0.5), _ngram("d", None, 4, 40.0, 1.7),
@@ -56,7 +56,7 @@ def test_corpus_comparison_takes_the_best_trial_per_corpus_at_equal_draft_tokens
 
 
 def test_corpus_table_is_only_in_reports_of_studies_that_searched_a_corpus(tmp_path):
-    from pipeline.trial.corpus import corpus_comparison, format_corpus_table
+    from pipeline.records.corpus_table import corpus_comparison, format_corpus_table
 
     without = [_ngram("a", None, 8, 25.0, 1.9), _ngram("b", None, 6, 24.0, 1.8)]
     assert corpus_comparison(without) == []

@@ -72,7 +72,10 @@ def test_no_logged_or_written_form_holds_the_secret(winner):
     assert serve_config["applications"][0]["args"] == {"registered_model": "specdec-big", "version": "3",
                                                         "tracking_uri": "http://mlflow:5000"}
     patch = yaml.safe_load(files[RAYSERVICE_PATCH_FILE])
-    assert yaml.safe_load(patch["spec"]["serveConfigV2"])["applications"] == serve_config["applications"]
+    # the same app, binding 0.0.0.0 in the cluster: it requires the API keys the secret mounts
+    (embedded,) = yaml.safe_load(patch["spec"]["serveConfigV2"])["applications"]
+    assert embedded == {**serve_config["applications"][0], "args": {**serve_config["applications"][0]["args"],
+                                                                     "api_key_file": "/etc/specdec/api-keys"}}
 
 
 def test_a_serving_config_with_a_secret_value_is_refused_naming_the_field(winner):

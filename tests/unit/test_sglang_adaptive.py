@@ -4,8 +4,9 @@ winner's tuned adaptive config in deploy/ (issue 40, "Also new in 0.5.23").
 Checked against SGLang's own code (`speculative/adaptive_spec_params.py`), run on this CPU machine: its default tiers
 are ours; where its `adaptive_unsupported_reason` turns adaptive off, our validation refuses the point and the
 replica's check refuses the config; SGLang's resolution accepts every adaptive point of search_spaces/eagle3.yaml;
-the tuned config the study writes (0 where the baseline won) loads with its `_load_adaptive_config`, and the deployed
-engine command names it and parses with SGLang's parser.
+an adaptive winner is served as measured (issue 59), the steps its level table suggests (0 where the baseline won)
+said beside it; a spec's candidate steps load with its `_load_adaptive_config`, and the deployed engine command names
+them and parses with SGLang's parser.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pipeline.decide.adaptive import default_steps_at, tuned_adaptive_steps
 from pipeline.decide.levels import Candidate, LevelInput, RunFigures, decide_levels
 from pipeline.search.space import load_space, resolve
 from serve.engines.base import ReplicaConfig, child_env
-from serve.engines.sglang import ADAPTIVE_CONFIG_FILE, SglangEngine, resolved_problem, sglang_argv, write_adaptive_config
-from serve.engines.sglang_check import check_adaptive_config, installed_version, run_preflight
+from serve.engines.sglang.engine import ADAPTIVE_CONFIG_FILE, SglangEngine, resolved_problem, sglang_argv, write_adaptive_config
+from serve.engines.sglang.check import check_adaptive_config, installed_version, run_preflight
 from serve.serving import COMMAND_FILE, Provenance, deploy_files, serving_config
 from serve.spec import DEFAULT_ADAPTIVE_STEPS, Eagle3Spec, EagleSpec, validate_spec
 
@@ -47,7 +48,7 @@ def gpu(model: str, spec) -> ReplicaConfig:
 
 @needs_sglang
 def test_our_default_tiers_are_sglangs():
-    code = ("import json; from serve.engines.sglang_preflight import _install_stubs; _install_stubs(); "
+    code = ("import json; from serve.engines.sglang.preflight import _install_stubs; _install_stubs(); "
             "from sglang.srt.speculative.adaptive_spec_params import DEFAULT_ADAPTIVE_CONFIG as c; "
             "print(json.dumps({k: v['candidate_steps'] for k, v in c.items()}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
@@ -57,10 +58,11 @@ def test_our_default_tiers_are_sglangs():
 
 @needs_sglang
 def test_where_sglang_turns_adaptive_off_our_validation_and_the_replica_refuse_the_point(model):
-    cases = [Eagle3Spec(draft_model=model, adaptive=True),  # SGLang: topk 1, the middle candidate
-             Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=1, num_draft_tokens=4),
-             Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=4, num_draft_tokens=8),  # off: topk 4
-             EagleSpec(draft_model=model, adaptive=True, num_steps=2, topk=1, num_draft_tokens=3)]  # 2: no candidate
+    cases: list[EagleSpec | Eagle3Spec] = [
+        Eagle3Spec(draft_model=model, adaptive=True),  # SGLang: topk 1, the middle candidate
+        Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=1, num_draft_tokens=4),
+        Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=4, num_draft_tokens=8),  # off: topk 4
+        EagleSpec(draft_model=model, adaptive=True, num_steps=2, topk=1, num_draft_tokens=3)]  # 2: no candidate
     results = run_preflight([sglang_argv(gpu(model, s), "127.0.0.1", 30000) for s in cases], gpu_arch="sm90")
     assert results is not None
     on, chain, tree, off_candidates = results
@@ -89,7 +91,8 @@ def test_every_adaptive_point_of_the_eagle3_space_resolves_adaptive_in_sglang(mo
     argv = sglang_argv(gpu(model, adaptive.config.spec), "127.0.0.1", 30000)
     assert "--speculative-adaptive" in argv and "--speculative-num-steps" not in argv
     results = run_preflight([argv, sglang_argv(gpu(model, static.config.spec), "h", 1)], gpu_arch="sm90")
-    assert results is not None and all(r.ok for r in results), [r.error for r in results]
+    assert results is not None
+    assert all(r.ok for r in results), [r.error for r in results]
     assert results[0].resolved["speculative_adaptive"] is True
     assert results[1].resolved["speculative_adaptive"] is False
 
@@ -121,6 +124,29 @@ def test_the_tuned_config_offers_zero_where_the_baseline_won(model):
     assert tuned == {1: tuple(sorted({*default_steps_at(1), 5})), 8: (3,), 32: (0,)}
     assert tuned_adaptive_steps(decision, "steps3", specs) is None  # a static winner: no adaptive config
     assert default_steps_at(4) == DEFAULT_ADAPTIVE_STEPS[1] and default_steps_at(40) == DEFAULT_ADAPTIVE_STEPS[32]
+
+
+def test_an_adaptive_winner_is_served_as_its_finalist_runs_measured_it(model):
+    # Issue 59: the finalist runs measured the adaptive winner on SGLang's default candidate steps; the study serves
+    # and registers exactly that config, and the table's suggested steps are only said (no run measured them).
+    from pipeline.config import TrialConfig
+    from pipeline.study.served import served_config
+
+    decision, specs = adaptive_study_decision(model)
+    configs = {"baseline": TrialConfig(), **{k: TrialConfig(spec=v) for k, v in specs.items()}}
+    chosen, config, note = served_config(decision, configs)
+    assert chosen == "adaptive" and config == configs["adaptive"] and isinstance(config.spec, Eagle3Spec)
+    assert config.spec.adaptive_steps is None
+    serving = serving_config(gpu(model, config.spec), Provenance(study="s", decision="promote", source=chosen,
+                                                                 workload="w", workload_digest="0" * 16))
+    files = deploy_files(serving, {"config_file": "x"}, "v1")
+    assert ADAPTIVE_CONFIG_FILE not in files  # SGLang's default tiers, the ones measured
+    command = files[COMMAND_FILE]
+    assert "--speculative-adaptive " in command and "--speculative-adaptive-config" not in command
+    tuned = tuned_adaptive_steps(decision, "adaptive", specs)
+    assert tuned is not None and note is not None and "no run measured them" in note
+    assert all(f"{level}: {list(steps)}" in note for level, steps in tuned.items())
+    assert served_config(decision, {**configs, "adaptive": configs["steps3"]})[2] is None  # a static winner: no note
 
 
 @needs_sglang

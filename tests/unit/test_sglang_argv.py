@@ -10,11 +10,12 @@ from pipeline.config import load_study
 from pipeline.errors import ConfigError
 from pipeline.trial.replica_config import replica_config
 from pipeline.config import TrialConfig
-from serve.engines import pinned_settings, sglang_cpu
+from serve.engines import engine_for
+from serve.engines.sglang import cpu as sglang_cpu
 from serve.engines.base import ReplicaConfig
 from serve.engines.spec_flags import effective_diff, effective_settings
-from serve.engines.sglang import SglangEngine, describe_device, resolve_device, sglang_args, sglang_argv
-from serve.engines.sglang_cpu.launch import CPU_MAX_TOTAL_TOKENS
+from serve.engines.sglang.engine import SglangEngine, describe_device, resolve_device, sglang_args, sglang_argv
+from serve.engines.sglang.cpu.launch import CPU_MAX_TOTAL_TOKENS
 from serve.spec import EagleSpec, NgramSpec
 
 GPU = dict(engine="sglang", model="/m", device="cuda")
@@ -74,7 +75,7 @@ def test_trial_engines_answer_health_checks_without_a_generation():
 
 def test_a_backend_or_cap_sglang_changed_is_a_diff():
     config = ReplicaConfig(**GPU, spec=TREE_SPECS[1])
-    pinned = pinned_settings(config)
+    pinned = engine_for(config.engine).pinned_settings(config)
     assert pinned == {"attention_backend": "flashinfer", "max_running_requests": 48, "dtype": "float32"}
     reported = {"speculative_algorithm": "EAGLE", "attention_backend": "fa3", "max_running_requests": 48,
                 "dtype": "float32"}
@@ -90,7 +91,7 @@ def test_the_cpu_launch_runs_sglang_from_its_venv_with_the_cpu_flags(tmp_path, m
     monkeypatch.setenv("SPECDEC_SGLANG_CPU_VENV", str(venv))
     config = ReplicaConfig(engine="sglang", model="/m", device="cpu", spec=NgramSpec(), threads=1)
     argv = sglang_argv(config, "h", 1)
-    assert argv[:4] == [str(venv / "bin" / "python"), "-m", "serve.engines.sglang_cpu", "serve"]
+    assert argv[:4] == [str(venv / "bin" / "python"), "-m", "serve.engines.sglang.cpu", "serve"]
     assert flag(argv, "--device") == "cpu" and flag(argv, "--attention-backend") == "torch_native"
     assert flag(argv, "--max-total-tokens") == str(CPU_MAX_TOTAL_TOKENS)
     assert flag(argv, "--speculative-ngram-capacity") == str(NgramSpec().capacity)  # the study's, never changed
@@ -135,8 +136,8 @@ def test_production_serves_with_the_cap_and_backend_the_trials_ran(tmp_path):
 
 
 def test_sglang_reads_the_converted_model_through_links_without_the_cpu_engines_own_files(tmp_path, monkeypatch):
-    from serve.engines.cpu.models import SOURCE_MARKER, hf_dir_for
-    from serve.engines.sglang_cpu.launch import model_folder
+    from serve.model_store import SOURCE_MARKER, hf_dir_for
+    from serve.engines.sglang.cpu.launch import model_folder
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
@@ -171,7 +172,7 @@ def test_another_venv_of_the_same_base_python_is_read_for_its_own_sglang(tmp_pat
     import os
     import sys
 
-    from serve.engines.sglang import installed_version
+    from serve.engines.sglang.engine import installed_version
 
     venv = tmp_path / "side-venv"
     (venv / "bin").mkdir(parents=True)

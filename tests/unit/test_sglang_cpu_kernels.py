@@ -1,4 +1,4 @@
-"""The sgl_kernel stand-in ops and the torch-native verify branch (serve/engines/sglang_cpu) against straightforward
+"""The sgl_kernel stand-in ops and the torch-native verify branch (serve/engines/sglang/cpu) against straightforward
 references on random inputs: trees of breadth > 1, several requests in one batch. The references are written from
 the ops' contracts (parent lists, explicit softmax), not from the code under test."""
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from serve.engines.sglang_cpu import kernels
-from serve.engines.sglang_cpu.verify import tree_verify_attention
+from serve.engines.sglang.cpu import kernels
+from serve.engines.sglang.cpu.verify import tree_verify_attention
 
 
 def random_tree(rng, n, breadth):
@@ -40,7 +40,9 @@ def batch_of_trees(seed, bs=3, n=8, breadth=3):
 
 def reconstruct(masks, seq_lens, bs, n):
     out = [torch.full((bs * n,), -7, dtype=torch.int64) for _ in range(4)]
-    kernels.reconstruct_indices_from_tree_mask(masks, seq_lens, *out, bs, n)
+    positions, retrive_index, next_token, next_sibling = out
+    kernels.reconstruct_indices_from_tree_mask(masks, seq_lens, positions, retrive_index, next_token, next_sibling,
+                                               bs, n)
     return out
 
 

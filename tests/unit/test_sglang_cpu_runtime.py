@@ -1,4 +1,4 @@
-"""The CPU runtime pieces as SGLang's processes get them (serve/engines/sglang_cpu/runtime.py), each in a fresh
+"""The CPU runtime pieces as SGLang's processes get them (serve/engines/sglang/cpu/runtime.py), each in a fresh
 interpreter: the sgl_kernel stand-in, the torchvision stub, the version refusal, and what an AMX CPU would do.
 
 The AMX branch cannot run on this machine (AMD EPYC: AVX-512, no AMX), so it is forced: torch's AMX probe is made to
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from serve.engines import sglang_cpu
+from serve.engines.sglang import cpu as sglang_cpu
 from serve.engines.base import PROJECT_ROOT
-from serve.engines.sglang_cpu.runtime import version_problem
+from serve.engines.sglang.cpu.runtime import version_problem
 
 CPU_PYTHON = sglang_cpu.venv_python()
 needs_cpu_venv = pytest.mark.skipif(CPU_PYTHON is None, reason=f"no SGLang CPU venv at {sglang_cpu.venv_dir()}: "
@@ -35,7 +35,7 @@ def test_the_stand_in_sgl_kernel_serves_its_ops_and_names_the_missing_ones():
     # The project venv holds sglang 0.5.23 (its parser), so install() accepts it here.
     out = run_python("""
         import json, torch
-        from serve.engines.sglang_cpu import kernels, runtime
+        from serve.engines.sglang.cpu import kernels, runtime
         runtime.install()
         from sgl_kernel import verify_tree_greedy_cpu, decode_attention_cpu
         from sgl_kernel.speculative import reconstruct_indices_from_tree_mask
@@ -57,7 +57,7 @@ def test_the_stand_in_sgl_kernel_serves_its_ops_and_names_the_missing_ones():
 def test_the_torchvision_stub_serves_sglang_imports_only_and_stays_invisible_to_probes():
     out = run_python("""
         import importlib.util, json
-        from serve.engines.sglang_cpu import runtime
+        from serve.engines.sglang.cpu import runtime
         runtime.install()
         try:  # another package's import (before SGLang's put the stub in sys.modules): not installed
             exec("import torchvision", {"__name__": "some_other_package"})
@@ -84,6 +84,7 @@ def test_the_torchvision_stub_serves_sglang_imports_only_and_stays_invisible_to_
 def test_another_sglang_version_is_refused_with_the_fix(tmp_path):
     assert version_problem("0.5.23") is None
     problem = version_problem("0.5.22")
+    assert problem is not None
     assert "SGLang 0.5.22 is installed" in problem and "0.5.23 only" in problem
     assert "bash infra/install-sglang-cpu.sh" in problem
     # The launcher itself, in front of a fake 0.5.22 distribution: exit 2 with the message, before SGLang starts.
@@ -91,7 +92,7 @@ def test_another_sglang_version_is_refused_with_the_fix(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.22\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PROJECT_ROOT)])}
-    done = subprocess.run([sys.executable, "-m", "serve.engines.sglang_cpu", "serve", "--model-path", "/nowhere"],
+    done = subprocess.run([sys.executable, "-m", "serve.engines.sglang.cpu", "serve", "--model-path", "/nowhere"],
                           capture_output=True, text=True, env=env, timeout=120, cwd=PROJECT_ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "SGLang 0.5.22 is installed" in done.stderr and "install-sglang-cpu.sh" in done.stderr
@@ -100,7 +101,7 @@ def test_another_sglang_version_is_refused_with_the_fix(tmp_path):
 AMX_PROBE = """
     import json, sys, torch
     torch.cpu._is_amx_tile_supported = lambda: True   # as on a Xeon with AMX (read by sglang at import)
-    from serve.engines.sglang_cpu import runtime
+    from serve.engines.sglang.cpu import runtime
     runtime.install()
     from sglang.srt.utils import common
     from sglang.srt.server_args import prepare_server_args

@@ -14,6 +14,7 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -23,7 +24,7 @@ from pipeline.search.space import (CategoricalParam, FixedParam, IntParam, defau
                             load_space, resolve)
 from serve.engines.base import ConfigRejected, ReplicaConfig
 from serve.engines.spec_flags import SETTINGS, UnsupportedSetting, render_spec
-from serve.engines.sglang import (SglangEngine, installed_version, launcher, run_preflight, server_arg_fields,
+from serve.engines.sglang.engine import (SglangEngine, installed_version, launcher, run_preflight, server_arg_fields,
                                   sglang_argv)
 from serve.spec import EagleSpec, NgramSpec, StandaloneSpec, validate_spec
 
@@ -63,7 +64,8 @@ def points_of(space):
     for algorithm in space.algorithms:
         params = space.params_for(algorithm)
         for i, (optuna_name, name, p) in enumerate(params):
-            values, base = {}, {"algorithm": algorithm}
+            values: dict[str, Any] = {}
+            base = {"algorithm": algorithm}
             for j, (o2, n2, p2) in enumerate(params[:i]):
                 values[n2] = default_value(p2, values)
                 base[o2] = values[n2]
@@ -92,13 +94,14 @@ def all_argvs(tmp_path, available=None):
                               "model.drafts": {a: str(tmp_path) for a in ("eagle", "eagle3", "standalone")}})
     argvs = {}
     for path in sorted(SEARCH_SPACES_DIR.glob("*.yaml")):
-        if path.name.startswith("llama-cpp-"):
-            continue  # llama.cpp's own algorithms, not SGLang's: tests/unit/test_llama_cpp_spec.py
+        if path.name.startswith(("llama-cpp-", "vllm-")):
+            continue  # their own algorithms, not SGLang's: tests/unit/test_llama_cpp_spec.py, test_vllm_flags.py
         space = load_space(path)
         points = list(points_of(space)) + list(random_points(space, 60, seed=0))
         for point in points:
             resolution = resolve(space, point, study)
             assert resolution.valid, (path.name, point, resolution.violations)
+            assert resolution.config is not None
             cfg = ReplicaConfig(engine="sglang", device="cuda", model=str(tmp_path), spec=resolution.config.spec)
             argv = sglang_argv(cfg, "127.0.0.1", 30000, available)
             argvs[json.dumps(argv)] = (path.name, point)
@@ -124,6 +127,7 @@ def test_every_bundled_point_parses_with_each_tested_sglang(tmp_path, version):
     assert fields and "speculative_ngram_max_trie_depth" in fields  # 0.5.22 too: the match-window flags are older
     argvs = all_argvs(tmp_path, fields)
     results = run_preflight([json.loads(k) for k in argvs], parse_only=True, sglang_path=path)
+    assert results is not None
     bad = [(argvs[k], r.error) for k, r in zip(argvs, results) if not r.ok]
     assert bad == [], bad[:5]
 
@@ -132,6 +136,7 @@ def test_every_bundled_point_parses_with_each_tested_sglang(tmp_path, version):
 def test_every_table_setting_is_a_server_arg_of_each_tested_sglang(version):
     path = sglang_path(version)
     fields = server_arg_fields(path)
+    assert fields is not None
     assert {s.server_arg for s in SETTINGS} <= fields
 
 
@@ -150,7 +155,7 @@ def test_a_setting_the_installed_sglang_lacks_is_refused_before_launch():
 
 
 def test_the_engine_turns_a_missing_setting_into_a_rejected_config(monkeypatch):
-    import serve.engines.sglang as sglang
+    import serve.engines.sglang.engine as sglang
 
     monkeypatch.setattr(sglang, "server_arg_fields", lambda path=None, python=None: frozenset({"speculative_algorithm"}))
     with pytest.raises(ConfigRejected, match="speculative-num-draft-tokens"):
@@ -175,8 +180,9 @@ def test_removed_flags_are_rejected_by_sglang(tmp_path):
     base = ["sglang", "serve", "--model-path", str(tmp_path)]
     results = run_preflight([base + ["--cuda-graph-max-bs", "8"], base + ["--speculative-ngram-branch-length", "4"]],
                             parse_only=True)
-    assert "ambiguous option" in results[0].error
-    assert "unrecognized arguments" in results[1].error
+    assert results is not None
+    assert "ambiguous option" in (results[0].error or "")
+    assert "unrecognized arguments" in (results[1].error or "")
 
 
 @needs_sglang
@@ -188,7 +194,7 @@ def test_sglang_resolution_matches_our_rules(tmp_path):
     partial = EagleSpec(draft_model=model, num_steps=3)
     specs = [ngram, chain_fix, partial]
     argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000) for s in specs]
-    r_ngram, r_chain, r_partial = run_preflight(argvs)
+    r_ngram, r_chain, r_partial = run_preflight(argvs) or []
 
     # NGRAM: SGLang copies max_bfs_breadth into topk and derives steps = draft // breadth; sets 48 running requests.
     assert r_ngram.ok, r_ngram.error
@@ -216,8 +222,8 @@ def test_external_corpus_flags_resolve_and_sglangs_budget_rule_is_ours(tmp_path)
     too_big = NgramSpec(num_draft_tokens=4, external_corpus=str(corpus), external_sam_budget=5)
     argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000) for s in (good, too_big)]
     assert "--speculative-ngram-external-corpus-path" in argvs[0]
-    r_good, r_big = run_preflight(argvs)
+    r_good, r_big = run_preflight(argvs) or []
     assert r_good.ok, r_good.error
     assert r_good.resolved["speculative_ngram_external_sam_budget"] == 3
-    assert not r_big.ok and r_big.stage in ("resolve", "check") and "external_sam_budget" in r_big.error
+    assert not r_big.ok and r_big.stage in ("resolve", "check") and "external_sam_budget" in (r_big.error or "")
     assert validate_spec(good) == [] and [v.field for v in validate_spec(too_big)] == ["spec.external_sam_budget"]

@@ -5,7 +5,7 @@ decisions are the real code."""
 import pytest
 
 from serve.engines.base import ReplicaConfig
-from serve.engines.sglang import (SglangEngine, busy_gpus, compiler_problems, cuda_compiler, driver_cuda_version,
+from serve.engines.sglang.engine import (SglangEngine, busy_gpus, compiler_problems, cuda_compiler, driver_cuda_version,
                                   node_problems, ray_gpu_ids, wait_gpus_free)
 from serve.spec import NgramSpec
 
@@ -83,13 +83,14 @@ def test_busy_gpus_flags_only_the_replicas_gpus_holding_memory():
 
 def test_waiting_for_free_gpus_ends_when_the_previous_engine_is_gone():
     answers = iter(["0, 70000, 143771\n", "0, 70000, 143771\n", "0, 4, 143771\n"])
-    sleeps = []
+    sleeps: list[float] = []
     assert wait_gpus_free(["0"], timeout_s=60, smi=lambda *a: next(answers), sleep=sleeps.append) is None
     assert len(sleeps) == 2
 
 
 def test_gpus_that_stay_busy_are_a_problem_naming_the_memory():
     problem = wait_gpus_free(["0"], timeout_s=0, smi=lambda *a: "0, 70000, 143771\n", sleep=lambda s: None)
+    assert problem is not None
     assert "GPU 0: 70000 of 143771 MiB in use" in problem and "did not exit" in problem
 
 

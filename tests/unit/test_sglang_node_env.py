@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import serve.engines.sglang as sglang
+import serve.engines.sglang.engine as sglang
 from serve.engines.base import ConfigRejected, ReplicaConfig
-from serve.engines.sglang_node import compiler_problems, draft_tp_problem, node_problems, nvcc_version
+from serve.engines.sglang.node import compiler_problems, draft_tp_problem, node_problems, nvcc_version
 from serve.spec import Eagle3Spec, NgramSpec, StandaloneSpec
 
 # Qwen2.5-0.5B-Instruct's config.json head counts (the draft the issue names): 14 query heads, 2 KV heads.
@@ -65,7 +65,7 @@ def test_prepare_checks_the_compilers_of_the_engines_environment_not_the_replica
     # nvidia-smi cannot run here: its answers are given, everything else is the real check
     smi = lambda *a: "GPU 0: H200\n" if a == ("-L",) else "CUDA Version: 13.0"  # noqa: E731
     monkeypatch.setattr(sglang, "node_problems", functools.partial(node_problems, smi=smi))
-    monkeypatch.setattr("serve.engines.sglang_node.shutil.which",
+    monkeypatch.setattr("serve.engines.sglang.node.shutil.which",
                         lambda name, path=None: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
     config = ReplicaConfig(engine="sglang", model=str(tmp_path), device="cuda",
                            env={"CUDA_HOME": str(old.parents[1]), "CXX": "/bin/sh"})

@@ -1,4 +1,4 @@
-"""SGLang's verdicts kept on disk (serve/engines/sglang_verdicts.py): the same question is answered from the disk,
+"""SGLang's verdicts kept on disk (serve/engines/sglang/verdicts.py): the same question is answered from the disk,
 with `cached` on its record; a changed model file, another GPU architecture or another SGLang environment variable is
 another question; a run that could not answer is never kept. Against the SGLang installed --no-deps (CI); skipped
 where absent."""
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from serve.engines import sglang_verdicts as verdicts
+from serve.engines.sglang import verdicts
 from serve.engines.base import PROJECT_ROOT, ReplicaConfig
-from serve.engines.sglang import run_preflight, server_arg_fields, sglang_argv
+from serve.engines.sglang.engine import run_preflight, server_arg_fields, sglang_argv
 from serve.spec import EagleSpec, NgramSpec
 from tests.unit.test_sglang_flags import TINY_LLAMA, needs_sglang
 
@@ -56,7 +56,7 @@ def test_a_named_file_or_folder_is_known_by_its_bytes(tmp_path):
 
 
 def test_the_own_sources_are_what_the_preflight_subprocess_imports():
-    code = ("import sys, serve.engines.sglang_preflight; "
+    code = ("import sys, serve.engines.sglang.preflight; "
             "print('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'serve'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT_ROOT)
     imported = {str(Path(f).resolve().relative_to(PROJECT_ROOT)) for f in done.stdout.split()}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.measure.shape import (CONTEXT_TOKENS, DECODE_TOKENS, LONG_CONTEXT_TOKENS, WIDTHS, Attempt, Call, Prompts,
-                                    assemble, body, calls, check_answer, choose, dips, engine_has_table, plan_for,
-                                    table_problem)
+                                    assemble, body, calls, check_answer, choose, dips, plan_for, table_problem)
+from pipeline.measure.server_info import ServerInfo
 from pipeline.measure.window import Window
 from pipeline.simulate.cost import CostModel, round_table
 from pipeline.simulate.replay import Round
@@ -54,9 +54,9 @@ def sglang_answer(cached: int, generated: int = 1) -> dict:
 def test_an_answer_is_a_sample_only_when_every_request_extended_its_cached_context():
     plan, call = plan_for("sglang", [2]), Call(2, 4, 1, CONTEXT_TOKENS)
     assert check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS)] * 2) is None
-    assert check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS), sglang_answer(3)]).startswith("cache miss")
-    assert "expected 2 result(s)" in check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS)])
-    assert "generated 2 token(s)" in check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS, 2)] * 2)
+    assert (check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS), sglang_answer(3)]) or "").startswith("cache miss")
+    assert "expected 2 result(s)" in (check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS)]) or "")
+    assert "generated 2 token(s)" in (check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS, 2)] * 2) or "")
     llama = plan_for("llama_cpp", [1])
     one = {"tokens_predicted": 1, "timings": {"cache_n": CONTEXT_TOKENS}}
     assert check_answer(llama, Call(1, 4, 1, CONTEXT_TOKENS), one) is None  # one prompt: one object, not a list
@@ -92,8 +92,8 @@ def test_the_table_holds_forward_costs_whatever_each_call_costs_outside_the_forw
 def test_a_step_at_no_cost_is_refused_and_a_dip_is_named_and_kept_as_measured():
     plan = plan_for("sglang", [1])
     table = assemble(plan, truth_times(plan, lambda b: 30.0))
-    assert "no cost" in table_problem({**table, "short_context_ms": -2.0})
-    assert "no cost" in table_problem({**table, "ms": [[0.0, *table["ms"][0][1:]]]})
+    assert "no cost" in (table_problem({**table, "short_context_ms": -2.0}) or "")
+    assert "no cost" in (table_problem({**table, "ms": [[0.0, *table["ms"][0][1:]]]}) or "")
     # torch's fp32 GEMM on 3 rows is slower than on 4: a dip the engine reproduces, named, not smoothed away
     dipped = {**table, "ms": [[50.0, 53.0, 80.0, 59.0, *table["ms"][0][4:]]]}
     assert table_problem(dipped) is None
@@ -103,7 +103,7 @@ def test_a_step_at_no_cost_is_refused_and_a_dip_is_named_and_kept_as_measured():
     assert model.shape_of(Round((), 3, (2,), (CONTEXT_TOKENS,))) == pytest.approx(80.0)
     assert dips(table) is None
     two = assemble(plan_for("sglang", [2]), truth_times(plan_for("sglang", [2]), lambda b: 30.0))
-    assert "below a smaller batch's" in dips({**two, "ms": [two["ms"][0], [x / 2 for x in two["ms"][1]]]})
+    assert "below a smaller batch's" in (dips({**two, "ms": [two["ms"][0], [x / 2 for x in two["ms"][1]]]}) or "")
 
 
 def window(wait: float | None, disturbed: bool | None) -> Window:
@@ -132,5 +132,6 @@ def test_every_call_extends_its_fixed_context_with_tokens_no_earlier_call_cached
 
 
 def test_the_probe_runs_only_where_the_engine_reported_no_table():
-    assert engine_has_table({"verify_cost": {"round_cost": {"ms": [[1.0]]}}})
-    assert not engine_has_table({}) and not engine_has_table({"verify_cost": {"relative": [1.0]}})
+    assert ServerInfo.parse({"verify_cost": {"round_cost": {"ms": [[1.0]]}}}).has_round_table
+    assert not ServerInfo().has_round_table
+    assert not ServerInfo.parse({"verify_cost": {"relative": [1.0]}}).has_round_table

@@ -6,7 +6,7 @@ trial budget, and the summary the study run records. The simulator is a stand-in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pipeline.config import TrialConfig, load_study
 from pipeline.search.simulate_first import SimulateFirstPlan
@@ -94,7 +94,7 @@ def test_a_miss_widens_by_one_until_the_budget_and_a_failed_launch_is_replaced()
     assert not plan.exhausted() and plan.widened == 1
     assert launch_next(plan, "t3") == 8
     small = plan_with(min_distance=1)
-    small.ctx.study = load_study(None, {"budget.max_trials": 2})
+    cast(Ctx, small.ctx).study = load_study(None, {"budget.max_trials": 2})  # plan_with's stand-in for a TrialContext
     small.on_suggested("t0", None)
     small.on_complete("t0", {"outcome": "COMPLETE", "tput_tok_s": 9.0})
     launch_next(small, "t1")

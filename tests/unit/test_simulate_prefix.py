@@ -13,6 +13,7 @@ from pipeline.measure.load import LoadRequest
 from pipeline.measure.summary import RequestRecord
 from pipeline.simulate.cost import CostModel
 from pipeline.simulate.predict import timed
+from pipeline.measure.server_info import ServerInfo
 from pipeline.simulate.prefix import HeldPrefixes, PrefixCache, prefix_cache_of, uncached_tokens
 from pipeline.simulate.replay import Answer, ClosedLoop, Phase, replay
 from pipeline.simulate.simulator import Simulator, base_cost
@@ -36,11 +37,11 @@ def record(i: int, phase: Literal["warmup", "measure", "reference"], ids: tuple[
 
 def test_the_engines_own_server_info_says_whether_it_has_a_prefix_cache():
     # SGLang reports its resolved server arguments; the CPU engine and llama-server report no such field
-    assert prefix_cache_of({"disable_radix_cache": False, "page_size": 1}) == PrefixCache(page_size=1)
-    assert prefix_cache_of({"disable_radix_cache": False, "page_size": 16}) == PrefixCache(page_size=16)
-    assert prefix_cache_of({"disable_radix_cache": False, "page_size": None}) == PrefixCache()
-    assert prefix_cache_of({"disable_radix_cache": True, "page_size": 1}) is None  # --disable-radix-cache
-    assert prefix_cache_of({"engine": "cpu", "speculative_algorithm": None, "verify_cost": {}}) is None
+    assert prefix_cache_of(ServerInfo.parse({"disable_radix_cache": False, "page_size": 1})) == PrefixCache(page_size=1)
+    assert prefix_cache_of(ServerInfo.parse({"disable_radix_cache": False, "page_size": 16})) == PrefixCache(page_size=16)
+    assert prefix_cache_of(ServerInfo.parse({"disable_radix_cache": False, "page_size": None})) == PrefixCache()
+    assert prefix_cache_of(ServerInfo.parse({"disable_radix_cache": True, "page_size": 1})) is None  # --disable-radix-cache
+    assert prefix_cache_of(ServerInfo.parse({"engine": "cpu", "speculative_algorithm": None, "verify_cost": {}})) is None
     assert prefix_cache_of(None) is None
 
 
@@ -95,7 +96,7 @@ def test_the_prefill_line_is_fitted_on_uncached_tokens_and_predicts_the_launch()
     base = study_records()
     answers = {0: Answer(prompt(5), OUT), 1: Answer(OTHER, OUT), 9: Answer(prompt(1), OUT)}
     warmup, measure = [LoadRequest(9, "", 6)], [LoadRequest(0, "", 6), LoadRequest(1, "", 6)]
-    cache = prefix_cache_of({"disable_radix_cache": False, "page_size": 1})
+    cache = prefix_cache_of(ServerInfo.parse({"disable_radix_cache": False, "page_size": 1}))
     start = base_cost(base, None, 1, prefix=cache)
     assert (start.p0_ms, start.p1_ms) == (pytest.approx(30.0), pytest.approx(10.0))  # 2 and 22 uncached tokens
     by_prompt = base_cost(base, None, 1)  # every prompt 42 or 22 tokens long: the slope comes out negative
@@ -116,7 +117,7 @@ def test_an_engine_without_a_prefix_cache_is_predicted_as_before():
     base = study_records()
     answers = {0: Answer(prompt(5), OUT), 1: Answer(OTHER, OUT), 9: Answer(prompt(1), OUT)}
     warmup, measure = [LoadRequest(9, "", 6)], [LoadRequest(0, "", 6), LoadRequest(1, "", 6)]
-    cpu_info = {"engine": "cpu", "verify_cost": None}
+    cpu_info = ServerInfo.parse({"engine": "cpu", "verify_cost": None})
     config = TrialConfig(warmup_requests=1, spec=NgramSpec(num_draft_tokens=4, max_bfs_breadth=1, max_trie_depth=4))
     before = Simulator(answers, warmup, measure)  # what the simulator was before it knew of prefix caches
     cost_before = before.fitted(base_cost(base, None, 1), [(TrialConfig(warmup_requests=1), base)])

@@ -73,7 +73,8 @@ def test_a_small_space_is_simulated_point_by_point_then_ranked_and_picked_apart(
     assert distance(best, ranked[1].params) == 1
     # an SLA limit at the search level puts the points predicted to break it last
     limited = load_study(None, {"objective.constraints": [{"metric": "ttft_p99_ms", "max_ms": 150}]})
-    assert all(p.config.spec.max_bfs_breadth == 1 for p in rank(explored.predicted, limited)[:6])
+    assert all(isinstance(p.config.spec, NgramSpec) and p.config.spec.max_bfs_breadth == 1
+               for p in rank(explored.predicted, limited)[:6])
     # capped by points: a TPE search over the predictions instead
     capped = explore(space, study, fake_predict, points=5, seconds=60)
     assert capped.method == "TPE over the predictions" and 1 <= capped.evaluated <= 5

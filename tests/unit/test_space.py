@@ -11,7 +11,7 @@ from pipeline.search.space import (
     BASELINE_ATTR, baseline_point, define_by_run, enqueue_baseline, grid_points, load_space, resolve,
 )
 from pipeline.tune import sample_configs
-from serve.spec import NgramSpec, NoSpec
+from serve.spec import NgramSpec, NoSpec, StandaloneSpec
 
 BUNDLED = sorted(SEARCH_SPACES_DIR.glob("*.yaml"))
 
@@ -117,11 +117,13 @@ def test_resolve_builds_trial_configs_with_fixed_values_and_study_settings():
     space = load_space(SEARCH_SPACES_DIR / "default.yaml")
     study = load_study(None, {"concurrency": [4, 8]})
     base = resolve(space, {"algorithm": "none", **baseline_point(space)}, study)
-    assert base.valid and base.config.spec == NoSpec() and base.config.warmup_requests == 2
+    assert base.valid and base.config is not None
+    assert base.config.spec == NoSpec() and base.config.warmup_requests == 2
     assert base.config.concurrency == 4  # the target level is the first one
     point = {"algorithm": "ngram", "ngram.num_draft_tokens": 3, "ngram.max_bfs_breadth": 2,
              "ngram.match_type": "PROB", "ngram.max_trie_depth": 6, "ngram.warmup_requests": 12}
     cfg = resolve(space, point, study).config
+    assert cfg is not None
     assert cfg.spec == NgramSpec(num_draft_tokens=3, max_bfs_breadth=2, min_bfs_breadth=1, match_type="PROB",
                                  max_trie_depth=6, capacity=1_000_000)
     assert cfg.warmup_requests == 12  # the branch overrides the common fixed value
@@ -134,7 +136,8 @@ def test_invalid_points_carry_their_reasons():
     missing = resolve(space, point, load_study(None))
     assert not missing.valid and [v.field for v in missing.violations] == ["spec.draft_model"]
     ok = resolve(space, point, load_study(None, {"model.drafts": {"standalone": "qwen2.5-coder-0.5b"}}))
-    assert ok.valid and ok.config.spec.draft_model == "qwen2.5-coder-0.5b"
+    assert ok.valid and ok.config is not None and isinstance(ok.config.spec, StandaloneSpec)
+    assert ok.config.spec.draft_model == "qwen2.5-coder-0.5b"
 
 
 def test_dry_run_sampling_is_seeded():
@@ -253,7 +256,9 @@ def test_a_conditional_parameter_exists_only_where_its_condition_holds(tmp_path)
     assert len(prob) == 1 and "ngram.min_bfs_breadth" not in prob[0]
     assert sorted(p["ngram.min_bfs_breadth"] for p in bfs) == [1, 2]
     study = load_study(None, {})
-    assert resolve(space, prob[0], study).config.spec.min_bfs_breadth == 1  # the field keeps its default
+    prob_config = resolve(space, prob[0], study).config
+    assert prob_config is not None and isinstance(prob_config.spec, NgramSpec)
+    assert prob_config.spec.min_bfs_breadth == 1  # the field keeps its default
 
 
 def test_a_condition_must_name_an_earlier_parameter(tmp_path):

@@ -1,4 +1,4 @@
-"""The early-stopping rule (pipeline/search/stopping.py) on synthetic surfaces: a clearly slow config stops early, a noisy
+"""The early-stopping rule (pipeline/decide/stopping.py) on synthetic surfaces: a clearly slow config stops early, a noisy
 winner never stops, and the edge cases (too few requests, zero spread, failed requests, bad input)."""
 
 import math
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from pipeline.measure.summary import RequestRecord
-from pipeline.search.stopping import BaselineFigures, Decision, Rule, StoppingPolicy, VerifyCost, check, t_quantile
+from pipeline.decide.stopping import BaselineFigures, Decision, Rule, StoppingPolicy, VerifyCost, check, t_quantile
 
 TOKENS = 24
-# A CPU engine verify-cost curve (fp32 forward, 2 threads, `benchmarks/cpu_engine_ab.py --only verify`).
+# A CPU engine verify-cost curve (fp32 forward, 2 threads, `benchmarks/cpu_engine_ab.py --only verify` at commit 04695d1).
 CURVE = VerifyCost(sizes=tuple(range(1, 17)), relative=(1.00, 0.99, 1.19, 1.45, 1.38, 1.75, 1.78, 1.78, 1.88, 2.05,
                                                          2.17, 2.17, 2.31, 2.39, 2.47, 2.07))
 BASE = BaselineFigures(tput_tok_s=10.0, sigma=0.03, runs=3, step_s=0.09)
@@ -64,6 +64,7 @@ def test_the_analytic_bound_allows_for_perfect_acceptance_of_the_remaining_reque
     one = [record(0, 6.0, accept=1.3)]
     early = check(BASE, one, total_requests=4, draft_tokens=2, max_new_tokens=TOKENS, verify_cost=CURVE)
     late = check(BASE, one, total_requests=1, draft_tokens=2, max_new_tokens=TOKENS, verify_cost=CURVE)
+    assert early.analytic_high_tok_s is not None and late.analytic_high_tok_s is not None
     assert early.analytic_high_tok_s > late.analytic_high_tok_s
     assert early.decision is Decision.CONTINUE  # 3 perfect requests could still lift accept length towards 3
 
@@ -128,13 +129,14 @@ def test_bad_input_names_the_field_and_the_value():
     with pytest.raises(ValueError, match="increasing"):
         VerifyCost(sizes=(2, 1), relative=(1.0, 1.0))
     with pytest.raises(ValueError, match="extra"):
-        StoppingPolicy(alpah=0.1)
+        StoppingPolicy.model_validate({"alpah": 0.1})
 
 
 def test_verify_cost_reads_server_info_and_never_goes_below_a_decode_step():
     info = {"verify_cost": {"sizes": [1, 2, 4, 8], "ms": [100, 92, 150, 200], "relative": [1.0, 0.92, 1.5, 2.0],
                             "source": "cache"}}
     curve = VerifyCost.from_server_info(info)
+    assert curve is not None
     assert VerifyCost.from_server_info({"verify_cost": None}) is None
     assert [curve.cost(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [1.0, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0]
 

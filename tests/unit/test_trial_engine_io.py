@@ -3,6 +3,7 @@ any request runs, and Serve's health check runs one), per-study app names on a s
 `engine.env`. The flush is tested against a real local HTTP server that refuses as SGLang does."""
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ SGLANG_REFUSAL = "Cache not flushed because there are pending requests. #queue-r
 @pytest.fixture
 def refusing_server():
     """A server whose /flush_cache refuses `refusals[0]` times (400, SGLang's text), then succeeds."""
-    state = {"refusals": 0, "calls": []}
+    state: dict[str, Any] = {"refusals": 0, "calls": []}
 
     def answer(method: str, path: str) -> tuple[int, bytes]:
         state["calls"].append(path)
@@ -45,7 +46,7 @@ def test_a_flush_that_never_succeeds_is_reported_with_the_engines_answer(refusin
     state["refusals"] = 10**6
     with httpx.Client(base_url=url) as client:
         refused = flush(client, deadline_s=0)
-    assert "refused" in refused and "400" in refused and "pending requests" in refused
+    assert refused is not None and "refused" in refused and "400" in refused and "pending requests" in refused
 
 
 def test_app_names_are_per_study_and_cleanup_touches_only_its_own():
@@ -83,7 +84,7 @@ def test_a_replica_no_node_can_host_fails_fast_with_what_is_missing():
 
     cpu_only = [{"CPU": 2.0, "memory": 1e9}]
     problem = unplaceable({"num_cpus": 2.0, "num_gpus": 1, "resources": {}}, cpu_only)
-    assert "GPU=1" in problem and "CPU=2" in problem and "engine.kind: cpu" in problem
+    assert problem is not None and "GPU=1" in problem and "CPU=2" in problem and "engine.kind: cpu" in problem
     assert unplaceable({"num_cpus": 0.1, "num_gpus": 0, "resources": {}}, cpu_only) is None
     # All requirements on ONE node: a GPU on one node and the custom resource on another is not enough.
     split = [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "specdec_engine": 1.0}]

@@ -46,6 +46,7 @@ def group_of(watchdog_pid, deadline_s=30.0):
 
 def test_engine_group_dies_with_its_owner():
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=child_env())
+    assert owner.stdout is not None
     try:
         watchdog = int(owner.stdout.readline())
         pids = group_of(watchdog)

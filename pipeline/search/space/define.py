@@ -8,12 +8,16 @@ from pipeline.search.space.bounds import evaluate_bound
 from pipeline.search.space.model import (CategoricalParam, FloatParam, IntParam, Param, SearchSpace, applies,
                                   baseline_point)
 from pipeline.vocabulary.outcome import Outcome
+from pipeline.vocabulary.report import LOAD_FAILURE_KEY
 
 BASELINE_ATTR = "baseline"  # user attribute that marks the enqueued baseline trial in the Optuna study
 OUTCOME_ATTR = "outcome"  # the trial's outcome (COMPLETE, TIMEOUT, ...), set by the searcher before Optuna is told
 # A baseline that ended otherwise (a cold node's first launch timing out, a node failing) is queued again, this many
 # attempts in all: a baseline that keeps failing ends the study ("no baseline") instead of spending the budget.
 BASELINE_ATTEMPTS = 3
+# The cause of a load failure a retry would repeat (out of memory at load, a missing file, an unsupported
+# architecture: `serve.engines.load_failures`), in the trial's report and the Optuna trial's user attributes.
+LOAD_FAILURE_ATTR = LOAD_FAILURE_KEY
 
 
 def suggest(trial: Any, optuna_name: str, p: Param, values: dict[str, Any]) -> Any:
@@ -57,26 +61,31 @@ def define_by_run(space: SearchSpace) -> SpaceSampler:
     return SpaceSampler(space)
 
 
-def baseline_retried(outcome: str | None, error: bool = False) -> bool:
+def baseline_retried(outcome: str | None, error: bool = False, load_failure: str | None = None) -> bool:
     """Whether a baseline trial that ended with `outcome` (a stored value: Tune's report, the Optuna attribute) is
     queued again: after an error, an ending that names no outcome, or a failure of the machine
     (`Outcome.machine_failure`); never after a verdict on its config (INVALID: the engine refused the baseline's own
-    flags, a retry would be refused too). Pure."""
+    flags, a retry would be refused too), nor after a load failure a retry would repeat (`load_failure`: its cause,
+    e.g. out of memory at load). Pure."""
+    if load_failure:
+        return False
     ended = Outcome.read(outcome)
     return error or ended is None or ended.machine_failure
 
 
 def enqueue_baseline(study: Any, space: SearchSpace) -> bool:
     """Put the baseline first in an Optuna study unless it has one that is waiting, running or completed (a resumed
-    study), or it already failed `BASELINE_ATTEMPTS` times. A baseline Optuna recorded COMPLETE with another outcome
+    study) or one whose engine's load failed in a way a retry would repeat, or it already failed `BASELINE_ATTEMPTS`
+    times. A baseline Optuna recorded COMPLETE with another outcome
     (TIMEOUT and LAUNCH_FAILED report the worst value, which Optuna records as COMPLETE) did not complete. Returns True
     if added."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     from optuna.trial import TrialState
 
     baselines = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(BASELINE_ATTR)]
     done = [t for t in baselines if t.state in (TrialState.RUNNING, TrialState.WAITING) or (
-        t.state == TrialState.COMPLETE and not baseline_retried(t.user_attrs.get(OUTCOME_ATTR,
-                                                                                 Outcome.COMPLETE.value)))]
+        t.state == TrialState.COMPLETE and not baseline_retried(t.user_attrs.get(OUTCOME_ATTR, Outcome.COMPLETE.value),
+                                                                load_failure=t.user_attrs.get(LOAD_FAILURE_ATTR)))]
     if done or len(baselines) >= BASELINE_ATTEMPTS:
         return False
     study.enqueue_trial(baseline_point(space), user_attrs={BASELINE_ATTR: True})
@@ -85,6 +94,7 @@ def enqueue_baseline(study: Any, space: SearchSpace) -> bool:
 
 def baseline_waiting(study: Any) -> bool:
     """Whether the Optuna study has a baseline queued (the next trial asked for)."""
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     from optuna.trial import TrialState
 
     return any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))

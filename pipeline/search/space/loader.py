@@ -70,7 +70,11 @@ def _check_param(algorithm: str, key: str, name: str, p: Param, earlier: list[st
             problems.append(f"{key}.log: a log range needs a numeric low > 0, got low={p.low!r}")
         if isinstance(p, IntParam) and p.log and p.step != 1:
             problems.append(f"{key}: step and log cannot be combined (Optuna), got step={p.step}")
+        problems.extend(default_problems(key, p))
     elif isinstance(p, CategoricalParam):
+        if p.default is not None and repr(p.default) not in map(repr, p.choices):
+            problems.append(f"{key}.default: {p.default!r} is not one of the choices {p.choices}; the baseline and "
+                            "grid points use it. Fix: make it one of the choices, or remove it")
         if len(set(map(repr, p.choices))) != len(p.choices):
             problems.append(f"{key}.choices: duplicates in {p.choices}")
         for choice in p.choices:
@@ -79,6 +83,17 @@ def _check_param(algorithm: str, key: str, name: str, p: Param, earlier: list[st
     elif p.value is not None and (reason := _value_problem(algorithm, name, p.value)) is not None:
         problems.append(f"{key}.value: {p.value!r} is not a valid {name}: {reason}")
     return problems
+
+
+def default_problems(key: str, p: IntParam | FloatParam) -> list[str]:
+    """A declared `default` outside the parameter's range (numeric bounds; an expression bound is known only at a
+    point): the baseline would be enqueued with a value the range forbids. Pure."""
+    if p.default is None or isinstance(p.low, str) or isinstance(p.high, str) or p.low > p.high:
+        return []
+    if not p.low <= p.default <= p.high:
+        return [f"{key}.default: {p.default!r} is outside the range low={p.low}, high={p.high}. Fix: a default "
+                "within the range, or remove it"]
+    return []
 
 
 def _extremes(p: Param, values: dict[str, Any], key: str, end: int) -> Any:

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from pipeline.config import StudyConfig, TrialConfig, validate_trial
 from pipeline.search.space.model import TRIAL_FIELDS, FixedParam, SearchSpace, applies, default_value
+from pipeline.vocabulary.resolution import Resolution
 from serve.spec import DRAFT_MODEL_ALGORITHMS, Violation
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """A sampled point turned into a TrialConfig, or the reasons it cannot be one (an INVALID trial)."""
-
-    params: dict[str, Any]
-    config: TrialConfig | None
-    violations: list[Violation] = field(default_factory=list)
-
-    @property
-    def valid(self) -> bool:
-        return self.config is not None and not self.violations
 
 
 def resolve(space: SearchSpace, params: dict[str, Any], study: StudyConfig) -> Resolution:

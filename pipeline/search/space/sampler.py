@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from pipeline.decide.sla import constraints_func
+from pipeline.search.space.define import (BASELINE_ATTR, LOAD_FAILURE_ATTR, OUTCOME_ATTR, baseline_retried,
+                                          baseline_waiting, enqueue_baseline)
+from pipeline.vocabulary.outcome import NO_REPORT
+from pipeline.vocabulary.report import TrialReport
 
 if TYPE_CHECKING:
     from pipeline.config import SlaConstraint
@@ -22,11 +29,8 @@ def tpe_sampler(seed: int, max_trials: int, n_startup_trials: int | None = None,
     `startup_trials(max_trials)` (the search-efficiency replay compares the two). SLA limits that hold at
     `search_level` become Optuna's `constraints_func` (pipeline/decide/sla.py: the trial must set the user attributes
     `pipeline.decide.sla.constraint_user_attrs` names); without such limits the sampler is unconstrained."""
-    import warnings
-
+    # lazy: Optuna takes a second to import; only the paths that read or sample a study pay for it
     import optuna
-
-    from pipeline.decide.sla import constraints_func
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -46,8 +50,6 @@ def constrained_search_class() -> Any:
     CPU, where NGRAM drafts, its PCIe and its disk), and a baseline that did not complete is queued again
     (`enqueue_baseline`)."""
     from pipeline.search.searcher import PruningOptunaSearch  # imports Ray: only here; it also maps PRUNED trials
-    from pipeline.search.space.define import BASELINE_ATTR, OUTCOME_ATTR, baseline_retried, baseline_waiting, \
-        enqueue_baseline
 
     class ConstrainedOptunaSearch(PruningOptunaSearch):  # type: ignore[misc]
         def _baseline_blocks(self) -> bool:
@@ -65,19 +67,26 @@ def constrained_search_class() -> Any:
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
                               error: bool = False) -> None:
             ot_trial = self._ot_trials.get(trial_id)
-            outcome = (result or {}).get("outcome")
+            report = TrialReport.from_tune(result)
+            outcome = report.said if report.said != NO_REPORT else None
+            load_failure = report.load_failure
             if result and ot_trial is not None:
-                for key, value in result.items():
-                    if key.startswith("sla.") and isinstance(value, (int, float)):
-                        ot_trial.set_user_attr(key, float(value))
-                if isinstance(outcome, str):
+                for key, value in report.sla.items():
+                    ot_trial.set_user_attr(key, value)
+                if outcome is not None:
                     ot_trial.set_user_attr(OUTCOME_ATTR, outcome)
+                if load_failure is not None:
+                    ot_trial.set_user_attr(LOAD_FAILURE_ATTR, load_failure)
             super().on_trial_complete(trial_id, result, error)
             space = getattr(self._space, "space", None)  # the define-by-run SpaceSampler's
-            if ot_trial is not None and ot_trial.user_attrs.get(BASELINE_ATTR) and baseline_retried(outcome, error) \
-                    and space is not None:
+            if ot_trial is None or not ot_trial.user_attrs.get(BASELINE_ATTR) or space is None:
+                return
+            if baseline_retried(outcome, error, load_failure):
                 if enqueue_baseline(self._ot_study, space):
                     print(f"the baseline ended {outcome or 'with an error'}: queued again, to run alone next",
                           flush=True)
+            elif load_failure:
+                print(f"the baseline ended {outcome}: its engine's load failed ({load_failure}), which a retry would "
+                      "repeat: not queued again", flush=True)
 
     return ConstrainedOptunaSearch

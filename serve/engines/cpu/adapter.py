@@ -18,6 +18,12 @@ class CpuEngine(Engine):
     label = "the CPU engine"
     spec_details = True
     algorithms = frozenset({"none", "ngram", "standalone"})
+    context_limited = True  # it answers 400 to a prompt past the model's context
+
+    def build_ahead(self) -> list[str] | None:
+        # The GGUF kernel's first build takes ~30 s on 2 cores; torch's file lock in its build folder makes an engine
+        # start that comes while it runs wait and then import it, and a kept build makes this a ~3 s no-op.
+        return [*python_module_argv("serve.engines.cpu.gguf_linear"), "build"]
 
     def argv(self, config: ReplicaConfig, host: str, port: int) -> list[str]:
         argv = python_module_argv("serve.engines.cpu") + [

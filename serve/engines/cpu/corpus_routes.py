@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from serve.ngram.corpus import ExternalCorpora
-from serve.engines.cpu.engine import Engine, encoder_of
+from serve.engines.cpu.engine import LoadedEngine, encoder_of
 from serve.engines.cpu.speculators import NgramSpeculator
 from serve.http_limits import BadJson, parse_json
 
@@ -35,7 +35,7 @@ LOAD_IN_PROGRESS = "Another corpus load is already in progress."
 _ADD_FIELDS = ("corpus_id", "file_path", "documents", "token_chunks")
 
 
-def _corpora(engine: Engine) -> ExternalCorpora | None:
+def _corpora(engine: LoadedEngine) -> ExternalCorpora | None:
     speculator = engine.decoder.speculator
     return speculator.corpora if isinstance(speculator, NgramSpeculator) else None
 
@@ -59,7 +59,7 @@ async def _json_object(http: HttpRequest) -> dict[str, Any] | str:
     return body
 
 
-def register_corpus_routes(app: FastAPI, engine: Engine) -> None:
+def register_corpus_routes(app: FastAPI, engine: LoadedEngine) -> None:
     loading = False  # SGLang's ExternalCorpusManager._pending_load: one build at a time
 
     @app.post("/add_external_corpus")

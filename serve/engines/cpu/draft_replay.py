@@ -171,7 +171,7 @@ def _queries(req: _Request, rows: list[tuple[RoundTree, int, Want]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.engines.cpu.models import resolve_model
+    from serve.model_store import resolve_model
     from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, cached_draft_cost
 
     parser = argparse.ArgumentParser(prog="python -m serve.engines.cpu.draft_replay", description=__doc__.split("\n")[0])

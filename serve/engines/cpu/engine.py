@@ -14,7 +14,7 @@ from serve.engines.cpu.command_line import EngineConfig
 from serve.engines.cpu.convert import load_tokenizer
 from serve.ngram.corpus import Encode, ExternalCorpora
 from serve.engines.cpu.decode import Decoder, Speculator
-from serve.engines.cpu.models import resolve_model
+from serve.model_store import resolve_model
 from serve.ngram.trie import NgramCache
 from serve.engines.cpu.params import RequestFactory
 from serve.engines.cpu.probe import STARTUP_PROBE_SIZES, cached_draft_cost, cached_verify_cost
@@ -23,7 +23,7 @@ from serve.engines.cpu.scheduler import Scheduler
 from serve.engines.cpu.speculators import NgramSpeculator, StandaloneSpeculator
 from serve.spec import NgramSpec, StandaloneSpec
 
-__all__ = ["Engine", "build_engine", "make_speculator", "encoder_of", "eos_ids_of", "ENGINE_VERSION"]
+__all__ = ["LoadedEngine", "build_engine", "make_speculator", "encoder_of", "eos_ids_of", "ENGINE_VERSION"]
 
 ENGINE_VERSION = "specdec-cpu-engine 0.1 (SGLang 0.5.23 protocol)"
 log = logging.getLogger("serve.engines.cpu")
@@ -34,7 +34,9 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class Engine:
+class LoadedEngine:
+    """The CPU engine loaded in this process (model, scheduler, tokenizer); its kind is `adapter.CpuEngine`."""
+
     config: EngineConfig
     tokenizer: Any
     runner: ModelRunner
@@ -131,7 +133,7 @@ def make_speculator(config: EngineConfig, draft_runner: ModelRunner | None,
     return None
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def build_engine(config: EngineConfig) -> LoadedEngine:
     """Load everything the config names and start the worker thread."""
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -184,7 +186,7 @@ def build_engine(config: EngineConfig) -> Engine:
     factory = RequestFactory(tokenizer, eos_ids_of(runner.model, tokenizer), context_length, runner.vocab_size,
                              config.random_seed)
     scheduler.start()
-    return Engine(config=config, tokenizer=tokenizer, runner=runner, decoder=decoder, scheduler=scheduler,
+    return LoadedEngine(config=config, tokenizer=tokenizer, runner=runner, decoder=decoder, scheduler=scheduler,
                   factory=factory, context_length=context_length, model_dir=str(model_dir),
                   draft_dir=str(draft_dir) if draft_dir else None, verify_cost=verify_cost,
                   startup_time={k: round(v, 3) for k, v in timings.items()})

@@ -19,6 +19,10 @@ SPEC is `KIND[=VALUE][@speculative|@baseline]`:
 - `slow-engine=START`     the START-th start (1, 2, ...) of this scope runs as `slow-steps=6`, the others at full
                           speed: one engine instance slower than its siblings as a whole, which no window check sees
                           in a speculative run (pipeline/decide/spread.py). Counted as `hang-at-start` counts.
+- `drift-steps=STEP`      the n-th start (0, 1, 2, ...) of any engine with this fault runs every round (1 + STEP x n)
+                          times as long, whatever its scope: successive fresh engines decode slower and slower, a
+                          drift over a finalist stage that moves the runs measured later (`pipeline.decide.spread`).
+                          Counted in the folder `$SPECDEC_TEST_FAULT_STATE` names, across the scopes.
 - `slow-after=N`          the first N generation requests are answered at full speed; from the arrival of request
                           N+1 on, every scheduler round runs as under `slow-steps=6`: an engine that turns slow in
                           service (a config measured fast whose served engine then falls behind another), or one
@@ -60,6 +64,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from serve.engines.cpu.neighbours import BusyNeighbours
 from serve.spec import FrozenModel
 
 if TYPE_CHECKING:
@@ -79,8 +84,8 @@ GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/complet
 SCOPES = ("speculative", "baseline")  # `@scope`: armed only with / only without speculation
 DRAFTS_SCOPE = "drafts="  # `@drafts=N`: armed only for a speculative config of N draft tokens
 Kind = Literal["exit-at-start", "slow-start", "hang-at-start", "crash-after", "hang-after", "slow-steps",
-               "slow-engine", "slow-after", "wrong-tokens", "batch-noise", "busy-neighbours"]
-STATE_ENV = "SPECDEC_TEST_FAULT_STATE"  # where `hang-at-start` and `slow-engine` count starts across processes
+               "slow-engine", "slow-after", "wrong-tokens", "batch-noise", "busy-neighbours", "drift-steps"]
+STATE_ENV = "SPECDEC_TEST_FAULT_STATE"  # where `hang-at-start`, `slow-engine`, `drift-steps` count starts
 # `slow-engine`, `slow-after`: beyond the 2.4x two runs of one config measured apart on a busy 2-core box
 SLOW_ENGINE_FACTOR = 6.0
 _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value is, its type; None = takes no value)
@@ -92,12 +97,14 @@ _VALUE_RULES: dict[str, tuple[str, type | None]] = {  # kind -> (what its value 
     "busy-neighbours": ("a request count >= 0", int),
     "slow-steps": ("a slow-down factor > 1", float),
     "slow-engine": ("the start (1, 2, ...) that runs slow", int),
+    "drift-steps": ("a slow-down step per start > 0", float),
     "slow-after": ("a request count >= 0", int),
     "wrong-tokens": ("no value", None),
     "batch-noise": ("a logit noise scale > 0", float),
 }
 _USAGE = ("use KIND[=VALUE][@speculative] with KIND one of exit-at-start[=CODE], slow-start=SECONDS, "
           "hang-at-start=STARTS, crash-after=N, hang-after=N, busy-neighbours=N, slow-steps=FACTOR, slow-engine=START, "
+          "drift-steps=STEP, "
           "slow-after=N, wrong-tokens, "
           "batch-noise=SIGMA")
 
@@ -148,7 +155,7 @@ def parse_fault(text: str) -> Fault:
 def _in_range(kind: str, value: float) -> bool:
     if kind == "exit-at-start":
         return 1 <= value <= 255
-    if kind in ("slow-start", "batch-noise"):
+    if kind in ("slow-start", "batch-noise", "drift-steps"):
         return value > 0
     if kind in ("hang-at-start", "slow-engine"):
         return value >= 1
@@ -227,7 +234,9 @@ def count_start(fault: Fault, speculative: bool, state: str | None) -> int:
                              "in the engine's environment (engine.env)")
     folder = Path(state)
     folder.mkdir(parents=True, exist_ok=True)
-    prefix = f"{fault.kind}-{'speculative' if speculative else 'baseline'}-"
+    # `drift-steps` drifts every engine of the stage alike, so its starts are counted across the scopes
+    scope = "any" if fault.kind == "drift-steps" else "speculative" if speculative else "baseline"
+    prefix = f"{fault.kind}-{scope}-"
     started = len(list(folder.glob(f"{prefix}*")))
     (folder / f"{prefix}{started}-{os.getpid()}").touch()
     return started
@@ -263,7 +272,7 @@ def before_start(faults: Iterable[Fault], speculative: bool, sleep: Callable[[fl
 
 def install(app: FastAPI, engine: Any) -> None:
     """Arm the request-time faults of `engine.config.test_faults` on a server that has not started yet.
-    `engine` is a `serve.engines.cpu.engine.Engine`; not imported here, since the engine's config imports this."""
+    `engine` is a `serve.engines.cpu.engine.LoadedEngine`; not imported here, since the engine's config imports this."""
     active = armed(engine.config.test_faults, engine.speculative, getattr(engine.config.spec, "num_draft_tokens", None))
     slow_from: threading.Event | None = threading.Event() if "slow-after" in active else None
     if "crash-after" in active or "hang-after" in active or "busy-neighbours" in active or slow_from is not None:
@@ -282,6 +291,12 @@ def install(app: FastAPI, engine: Any) -> None:
     if odd is not None and count_start(odd, engine.speculative, os.environ.get(STATE_ENV)) + 1 == int(odd.value or 1):
         log.warning("TEST FAULT slow-engine: this start runs every round %gx as long", SLOW_ENGINE_FACTOR)
         engine.scheduler.decoder = _SlowSteps(engine.scheduler.decoder, SLOW_ENGINE_FACTOR)  # type: ignore[assignment]
+    drift = active.get("drift-steps")
+    if drift is not None:
+        factor = 1 + float(drift.value or 0) * count_start(drift, engine.speculative, os.environ.get(STATE_ENV))
+        log.warning("TEST FAULT drift-steps: this start runs every round %gx as long", factor)
+        if factor > 1:
+            engine.scheduler.decoder = _SlowSteps(engine.scheduler.decoder, factor)  # type: ignore[assignment]
     if slow_from is not None:
         engine.scheduler.decoder = _SlowSteps(engine.scheduler.decoder, SLOW_ENGINE_FACTOR,  # type: ignore[assignment]
                                               when=slow_from)
@@ -400,34 +415,3 @@ class _BatchNoise:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-class BusyNeighbours:
-    """One busy-looping process per CPU this process may run on, each pinned to those CPUs, until `stop` (and at the
-    latest when this process exits: the kernel kills them with it)."""
-
-    def __init__(self) -> None:
-        import ctypes
-        import signal
-        import subprocess
-
-        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-        code = ("import os\nif hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, %r)\nwhile True: pass"
-                % (set(self.cpus),))
-        libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # loaded here, not after the fork
-
-        def die_with_engine() -> None:
-            if libc is not None:
-                libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-        self.processes = [subprocess.Popen([sys.executable, "-c", code], preexec_fn=die_with_engine)
-                          for _ in self.cpus]
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        if self.processes:
-            log.warning("TEST FAULT busy-neighbours: stopped at /flush_cache")
-        self.processes = []

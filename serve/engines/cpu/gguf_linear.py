@@ -35,7 +35,7 @@ import torch
 
 from serve.engines.cpu import kernel_store
 from serve.engines.cpu.llama import KERNEL_MAX_ROWS, LlamaShape, unsupported_reason
-from serve.engines.cpu.models import SOURCE_MARKER
+from serve.model_store import SOURCE_MARKER
 
 __all__ = ["GgufWeight", "KernelUnavailable", "WeightsError", "WeightsChoice", "KERNEL_ENV",
            "WEIGHTS_MODES", "choose_weights", "resolve_weights", "gguf_source", "cached_model_weights", "prepare_dir",

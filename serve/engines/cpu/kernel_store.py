@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from serve.engines.cpu.models import cache_root
+from serve.model_store import cache_root
 
 __all__ = ["build_dir", "kept_library", "import_library", "keep", "load_or_build"]
 

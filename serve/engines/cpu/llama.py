@@ -37,7 +37,7 @@ FORWARD_VERSION = 2  # part of the verify-cost cache key (probe.py): bump when t
 # (2: small products may run on the GGUF kernel, `use_gguf`; the weights mode is in the key as well)
 
 # Products of at most this many rows run on the GGUF kernel once `use_gguf` ran; larger ones (prefill) on F.linear
-# over the fp32 tensors. Measured per linear on a 2-core AVX-512 box (`benchmarks/q4_linear.py linear`), with both
+# over the fp32 tensors. Measured per linear on a 2-core AVX-512 box (`benchmarks/q4_linear.py linear` at commit 04695d1), with both
 # kernel builds: the kernel is 1.5-3.4x MKL's fp32 up to 16 rows, ~1.0x at 24, 0.8-0.95x at 32.
 KERNEL_MAX_ROWS = 24
 

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serve.engines.cpu.engine import Engine
+from serve.engines.cpu.engine import LoadedEngine
 from serve.engines.cpu.params import INT64, BadRequest, SamplingParams, check_stops, parse_model
 from serve.engines.cpu.streaming import RequestStream, Snapshot, collect, error_response, read_json, sse
 
@@ -74,7 +74,7 @@ class ChatBody(_Common):
     logprobs: bool = Field(False, description="not implemented: only false")
 
 
-def register_openai_routes(app: FastAPI, engine: Engine) -> None:
+def register_openai_routes(app: FastAPI, engine: LoadedEngine) -> None:
     name = engine.config.served_model_name
 
     @app.get("/v1/models")
@@ -138,7 +138,7 @@ def _flatten(message: _Message) -> dict:
     return {"role": message.role, "content": content or ""}
 
 
-async def _run(engine: Engine, http: HttpRequest, body: _Common, ids: list[int], max_tokens: int, chat: bool):
+async def _run(engine: LoadedEngine, http: HttpRequest, body: _Common, ids: list[int], max_tokens: int, chat: bool):
     params = parse_model(SamplingParams, {
         "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "min_p": body.min_p, "stop": body.stop, "seed": body.seed, "ignore_eos": body.ignore_eos,

@@ -165,6 +165,8 @@ def parse_model(kind: type[BaseModel], data: Any) -> Any:
             where = ".".join(str(p) for p in e["loc"]) or "body"
             if e["type"] == "extra_forbidden":
                 problems.append(f"{where}: unknown field")
+            elif e["type"] == "missing":  # its input is the whole enclosing object: fields the caller never sent
+                problems.append(f"{where}: field required")
             else:
                 problems.append(f"{where}: {e['msg']}, got {_short(e.get('input'))}")
         raise BadRequest("; ".join(problems)) from None

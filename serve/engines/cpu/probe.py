@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from serve.engines.cpu.llama import FORWARD_VERSION
-from serve.engines.cpu.models import cache_root
+from serve.model_store import cache_root
 from serve.engines.cpu.runner import ModelRunner, chain_visibility
 from serve.engines.round_table import first_dip, reproduces
 from serve.replica.usage import Usage, read_usage

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from serve.engines.cpu.command_line import EngineConfig
 from serve.engines.cpu.corpus_routes import register_corpus_routes
 from serve.engines.cpu.decode import Request, StopRules
-from serve.engines.cpu.engine import Engine
+from serve.engines.cpu.engine import LoadedEngine
 from serve.engines.cpu.faults import before_start, install as install_faults
 from serve.engines.cpu.openai_api import register_openai_routes
 from serve.engines.cpu.params import BadRequest, GenerateBody, parse_model
@@ -55,7 +55,7 @@ FLUSH_TIMED_OUT = "Timed out waiting for idle state."
 FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
 
 
-async def _until_progress(engine: Engine, timeout_s: float) -> bool:
+async def _until_progress(engine: LoadedEngine, timeout_s: float) -> bool:
     """True once the worker completes a step or a request leaves (after this call), False after `timeout_s`."""
     loop = asyncio.get_running_loop()
     event = asyncio.Event()
@@ -76,7 +76,7 @@ async def _until_progress(engine: Engine, timeout_s: float) -> bool:
         unwatch()
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: LoadedEngine) -> FastAPI:
     app = FastAPI(title="specdec CPU engine", docs_url=None, redoc_url=None, openapi_url=None)
     flush_pending = False
 
@@ -197,7 +197,7 @@ def serve(config: EngineConfig) -> int:
     import uvicorn
 
     from serve.engines.cpu.engine import EngineError, build_engine
-    from serve.engines.cpu.models import ModelFetchError
+    from serve.model_store import ModelFetchError
 
     started = time.monotonic()
     code = before_start(config.test_faults, config.spec.algorithm != "none",  # test-only --test-fault

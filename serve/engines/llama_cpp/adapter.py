@@ -23,6 +23,28 @@ class LlamaCppEngine(Engine):
     label = "llama.cpp's llama-server"
     algorithms = frozenset({"none", *LLAMA_CPP_ALGORITHMS})
     extend_api = "completion"  # the shim forwards llama-server's own /completion as it is
+    model_forms = "a path to a .gguf file (llama-server loads GGUF only; append @f32 for an F32 copy)"
+    recommended_space = "llama-cpp-ngram.yaml"  # its own n-gram types, not SGLang's NGRAM
+    # 113.9 / 53.8 = 2.12x the CPU engine's e2e tok/s (docs/benchmarks.md, "llama.cpp: plain decode"); its start is
+    # not measured there, the CPU engine's is taken
+    cpu_speed = 113.9 / 53.8
+    cpu_basis = "llama-server on SmolLM2-135M{size}, the CPU engine's start"
+
+    def model_name(self, model: str) -> str:
+        return model.removesuffix(models.F32_SUFFIX)
+
+    def installed(self, device: str) -> Path | None:
+        try:
+            return models.require_server()
+        except models.LlamaCppMissing:
+            return None
+
+    def install_problem(self, device: str, installed: Path | None) -> str | None:
+        if installed is not None:
+            return None
+        return (f"engine.kind llama_cpp: llama-server {models.VERSION} is not built at {models.server_binary()}. Fix: "
+                f"build it once with {models.INSTALL_COMMAND} (minutes to tens of minutes on 2 cores; needs cmake and "
+                "g++)")
 
     def server_argv(self, config: ReplicaConfig) -> list[str]:
         """llama-server's own command line for `config` (without host/port): what production would run."""

