@@ -343,9 +343,19 @@ def deploy_files(serving: ServingConfig, source_args: dict[str, str], version_la
     from serve.engines import engine_for
 
     # An engine that runs without our wrapper adds its bare command too (llama.cpp: llama_server_command.sh).
-    files.update(engine_for(serving.replica.engine).native_deploy_files(serving.replica, ENGINE_HOST, ENGINE_PORT))
+    engine = engine_for(serving.replica.engine)
+    files.update(engine.native_deploy_files(serving.replica, ENGINE_HOST, ENGINE_PORT))
+    if policy is not None and len(policy.levels) > 1:  # and, for several levels, its form of the per-level policy
+        files.update(engine.level_deploy_files(served_at_levels(serving), ENGINE_HOST, ENGINE_PORT))
     files.update(corpus_files(serving))
     return files
+
+
+def served_at_levels(serving: ServingConfig) -> dict[int, ReplicaConfig]:
+    """The replica the policy serves at each measured level (its route for that many requests in flight). Pure."""
+    replicas = serving.replicas()
+    policy = serving.policy
+    return {level: replicas[policy.route(level)] for level in policy.levels} if policy is not None else {}
 
 
 def rayservice_file(serving: ServingConfig, source_args: dict[str, str], cluster_args: dict[str, str] | None,

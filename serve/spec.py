@@ -15,7 +15,8 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 Algorithm = Literal["none", "ngram", "eagle", "eagle3", "standalone", "llama_ngram_simple", "llama_ngram_map_k",
-                    "llama_ngram_map_k4v", "llama_ngram_mod", "llama_ngram_cache", "llama_draft", "vllm_ngram"]
+                    "llama_ngram_map_k4v", "llama_ngram_mod", "llama_ngram_cache", "llama_draft", "vllm_ngram",
+                    "vllm_suffix"]
 
 
 class FrozenModel(BaseModel):
@@ -168,11 +169,33 @@ class VllmNgramSpec(FrozenModel):
     prompt_lookup_max: int = Field(5, ge=1, description="longest suffix n-gram matched")
 
 
-VLLM_SPECS: tuple[type[FrozenModel], ...] = (VllmNgramSpec,)
+class VllmSuffixSpec(FrozenModel):
+    """vLLM `method: suffix` (Arctic Inference's suffix decoding): drafts from a suffix tree of the request's prompt
+    and from a global tree of earlier requests' outputs, kept across requests (up to `max_cached_requests`, FIFO), so
+    what it drafts depends on what the server answered before. Field names, defaults and ranges are those of vLLM
+    0.32.0's `SpeculativeConfig` (`_validate_suffix_decoding`); `arctic-inference` must be in vLLM's venv."""
+
+    algorithm: Literal["vllm_suffix"] = "vllm_suffix"
+    # vLLM's unset K is the tree depth (24); suffix decoding drafts a varying number per step, K is the cap
+    num_speculative_tokens: int = Field(24, ge=1, le=64, description="K: most draft tokens per step")
+    suffix_decoding_max_tree_depth: int = Field(24, ge=1, description="deepest suffix tree: prefix match plus "
+                                                "draft length are at most this")
+    # Arctic's cache refuses more than 2**31 - 1 (an int32) when vLLM's worker builds it, minutes into a start
+    suffix_decoding_max_cached_requests: int = Field(10000, ge=0, le=0x7FFFFFFF, description="earlier requests' "
+                                                     "outputs kept in the global tree, FIFO; 0 = no global tree "
+                                                     "(prompt trees only, nothing kept between requests)")
+    suffix_decoding_max_spec_factor: float = Field(1.0, ge=0, description="draft at most this times the prefix "
+                                                   "match length")
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1, description="draft only tokens whose frequency-"
+                                                  "estimated probability is at least this")
+
+
+VLLM_SPECS: tuple[type[FrozenModel], ...] = (VllmNgramSpec, VllmSuffixSpec)
 
 
 def validate_vllm_spec(spec: FrozenModel, prefix: str = "spec") -> list[Violation]:
-    """Rules vLLM refuses at start (minutes into a launch on a CPU), checked before one. Pure."""
+    """Rules vLLM refuses at start (minutes into a launch on a CPU), checked before one. Pure. (vllm_suffix's ranges
+    are all per field, in its pydantic fields.)"""
     if isinstance(spec, VllmNgramSpec) and spec.prompt_lookup_min > spec.prompt_lookup_max:
         return [Violation(f"{prefix}.prompt_lookup_min", "vllm_ngram: prompt_lookup_min <= prompt_lookup_max must hold",
                           f"prompt_lookup_min={spec.prompt_lookup_min}, prompt_lookup_max={spec.prompt_lookup_max}")]
@@ -216,7 +239,7 @@ def validate_llama_cpp_spec(spec: FrozenModel, prefix: str = "spec") -> list[Vio
 
 
 SpecConfig = Annotated[
-    Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec, LlamaCppSpec, VllmNgramSpec],
+    Union[NoSpec, NgramSpec, EagleSpec, Eagle3Spec, StandaloneSpec, LlamaCppSpec, VllmNgramSpec, VllmSuffixSpec],
     Field(discriminator="algorithm")
 ]
 SPEC_ADAPTER: TypeAdapter[SpecConfig] = TypeAdapter(SpecConfig)

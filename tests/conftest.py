@@ -99,17 +99,57 @@ def run_order(tiers: list[list[str]], seconds: dict[str, float]) -> list[str]:
     return [name for files in tiers for name in sorted(files, key=lambda f: -seconds.get(f, unknown))]
 
 
+# Run-wide fixtures (`run_wide`: filled once per run by the first worker to ask, the other worker waiting on its lock)
+# and the worker-seconds of other files to hand out after their first user before a second user may start: the fill's
+# own time on each of the two workers. `finished_study` takes 50-60 s beside another file; without this, the longest-
+# first order can hand two of its users out together, and the second waits out the fill idle (in the 654 s
+# default-tier run test_report_browser filled it in 53.7 s of set-up while test_mlflow_ui's set-up took 23.3 s).
+RUN_WIDE_FILL_S = {"finished_study": 120.0}
+
+
+def after_run_wide_fills(order: list[str], users: dict[str, set[str]], seconds: dict[str, float],
+                         tier_of: dict[str, int]) -> list[str]:
+    """`order` with each run-wide fixture's users (`users`: fixture -> files) but its first moved back, within their
+    tier, to after the files that follow the first user and sum to `RUN_WIDE_FILL_S` recorded seconds (a file without
+    a figure counts 0); the order is otherwise kept. Pure."""
+    order = list(order)
+    for fixture, wait_s in RUN_WIDE_FILL_S.items():
+        using = [name for name in order if name in users.get(fixture, set())]
+        if len(using) < 2:
+            continue
+        first = order.index(using[0])
+        tier, waited, at = tier_of[using[0]], 0.0, first
+        while at + 1 < len(order) and tier_of[order[at + 1]] == tier and waited < wait_s:
+            at += 1
+            if order[at] not in using:
+                waited += seconds.get(order[at], 0.0)
+        window = order[first + 1:at + 1]
+        early = [name for name in window if name in using]
+        anchor = next((name for name in reversed(window) if name not in using), using[0])
+        rest = [name for name in order if name not in early]
+        place = rest.index(anchor) + 1
+        order = rest[:place] + early + rest[place:]
+    return order
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tiers in `TIERS` order (a broken unit shows within minutes), the files of each in `run_order`; the tests of a
-    file keep their collected order (the sort is stable)."""
+    """Tiers in `TIERS` order (a broken unit shows within minutes), the files of each in `run_order`, then the users
+    of a run-wide fixture spaced out (`after_run_wide_fills`); the tests of a file keep their collected order (the
+    sort is stable)."""
     roots = [(Path(config.rootpath, "tests", tier)).resolve() for tier in TIERS]
     tiers: list[list[str]] = [[] for _ in range(len(roots) + 1)]
+    users: dict[str, set[str]] = defaultdict(set)
     for item in items:
         folder, name = item.path.resolve().parent, relative(config.rootpath, item.path)
         tier = next((i for i, root in enumerate(roots) if folder == root or root in folder.parents), len(roots))
         if name not in tiers[tier]:
             tiers[tier].append(name)
-    rank = {name: i for i, name in enumerate(run_order(tiers, recorded_durations()))}
+        for fixture in RUN_WIDE_FILL_S.keys() & set(getattr(item, "fixturenames", ())):
+            users[fixture].add(name)
+    seconds = recorded_durations()
+    tier_of = {name: i for i, files in enumerate(tiers) for name in files}
+    order = after_run_wide_fills(run_order(tiers, seconds), users, seconds, tier_of)
+    rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: rank[relative(config.rootpath, item.path)])
 
 

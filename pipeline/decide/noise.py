@@ -34,7 +34,7 @@ from pipeline.config.policy import min_items
 from pipeline.measure.summary import RequestRecord
 
 __all__ = ["Outputs", "run_outputs", "agreement", "first_divergence", "min_items", "binomial_tail",
-           "DivergenceFigures", "SelfDivergence", "NoiseVerdict", "self_divergence", "pair_divergence",
+           "DivergenceFigures", "SelfDivergence", "NoiseVerdict", "self_divergence", "self_metrics", "pair_divergence",
            "noise_test"]
 
 Item = tuple[int, int]  # (prompt_index, occurrence of that prompt in the run)
@@ -136,6 +136,15 @@ def self_divergence(level: int, runs: Sequence[Outputs]) -> SelfDivergence:
     """The baseline's runs at one level against each other (every pair, items present in both)."""
     pairs = [(a[k], b[k]) for a, b in combinations(runs, 2) for k in sorted(set(a) & set(b))]
     return SelfDivergence(level=level, runs=len(runs), **_figures(pairs))  # type: ignore[arg-type]
+
+
+def self_metrics(level: int, first: Iterable[RequestRecord], second: Iterable[RequestRecord]) -> dict[str, float]:
+    """The baseline's noise pass against its first (`self_divergence` of the two) as its trial run's `self_*`
+    metrics: the engine's own divergence at the search level."""
+    own = self_divergence(level, [run_outputs(first), run_outputs(second)])
+    return {f"self_{k}": float(v) for k, v in (("identical_share", own.identical_share),
+                                               ("token_agreement", own.token_agreement),
+                                               ("first_div_p50", own.first_divergence_p50)) if v is not None}
 
 
 def pair_divergence(reference: Outputs, others: Sequence[Outputs]) -> DivergenceFigures:

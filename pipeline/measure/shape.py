@@ -1,5 +1,5 @@
-"""The verify-cost shape of an engine that measures none itself (SGLang's own server, llama-server), measured over
-its HTTP API during the baseline's launch, as the round table the step-cost model reads
+"""The verify-cost shape of an engine that measures none itself (SGLang's own server, llama-server, vLLM), measured
+over its HTTP API during the baseline's launch, as the round table the step-cost model reads
 (`pipeline.simulate.cost.RoundTable`, the fields of the CPU engine's `/server_info` `verify_cost.round_cost`).
 
 What a verify round is, seen from the API: a request whose prompt is a cached context plus w new tokens and that
@@ -11,6 +11,11 @@ nodes); its extend does so when asked for the prompt's logprobs from the context
 `logprob_start_len`), so on SGLang every cell holds the logits of all b x w rows and the LM-head column is flat.
 llama-server's API has no way to ask for the logits of prompt positions: its cells hold the b roots' logits only
 (`logit_rows` says which), and its verify's other rows are not in the table.
+vLLM (`/v1/completions`: token-id prompts, one scheduler step) computes a verify's logits for every query row in one
+matmul, but prompt logprobs skip its prefix cache: its cells hold the roots' rows, and the LM head by rows is
+measured apart, as the CPU engine's table has it: `lm_head_ms[m]` = T(fresh m + 1 tokens, `prompt_logprobs`) -
+T(the same, without). Its cache hits come from `/metrics`, and its columns are read as lines (pipeline/measure/
+vllm_probe.py).
 
 A call's client time is the forward plus what every request costs outside it (HTTP, tokenizer, scheduling,
 detokenizer), which is no part of a verify step's shape. So nothing is read from one call alone:
@@ -20,9 +25,9 @@ detokenizer), which is no part of a verify step's shape. So nothing is read from
 - the context term: the same step after LONG_CONTEXT_TOKENS instead of CONTEXT_TOKENS.
 cell(b, w) = step(b) + extend(b, w) - extend(b, 1): the table holds forward costs only, as the CPU engine's does, so
 the cost model's fit keeps its meaning (k = 1 on the baseline; `o`, the per-request cost of a round outside the
-forward, fitted to the baseline's own steps). Every timing is the fastest of PASSES interleaved passes (other work
-only ever adds time). A request that found its context evicted (cached tokens != the context) is no sample: its
-prefix is cached again and the call repeated.
+forward, fitted to the baseline's own steps). Every timing is the fastest of PASSES (vLLM: VLLM_PASSES) interleaved
+passes (other work only ever adds time). A request that found its context evicted (cached tokens != the context) is
+no sample: its prefix is cached again and the call repeated.
 
 The table is read as measured (`as_measured`: no cell raised to a narrower or smaller one). Its dips are real on a
 CPU: torch's fp32 GEMM on 2 or 3 rows is slower than on 4 (SmolLM2-135M's LM head on one thread: 7.0, 17.5, 26.3,
@@ -43,6 +48,8 @@ from typing import Any
 
 import httpx
 
+from pipeline.measure.vllm_probe import (VLLM_PASSES, VLLM_WIDTHS, as_lines, cache_hits, check_completion,
+                                         completion_body, line_problem)
 from pipeline.measure.window import Window, judge_window
 from serve.engines import engine_for
 from serve.engines.round_table import first_dip
@@ -59,7 +66,7 @@ BATCHES = (1, 2, 4)
 DECODE_TOKENS = 9  # generated tokens of the long call of a step pair: 8 decode steps in the difference
 PASSES = 3
 TOKENS = (1000, 8000)  # prompt token ids: ordinary ids of any real vocabulary, none special
-SGLANG, LLAMA = "generate", "completion"  # `Engine.extend_api`: the dialects
+SGLANG, LLAMA, VLLM = "generate", "completion", "openai"  # `Engine.extend_api`: the dialects
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Plan:
     dialect: str
     batches: tuple[int, ...]
     widths: tuple[int, ...] = WIDTHS
+    head_rows: tuple[int, ...] = ()  # the LM head's rows measured apart (vLLM)
     context_tokens: int = CONTEXT_TOKENS
     long_context_tokens: int = LONG_CONTEXT_TOKENS
     decode_tokens: int = DECODE_TOKENS
@@ -98,7 +106,10 @@ def plan_for(engine_kind: str, levels: Sequence[int], max_running: int | None = 
     top = max(levels or [1])
     cap = max_running if max_running and max_running > 0 else top
     batches = tuple(b for b in BATCHES if b == 1 or (b < 2 * top and b <= cap))
-    return Plan(dialect=engine_for(engine_kind).extend_api, batches=batches)
+    dialect = engine_for(engine_kind).extend_api
+    if dialect == VLLM:
+        return Plan(dialect=dialect, batches=batches, widths=VLLM_WIDTHS, head_rows=VLLM_WIDTHS, passes=VLLM_PASSES)
+    return Plan(dialect=dialect, batches=batches)
 
 
 def calls(plan: Plan) -> list[Call]:
@@ -108,6 +119,8 @@ def calls(plan: Plan) -> list[Call]:
     for b in plan.batches:
         out += [Call(b, 1, 1, ctx), Call(b, 1, n, ctx)]
         out += [Call(b, w, 1, ctx, plan.all_rows) for w in plan.widths if plan.all_rows or w > 1]
+    for m in plan.head_rows:  # a fresh prompt of m + 1 tokens, without and with the logits of its m first rows
+        out += [Call(1, m + 1, 1, 0), Call(1, m + 1, 1, 0, True)]
     return out + [Call(1, 1, 1, long), Call(1, 1, n, long)]
 
 
@@ -122,6 +135,8 @@ def body(plan: Plan, call: Call, prompts: list[list[int]]) -> tuple[str, dict[st
         # cache_prompt: the slot keeps its context; several prompts in one call run in parallel slots
         return "/completion", {"prompt": prompts, "n_predict": call.generate, "temperature": 0.0,
                                "ignore_eos": True, "cache_prompt": True, "stream": False}
+    if plan.dialect == VLLM:
+        return "/v1/completions", completion_body(prompts, call.generate, call.rows)
     out: dict[str, Any] = {"input_ids": prompts, "sampling_params": {"max_new_tokens": call.generate,
                                                                      "temperature": 0.0, "ignore_eos": True}}
     if call.rows:  # logits of every position from the context on, as a verify computes them
@@ -129,9 +144,12 @@ def body(plan: Plan, call: Call, prompts: list[list[int]]) -> tuple[str, dict[st
     return "/generate", out
 
 
-def check_answer(plan: Plan, call: Call, answer: Any) -> str | None:
+def check_answer(plan: Plan, call: Call, answer: Any, cached: float | None = None) -> str | None:
     """Why a call's answer is no sample (None when it is one): not one result per request, a request that did not
-    generate what it was asked, or one whose context was not (exactly) its cached prefix."""
+    generate what it was asked, or one whose context was not (exactly) its cached prefix. `cached`: the prompt
+    tokens the engine's metrics counted as cache hits during the call (vLLM: its answer says none)."""
+    if plan.dialect == VLLM:
+        return check_completion(call.batch, call.width, call.generate, call.context, call.rows, answer, cached)
     results = answer if isinstance(answer, list) else [answer]
     if len(results) != call.batch or not all(isinstance(r, dict) for r in results):
         return f"expected {call.batch} result(s), got {type(answer).__name__} of {len(results)}"
@@ -162,13 +180,18 @@ def assemble(plan: Plan, best: dict[Call, float]) -> dict[str, Any]:
             wide = Call(b, w, 1, ctx, plan.all_rows)
             row.append(round(step(b, ctx) + (best[wide] - best[_base(wide)] if w > 1 else 0.0), 3))
         ms.append(row)
-    return {"batches": list(plan.batches), "widths": list(plan.widths), "ms": ms,
-            # the cells hold their logit rows (every query row on SGLang; the roots on llama-server): no LM-head term
-            "lm_head_rows": [1], "lm_head_ms": [0.0], "logit_rows": "every query row" if plan.all_rows else
-            "the requests' last rows only (the API computes no logits of prompt positions)",
-            "context_tokens": ctx, "long_context_tokens": plan.long_context_tokens,
-            "short_context_ms": round(step(1, ctx), 3), "long_context_ms": round(step(1, plan.long_context_tokens), 3),
-            "as_measured": True, "passes": plan.passes}
+    heads = [round(best[Call(1, m + 1, 1, 0, True)] - best[Call(1, m + 1, 1, 0)], 3) for m in plan.head_rows]
+    table = {"batches": list(plan.batches), "widths": list(plan.widths), "ms": ms,
+             # the cells hold their logit rows (every query row on SGLang; the roots on llama-server): no LM-head term;
+             # vLLM's cells hold the roots' rows and the LM head by rows comes apart
+             "lm_head_rows": list(plan.head_rows or (1,)), "lm_head_ms": heads or [0.0],
+             "logit_rows": "every query row" if plan.all_rows else "the requests' last rows only" + (
+                 "; the LM head's rows measured apart (prompt logprobs)" if heads else
+                 " (the API computes no logits of prompt positions)"),
+             "context_tokens": ctx, "long_context_tokens": plan.long_context_tokens,
+             "short_context_ms": round(step(1, ctx), 3), "long_context_ms": round(step(1, plan.long_context_tokens), 3),
+             "as_measured": True, "passes": plan.passes, "lm_head_apart": bool(heads)}
+    return as_lines(table) if heads else table
 
 
 def table_problem(table: dict[str, Any]) -> str | None:
@@ -176,7 +199,7 @@ def table_problem(table: dict[str, Any]) -> str | None:
     calls whose own costs swamped the differences measure. Pure."""
     if table["short_context_ms"] <= 0 or table["long_context_ms"] <= 0 or any(c <= 0 for r in table["ms"] for c in r):
         return "a step measured at no cost: the calls' own costs swamped the differences"
-    return None
+    return line_problem(table) if table.get("lm_head_apart") else None
 
 
 def dips(table: dict[str, Any]) -> str | None:
@@ -270,13 +293,18 @@ def _measure(client: httpx.Client, plan: Plan, prompts: Prompts, wait_limit: flo
     _cache_contexts(client, plan, prompts)
     widest = Call(1, max(plan.widths), 1, plan.context_tokens, plan.all_rows)
     _post(client, *body(plan, widest, prompts.of(widest)))  # first-use costs of the longest extend, untimed
+    for m in plan.head_rows[-1:]:  # and of the prompt logprobs' path
+        _post(client, *body(plan, Call(1, m + 1, 1, 0, True), prompts.of(Call(1, m + 1, 1, 0, True))))
     best: dict[Call, float] = {}
     repeated = 0
     for _ in range(plan.passes):
         for call in calls(plan):
             for _try in range(3):
+                counted = plan.dialect == VLLM and call.context > 0  # vLLM's hits, read outside the call's timing
+                hits = cache_hits(client) if counted else None
                 elapsed, answer = _post(client, *body(plan, call, prompts.of(call)))
-                wrong = check_answer(plan, call, answer)
+                after = cache_hits(client) if counted else None
+                wrong = check_answer(plan, call, answer, None if hits is None or after is None else after - hits)
                 if wrong is None:
                     best[call] = min(elapsed, best.get(call, elapsed))
                     break

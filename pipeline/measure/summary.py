@@ -1,7 +1,8 @@
 """Per-request records of one trial's traffic and their summary: throughput, accept length, latencies, a bootstrap CI.
 
 Pure: no I/O, no Ray, no MLflow, no torch. The load generator (`pipeline/measure/load.py`) fills one `RequestRecord` per
-request; `pipeline/records/tracking.py` writes `to_table(records)` as Parquet and logs `summarize(...).to_metrics()`.
+request; `pipeline/records/tracking.py` writes `to_table(records)` as Parquet (an equivalence pass's as
+`records_json`) and logs `summarize(...).to_metrics()`.
 
 Field meanings follow SGLang 0.5.23 `/generate` `meta_info` (reference/sglang-0.5.23.md §4.1): the `spec_*` counts
 are null when the engine reports none (no speculation, or a request that finished in prefill).
@@ -10,10 +11,11 @@ are null when the engine reports none (no speculation, or a request that finishe
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Literal
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -151,6 +153,18 @@ def to_records(table_or_records: pa.Table | Iterable[RequestRecord]) -> list[Req
             f"(columns {list(_FIELD_NAMES)})")
     present = [n for n in _FIELD_NAMES if n in table_or_records.column_names]
     return [RequestRecord(**{n: row[n] for n in present}) for row in table_or_records.to_pylist()]
+
+
+def records_json(records: Iterable[RequestRecord]) -> str:
+    """The measured requests among `records` as JSON (a run's artifact: a baseline's equivalence pass)."""
+    return json.dumps([asdict(r) for r in records if r.phase == "measure"])
+
+
+def records_from_json(text: str) -> list[RequestRecord]:
+    """`records_json`'s text read back, each row validated as a `RequestRecord`."""
+    rows: list[dict[str, Any]] = [{k: tuple(v) if isinstance(v, list) else v for k, v in item.items()}
+                                  for item in json.loads(text)]
+    return [RequestRecord(**row) for row in rows]
 
 
 def chunks(total: int, size: int) -> list[range]:

@@ -1,7 +1,7 @@
 """A study's runs read back from MLflow, typed: trial and finalist runs as `TrialRow`s (`rows_from_runs`, built once
-per run by `row_from_run`), the study's baseline trial, a run's measured requests, its recorded config and its
-engine's `/server_info`, and the per-level decision on the study run. The rest of the pipeline reads MLflow through
-these and `tracking.Tracker`."""
+per run by `row_from_run`), the study's baseline trial and what a trial needs of it (`read_baseline`), a run's
+measured requests, its recorded config and its engine's `/server_info`, and the per-level decision on the study run.
+The rest of the pipeline reads MLflow through these and `tracking.Tracker`."""
 
 from __future__ import annotations
 
@@ -11,18 +11,24 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.config import TrialConfig
+from pipeline.decide.equivalence import StoredBaseline
 from pipeline.decide.levels import BASELINE, LEVELS_ARTIFACT, LevelsDecision
 from pipeline.measure.server_info import ServerInfo
-from pipeline.measure.summary import RequestRecord, to_records
+from pipeline.measure.summary import RequestRecord, records_from_json, to_records
 from pipeline.records.labels import unique_names
 from pipeline.records.tracking import KIND_TAG, TRIAL_ID_TAG, VS_BASELINE_DECIDED, Tracker
 from pipeline.vocabulary.outcome import Outcome
 from pipeline.vocabulary.row import TrialRow
 
-__all__ = ["SERVER_INFO_ARTIFACT", "baseline_requests", "baseline_trial", "child_rows", "order_rows", "row_from_run",
-           "rows_from_runs", "run_requests", "run_server_info", "study_levels", "trial_config", "with_decided"]
+__all__ = ["DETERMINISTIC_ARTIFACT", "NOISE_ARTIFACT", "PASS_ARTIFACTS", "SERVER_INFO_ARTIFACT", "baseline_trial",
+           "child_rows", "order_rows", "read_baseline", "row_from_run", "rows_from_runs", "run_requests",
+           "run_server_info", "stored_pass_records", "study_levels", "trial_config", "with_decided"]
 
 SERVER_INFO_ARTIFACT = "server_info.json"  # a trial run's engine's `/server_info`, as the engine answered it
+# the baseline trial's equivalence passes (`pipeline.decide.equivalence.Gate.reference_pass`), by the pass's name
+NOISE_ARTIFACT = "equivalence/noise_requests.json"
+DETERMINISTIC_ARTIFACT = "equivalence/deterministic_requests.json"
+PASS_ARTIFACTS = {"noise": NOISE_ARTIFACT, "deterministic": DETERMINISTIC_ARTIFACT}
 
 HIDDEN_PARAMS = ("spec.algorithm", "trial.concurrency")  # the algorithm is the row's own field; concurrency is a level
 
@@ -83,11 +89,27 @@ def run_requests(tracker: Tracker, run_id: str, phase: str | None = "measure") -
     return [r for r in to_records(tracker.requests_table(run_id)) if phase is None or r.phase == phase]
 
 
-def baseline_requests(tracker: Tracker, parent_run_id: str) -> tuple[TrialRow, list[RequestRecord]] | None:
-    """The study's COMPLETE baseline trial (`baseline_trial`) and its measured requests (`run_requests`); None when
-    none completed."""
+def read_baseline(tracker: Tracker, parent_run_id: str, stored_pass: str | None = None) -> StoredBaseline | None:
+    """What a trial needs of the study's COMPLETE baseline trial (`baseline_trial`), in one read: its throughput, its
+    measured requests, and its pass `stored_pass` ("noise", "deterministic": `PASS_ARTIFACTS`) where it has one.
+    None when no baseline completed; raises what MLflow raises when the store cannot be read."""
     run = baseline_trial(tracker, parent_run_id)
-    return (run, run_requests(tracker, run.run_id)) if run is not None else None
+    if run is None:
+        return None
+    table = tracker.requests_table(run.run_id)
+    text = tracker.artifact_text(run.run_id, PASS_ARTIFACTS[stored_pass]) if stored_pass else None
+    requests = tuple(r for r in to_records(table) if r.phase == "measure")  # as `run_requests` reads them
+    stored = tuple(records_from_json(text)) if text is not None else None
+    return StoredBaseline(tput_tok_s=run.tput_tok_s, requests=requests,
+                          noise=stored if stored_pass == "noise" else None,
+                          deterministic=stored if stored_pass == "deterministic" else None)
+
+
+def stored_pass_records(tracker: Tracker, parent_run_id: str, artifact: str) -> list[RequestRecord] | None:
+    """The records of a pass (`artifact`) of the study's COMPLETE baseline trial, None when it has none."""
+    run = baseline_trial(tracker, parent_run_id)
+    text = tracker.artifact_text(run.run_id, artifact) if run is not None else None
+    return records_from_json(text) if text is not None else None
 
 
 def run_server_info(tracker: Tracker, run_id: str) -> ServerInfo | None:

@@ -1,7 +1,7 @@
 """Which search a study runs (`search.strategy`, pipeline/config/search.py): `tpe` over launches, `grid` (every point
 of a small space, in order), or `simulate-first` where the acceptance simulator can model every config of the space:
-NGRAM always (its trie is replayed), llama-server's `ngram-simple` (a lookup in the request's own tokens,
-pipeline/simulate/lookup.py), STANDALONE where the engine can replay its draft model on the baseline's tokens
+NGRAM always (its trie is replayed), llama-server's `ngram-simple` and vLLM's `ngram` (lookups in the request's own
+tokens, pipeline/simulate/chains.py), STANDALONE where the engine can replay its draft model on the baseline's tokens
 (the CPU engine). Never EAGLE/EAGLE3 (a draft head reads the target's hidden states, which only a launch computes)
 nor temperature > 0 (sampled tokens differ from the baseline's). Pure apart from `enqueue_grid`, which tells the
 Optuna study."""
@@ -20,9 +20,10 @@ from serve.spec import EAGLE_HEAD_ALGORITHMS
 __all__ = ["SIMULATED_ALGORITHMS", "Strategy", "enqueue_grid", "resolve_strategy"]
 
 # draft-free algorithms the simulator replays (NGRAM with SGLang 0.5.23's trie, schedule and external corpus;
-# llama-server 11434's stateless ngram-simple lookup). llama.cpp's other n-gram types keep state of their own (maps,
-# hashed pools, lookup files) that is not replayed: a space with them is searched by launches.
-SIMULATED_ALGORITHMS = frozenset({"none", "ngram", "llama_ngram_simple"})
+# llama-server 11434's stateless ngram-simple lookup; vLLM 0.32.0's stateless ngram proposer). llama.cpp's other
+# n-gram types keep state of their own (maps, hashed pools, lookup files) that is not replayed: a space with them is
+# searched by launches.
+SIMULATED_ALGORITHMS = frozenset({"none", "ngram", "llama_ngram_simple", "vllm_ngram"})
 # draft-model algorithms it replays where the engine kind can run its draft model over recorded tokens
 DRAFT_REPLAYED_ALGORITHMS = frozenset({"standalone"})
 
@@ -49,8 +50,9 @@ def _unsimulable(study: StudyConfig, space: SearchSpace) -> str | None:
         return (f"the space has {heads}: an EAGLE head drafts from the target's hidden states, which only a launch "
                 "of the target computes")
     if others:
-        return (f"the space has {others}: on engine {study.engine.kind} the simulator models SGLang's NGRAM and "
-                "llama-server's ngram-simple only (a draft model's trees are replayed on the CPU engine)")
+        return (f"the space has {others}: on engine {study.engine.kind} the simulator models SGLang's NGRAM, "
+                "llama-server's ngram-simple and vLLM's ngram only (a draft model's trees are replayed on the CPU "
+                "engine)")
     if "ngram" in space.algorithms and "ngram" not in algorithms_of(study.engine.kind):
         return f"engine {study.engine.kind} has no SGLang NGRAM (its n-gram types are its own algorithms)"
     if study.workload.temperature > 0:

@@ -21,9 +21,10 @@ before its warm-up) and lasts across the phases.
 
 A STANDALONE config (a draft model) is replayed the same way from the draft replay's tables (`drafts`,
 pipeline.simulate.drafts): its accepted drafts per round, and the draft forwards each round ran (`Round.drafts`).
-llama-server's `ngram-simple` (pipeline.simulate.lookup) drafts from each request's own tokens, cut to what the
-request may still generate; its drafts vary in length, so a round's width is the mean query count of its requests
-(llama-server decodes a batch's tokens together; at one request a round, exact).
+llama-server's `ngram-simple` and vLLM's `ngram` (pipeline.simulate.chains) draft one chain a step from each
+request's own tokens (llama-server's cut to what the request may still generate, vLLM's whole); their drafts vary in
+length, so a round's width is the mean query count of its requests (both engines verify a batch's tokens in one
+forward; at one request a round, exact), and its `trees` the drafts' lengths.
 
 With a `RoundCost` (pipeline.simulate.cost) every round gets a duration and every request its start, first-token
 and finish times; without one only the rounds' order is known (enough for accept lengths in a closed loop).
@@ -37,13 +38,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pipeline.simulate.chains import ChainDrafter, chain_drafter, matched
 from pipeline.simulate.drafts import DraftTables, StandaloneSteps
-from pipeline.simulate.lookup import draft_at, ngram_simple_draft, ngram_simple_match
 from pipeline.simulate.prefix import HeldPrefixes, PrefixCache
 from serve.ngram.compiled import ngram_cache
 from serve.ngram.sam import SuffixAutomaton
 from serve.ngram.schedule import DraftState, NgramDrafter
-from serve.spec import LlamaNgramSimpleSpec, NgramSpec, NoSpec, StandaloneSpec
+from serve.spec import LlamaNgramSimpleSpec, NgramSpec, NoSpec, StandaloneSpec, VllmNgramSpec
 
 __all__ = ["Answer", "ClosedLoop", "OpenLoop", "Phase", "Replay", "RequestReplay", "Round", "Step", "replay"]
 
@@ -155,16 +156,6 @@ class Replay:
         return [r for r in self.requests if r.phase == name]
 
 
-def _matched(draft: Sequence[int], output: Sequence[int], emitted: int) -> int:
-    """A chain draft's tokens a greedy verifier accepts: its longest prefix equal to the output from `emitted`."""
-    count = 0
-    for token, expected in zip(draft, output[emitted:]):
-        if token != expected:
-            break
-        count += 1
-    return count
-
-
 @dataclass
 class _Live:
     record: RequestReplay
@@ -177,27 +168,10 @@ class _Live:
     sequence: tuple[int, ...] = ()  # NGRAM: prompt + the whole output (`tokens` is always its prefix)
 
 
-# (id of an Answer, tokens out, size_n) -> (that Answer, its ngram-simple match): the match does not depend on size_m,
-# so the configs of a space that differ in it search each history once (the Answer held: its id stays its own)
-_MATCHES: dict[tuple[int, int, int], tuple[Answer, int]] = {}
+Spec = NgramSpec | NoSpec | StandaloneSpec | LlamaNgramSimpleSpec | VllmNgramSpec  # what the replay drafts with
 
 
-def _lookup_draft(live: _Live, size_n: int, size_m: int) -> list[int]:
-    """`ngram_simple_draft(live.tokens[:-1], live.tokens[-1], size_n, size_m)`, its match remembered."""
-    history = live.tokens[:-1]
-    if size_n < 1 or size_m < 1 or len(history) <= size_n + size_m + 1:
-        return ngram_simple_draft(history, live.tokens[-1], size_n, size_m)
-    key = (id(live.answer), len(live.tokens), size_n)
-    known = _MATCHES.get(key)
-    if known is None or known[0] is not live.answer:
-        if len(_MATCHES) >= 1_000_000:
-            _MATCHES.clear()
-        known = _MATCHES[key] = (live.answer, ngram_simple_match(history, live.tokens[-1], size_n))
-    return draft_at(history, known[1], size_n, size_m)
-
-
-def _drafter(spec: NgramSpec | NoSpec | LlamaNgramSimpleSpec,
-             sams: Sequence[SuffixAutomaton]) -> NgramDrafter | None:
+def _drafter(spec: Spec, sams: Sequence[SuffixAutomaton]) -> NgramDrafter | None:
     if not isinstance(spec, NgramSpec):
         return None
     # the compiled trie where it builds (serve.ngram.compiled: same decisions, several times faster)
@@ -209,7 +183,7 @@ def _drafter(spec: NgramSpec | NoSpec | LlamaNgramSimpleSpec,
     return NgramDrafter(cache, spec.external_sam_budget if loaded else 0, (lambda: loaded) if loaded else None)
 
 
-def replay(spec: NgramSpec | NoSpec | StandaloneSpec | LlamaNgramSimpleSpec, phases: Sequence[Phase], *,
+def replay(spec: Spec, phases: Sequence[Phase], *,
            sams: Sequence[SuffixAutomaton] = (), max_running: int | None = None, cost: RoundCost | None = None,
            drafts: DraftTables | None = None, prefix: PrefixCache | None = None) -> Replay:
     """Run `phases` through the engine's schedule with `spec`'s drafting (NoSpec: plain decoding, one token a step).
@@ -225,7 +199,7 @@ def replay(spec: NgramSpec | NoSpec | StandaloneSpec | LlamaNgramSimpleSpec, pha
         drafter = None
     else:
         drafter = _drafter(spec, sams)
-    lookup = (spec.size_n, spec.size_m) if isinstance(spec, LlamaNgramSimpleSpec) else None
+    lookup = chain_drafter(spec)
     width = spec.num_draft_tokens if isinstance(spec, (NgramSpec, StandaloneSpec)) and spec.num_draft_tokens else 1
     records: list[RequestReplay] = []
     rounds: list[Round] = []
@@ -241,7 +215,7 @@ def replay(spec: NgramSpec | NoSpec | StandaloneSpec | LlamaNgramSimpleSpec, pha
 def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_running: int | None,
                cost: RoundCost | None, records: list[RequestReplay], rounds: list[Round], start: float,
                standalone: StandaloneSteps | None = None, held: HeldPrefixes | None = None,
-               lookup: tuple[int, int] | None = None) -> float:
+               lookup: ChainDrafter | None = None) -> float:
     admission = phase.admission
     # open loop: requests whose arrival fell past the window are never sent (pipeline.measure.openloop)
     answers = phase.answers[:len(admission.offsets_s)] if isinstance(admission, OpenLoop) else phase.answers
@@ -321,8 +295,8 @@ def _run_phase(phase: Phase, drafter: NgramDrafter | None, width: int, max_runni
                 live.previous = drafts
                 forwards.extend(rows)
             elif lookup is not None:
-                draft = _lookup_draft(live, *lookup)[:max(0, remaining - 1)]
-                drafts, real = _matched(draft, answer.output_ids, live.emitted), len(draft)
+                draft = lookup.draft(answer, live.tokens, remaining)
+                drafts, real = matched(draft, answer.output_ids, live.emitted), len(draft)
             else:
                 drafts, real = 0, 0
             kept = min(drafts + 1, remaining)

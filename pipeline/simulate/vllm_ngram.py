@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RequestDrafts", "propose", "replay_request"]
+__all__ = ["RequestDrafts", "longest_match", "propose", "replay_request"]
 
 
 def propose(tokens: Sequence[int], min_ngram: int, max_ngram: int, max_model_len: int, k: int) -> list[int]:
@@ -33,6 +33,17 @@ def propose(tokens: Sequence[int], min_ngram: int, max_ngram: int, max_model_len
     k = min(k, max_model_len - total)
     if k <= 0:
         return []
+    longest, start = longest_match(tokens, max_ngram)
+    if longest < min_ngram:
+        return []
+    return list(tokens[start:start + min(k, total - start)])
+
+
+def longest_match(tokens: Sequence[int], max_ngram: int) -> tuple[int, int]:
+    """(length, where the draft starts) of the longest suffix of `tokens`, at most `max_ngram` long, that occurs
+    earlier (the earliest such occurrence): `propose`'s search, which depends on neither `min_ngram` nor `k`, so a
+    replay of a space's configs can share it (length 0: none)."""
+    total = len(tokens)
     reverse = list(reversed(tokens))
     lps = [0] * max_ngram
     longest = position = 0
@@ -52,10 +63,7 @@ def propose(tokens: Sequence[int], min_ngram: int, max_ngram: int, max_model_len
             prev = lps[prev - 1]
         else:
             i += 1
-    if longest < min_ngram:
-        return []
-    start = total - 1 - position + longest
-    return list(tokens[start:start + min(k, total - start)])
+    return longest, total - 1 - position + longest
 
 
 @dataclass(frozen=True)

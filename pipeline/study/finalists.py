@@ -140,8 +140,7 @@ def measure_stage(ctx: TrialContext, entries: Sequence[tuple[str, TrialConfig]],
             at_level = TrialConfig.model_validate({**config.model_dump(), "concurrency": level})
             label = run_label(name, level, k, several)
             started_at = time.time()
-            checked = measure_and_check(ctx, at_level, label, Path(ctx.output_dir) / "finalists" / label,
-                                        compare=False)
+            checked = measure_and_check(ctx, at_level, label, Path(ctx.output_dir) / "finalists" / label)
             got[level] = Pass(label, level, at_level, checked, started_at, order=slot, sequence=sequence,
                               order_kind=order, stage=stage)
         return got

@@ -316,9 +316,14 @@ def _print_deploy(ctx: TrialContext, serving: ServingConfig) -> None:
 
 def baseline_gap(search_tok_s: float, reruns_tok_s: Sequence[float]) -> tuple[float, float]:
     """(pooled, gap): the baseline's figure over its search run and its re-runs at the search level (median), and
-    how far the search run was from the re-runs' median (-0.1 = 10% below). Pure."""
-    reruns = statistics.median(reruns_tok_s)
-    return statistics.median([search_tok_s, *reruns_tok_s]), search_tok_s / reruns - 1
+    how far the search run was from the re-runs' median (-0.1 = 10% below). A re-run that measured nothing (a failed
+    launch, an unhealthy engine: 0 tok/s) is no figure of the baseline's speed and is left out; ValueError when no
+    re-run measured anything. Pure."""
+    measured = [t for t in reruns_tok_s if t > 0]
+    if not measured:
+        raise ValueError("baseline_gap: no re-run of the baseline measured a throughput")
+    reruns = statistics.median(measured)
+    return statistics.median([search_tok_s, *measured]), search_tok_s / reruns - 1
 
 
 def _baseline_gap(ctx: TrialContext, rows: Sequence[TrialRow], base_row: TrialRow,
@@ -328,11 +333,12 @@ def _baseline_gap(ctx: TrialContext, rows: Sequence[TrialRow], base_row: TrialRo
     level = next((r for r in levels.levels if r.level == ctx.study.search_concurrency), None)
     row = next((r for r in level.rows if r.id == BASELINE), None) if level else None
     search = base_row.tput_tok_s
-    if row is None or not row.runs_tok_s or not search:
+    measured = [t for t in (row.runs_tok_s if row else []) if t > 0]
+    if not measured or not search:  # no re-run measured anything (each failed): there is no gap to state
         return {}
-    pooled, gap = baseline_gap(search, row.runs_tok_s)
-    say(f"\nbaseline: the search measured {search:.2f} tok/s, its {len(row.runs_tok_s)} re-runs a median of "
-        f"{statistics.median(row.runs_tok_s):.2f} ({gap:+.1%}): the finalists' speed-ups are the re-runs', "
+    pooled, gap = baseline_gap(search, measured)
+    say(f"\nbaseline: the search measured {search:.2f} tok/s, its {len(measured)} measured re-runs a median of "
+        f"{statistics.median(measured):.2f} ({gap:+.1%}): the finalists' speed-ups are the re-runs', "
         "the other trials' the search's (labelled as such)")
     return {"search_baseline_tok_s": search, "search_baseline_gap": gap, "baseline_pooled_tok_s": pooled}
 

@@ -5,13 +5,14 @@ turned into `Measurement.failure` in one place, so nothing here raises for a bad
 runs behind a Ray Serve app named `<study>~trial-<label>` (route the same), which the process keeps for its next
 pass: that pass restarts only the engine in it (pipeline/trial/replicas.py); after any engine or replica failure the
 app is deleted and the next pass deploys a fresh one. Trials (`pipeline.trial.lifecycle`), their equivalence passes
-(`pipeline.trial.gate`) and finalist re-runs all measure through it.
+(`pipeline.trial.gate`) and finalist re-runs all measure through it, and get one `Measurement`, summarized here.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ import httpx
 
 from pipeline.config import StudyConfig, TrialConfig
 from pipeline.measure.load import LoadRequest, run_phase
+from pipeline.measure.measurement import Measurement
 from pipeline.measure.server_info import PlainSteps, ServerInfo
 from pipeline.measure.shape import probe_shape
-from pipeline.measure.summary import RequestRecord
+from pipeline.measure.summary import RequestRecord, summarize
 from pipeline.measure.window import judge_window, step_ratio
 from pipeline.records.console import note_phase
 from pipeline.records.labels import config_label
@@ -29,19 +31,19 @@ from pipeline.simulate.cost import plain_step
 from pipeline.trial.pruning import Watch, measure_phase
 from pipeline.trial.corpus import CorpusFile, corpus_for_trial, corpus_record, listed_corpora, ship_corpus
 from pipeline.trial.replica_config import replica_config
-from pipeline.trial.replicas import cluster_cannot_host, launch_of, live_app, release, start_engine
-from pipeline.trial.context import Measurement, TrialContext
+from pipeline.trial.replicas import cluster_cannot_host, live_app, release, start_engine
+from pipeline.trial.context import TrialContext
 from pipeline.vocabulary.outcome import Ending, Outcome, TrialFailure
-from serve.engines import engine_for
-from serve.engines.base import ConfigRejected, ReplicaConfig
+from serve.engines.base import ConfigRejected, Engine, ReplicaConfig
 from serve.engines.spec_flags import effective_diff
 from serve.engines.load_failures import repeating_cause, with_cause
 from serve.engines.waits import trial_wait_s
 from serve.replica.placement import START_TIMEOUT_MARKER, log_tail
+from serve.replica.sharing import launch_config
 from serve.replica.usage import Usage
 
-__all__ = ["FLUSH_DEADLINE_S", "FLUSH_WAIT_S", "flush", "lost_requests", "measure_config", "settle_requests",
-           "shipped_replica_config", "study_probe", "usage"]
+__all__ = ["FLUSH_DEADLINE_S", "FLUSH_WAIT_S", "Launch", "flush", "launch_of", "lost_requests", "measure_config",
+           "settle_requests", "shipped_replica_config", "start_failure", "usage"]
 
 FLUSH_WAIT_S = 5.0  # what a flush asks the engine to wait for idle
 FLUSH_DEADLINE_S = 120.0
@@ -94,7 +96,8 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
     The engine kind's node checks and preflight run inside the replica (on the node that runs the engine); a config
     the engine refuses there comes back as INVALID with the engine's words, a node that cannot run it as
     LAUNCH_FAILED. A measurement window that other work disturbed (`pipeline.measure.window`) is measured again,
-    after a flush and the same warm-up, at most `workload.remeasure` times; every window is kept in `windows`."""
+    after a flush and the same warm-up, at most `workload.remeasure` times; every window is kept in `windows`. The
+    records' summary is computed here, where they were measured (under open loop with the offered rate)."""
     out = Measurement()
     started = time.monotonic()
     clean = False  # measured without an engine or replica failure: the app may serve the next trial
@@ -106,9 +109,16 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         problem = cluster_cannot_host(config)
         if problem:
             raise TrialFailure(Outcome.LAUNCH_FAILED, problem)
-        url = _start(ctx.study.name, ctx.serve_url, trial, label, config, log_dir, out, started)
-        _read_back(url, config, corpus, log_dir, out)
-        _measure(ctx, trial, url, watch, log_dir, out)
+        note_phase(log_dir, "engine", config=config_label(trial))
+        try:  # `trial_wait_s`: a cold node's allowance too
+            live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config, trial_wait_s(config))
+        except TimeoutError as exc:
+            raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
+        except RuntimeError as exc:
+            raise start_failure(str(exc)) from None
+        out.timings["deploy_s"] = time.monotonic() - started
+        _read_back(live.url, ctx.engine, config, corpus, log_dir, out)
+        _measure(ctx, trial, live.url, watch, log_dir, out)
         clean = out.failure is None or out.failure.outcome is Outcome.PRUNED
     except TrialFailure as failure:
         out.failure = failure.ending
@@ -120,22 +130,11 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
         if not clean:
             release(ctx.study.name)
         out.timings["total_s"] = time.monotonic() - started
+    arrival = ctx.study.workload.arrival
+    if out.records:
+        out.summary = summarize(out.records, seed=ctx.study.seed,
+                                offered_rate_per_s=arrival.rate_per_s if arrival.open_loop else None)
     return out
-
-
-def _start(study_name: str, serve_url: str, trial: TrialConfig, label: str, config: ReplicaConfig, log_dir: Path,
-           out: Measurement, started: float) -> str:
-    """The engine running and healthy; its URL."""
-    note_phase(log_dir, "engine", config=config_label(trial))
-    try:
-        live, out.replica = start_engine(study_name, label, serve_url, config,  # a cold node's allowance too
-                                         trial_wait_s(config))
-    except TimeoutError as exc:
-        raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
-    except RuntimeError as exc:
-        raise start_failure(str(exc)) from None
-    out.timings["deploy_s"] = time.monotonic() - started
-    return live.url
 
 
 def start_failure(message: str) -> TrialFailure:
@@ -151,13 +150,37 @@ def start_failure(message: str) -> TrialFailure:
     return TrialFailure(Outcome.LAUNCH_FAILED, with_cause(message, cause) if cause else message)
 
 
-def _read_back(url: str, config: ReplicaConfig, corpus: CorpusFile | None, log_dir: Path,
+@dataclass(frozen=True)
+class Launch:
+    """How a trial's engine started, from the replica's `/replica/argv`: a launch of its own or one shared with an
+    earlier config, each start phase's seconds (`start_<phase>_s`), and the config the engine was launched with (the
+    effective-settings diff compares against it: a shared launch may differ from the trial in what cannot matter)."""
+
+    shared: bool
+    timings: dict[str, float]
+    config: ReplicaConfig
+
+    @property
+    def launches(self) -> int:
+        return 0 if self.shared else 1
+
+
+def launch_of(answer: dict[str, Any], config: ReplicaConfig) -> Launch:
+    """The `Launch` in a replica's `/replica/argv` answer for a start of `config`. Pure."""
+    launch = answer.get("launch") or {}
+    launched = launch.get("launched")
+    timings = {f"start_{k}_s": float(v) for k, v in (answer.get("phases") or {}).items()}
+    base = ReplicaConfig.model_validate(launched) if isinstance(launched, dict) else config
+    return Launch(bool(launch.get("shared")), timings, launch_config(base))
+
+
+def _read_back(url: str, engine: Engine, config: ReplicaConfig, corpus: CorpusFile | None, log_dir: Path,
                out: Measurement) -> None:
     """What the engine says it runs (`/server_info`, the replica's argv and launch), diffed against what was asked."""
     with httpx.Client(base_url=url, timeout=30) as client:
         replica = client.get("/replica/argv").json()
         launch = launch_of(replica, config)  # start phases' seconds, shared or not, the launch's own config
-        out.timings.update(launch.timings)
+        out.timings |= launch.timings
         out.launch, out.launches = ("shared" if launch.shared else "new"), launch.launches
         if isinstance(replica.get("startup_s"), (int, float)):
             out.timings["engine_start_s"] = float(replica["startup_s"])
@@ -169,11 +192,10 @@ def _read_back(url: str, config: ReplicaConfig, corpus: CorpusFile | None, log_d
             **({"preflight": prepared.pop("preflight")} if "preflight" in prepared else {}), node_checks=prepared)
         preflight = out.server_info.raw.get("preflight")
         if isinstance(preflight, dict) and preflight.get("ok"):
-            out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
-                                            preflight["resolved"]))
-        out.diffs.update(effective_diff(launch.config.spec, launch.config.max_running_requests,
-                                        out.server_info.as_json(),
-                                        engine_for(launch.config.engine).pinned_settings(launch.config)))
+            out.diffs |= effective_diff(launch.config.spec, launch.config.max_running_requests,
+                                        preflight["resolved"])
+        out.diffs |= effective_diff(launch.config.spec, launch.config.max_running_requests,
+                                    out.server_info.as_json(), engine.pinned_settings(launch.config))
         listed = listed_corpora(client) if config.spec.algorithm == "ngram" else None
         if listed is not None:  # the trial's record of what its engine held (SGLang's list route)
             out.server_info = out.server_info.with_keys(list_external_corpora=listed)
@@ -257,23 +279,18 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
     # measured over its HTTP API now and recorded as the baseline's `verify_cost` (pipeline/measure/shape.py) ---
     if baseline and ctx.reference and not lost_requests(measured) and not out.server_info.has_round_table:
         phase_start = time.monotonic()
-        probed = study_probe(url, study, out.server_info.max_running_requests)
+        # one attempt more when the window was disturbed (none with `workload.remeasure: 0`): what held the CPU during
+        # the baseline's windows (a study's own start-up work) often still holds it, and each attempt costs about as
+        # much as the baseline's measurement
+        probed = probe_shape(url, study.engine.kind, study.concurrency,
+                             max_running=out.server_info.max_running_requests,
+                             attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
+                             timeout_s=study.engine.request_timeout_s, seed=study.seed)
         out.server_info = out.server_info.with_keys(verify_cost=probed)
         out.timings["shape_probe_s"] = time.monotonic() - phase_start
         note_phase(log_dir, "shape-probe", check=probed.get("window"))
     # A lost request fails the trial whatever the rule said: a dead engine is not a slow config.
     out.failure = lost_requests(measured) or (Ending(Outcome.PRUNED, pruned) if pruned else None)
-
-
-def study_probe(url: str, study: StudyConfig, max_running: int | None) -> dict[str, Any]:
-    """`probe_shape` as a study runs it after its baseline's measurement: the study's engine kind and levels, the
-    engine's running-request cap (`max_running`, from its `/server_info`), the measurement window's wait limit, and
-    one attempt more when the window was disturbed (none with `workload.remeasure: 0`): what held the CPU during the
-    baseline's windows (a study's own start-up work) often still holds it, and each attempt costs about as much as
-    the baseline's measurement."""
-    return probe_shape(url, study.engine.kind, study.concurrency, max_running=max_running,
-                       attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
-                       timeout_s=study.engine.request_timeout_s, seed=study.seed)
 
 
 def step_counters(url: str) -> PlainSteps | None:

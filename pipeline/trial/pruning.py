@@ -1,8 +1,9 @@
 """Early stopping wired into a search trial: after each measured chunk the trial reports its partial result to Tune and
 asks the rule (`pipeline.decide.stopping.check`, pure) whether it can still beat the baseline; a trial that cannot is PRUNED.
 
-I/O here: reading the baseline's figures from its MLflow run (`pipeline.records.trial_runs`: any driver on any node
-finds them there) and the chunked measurement (`measure_phase`, called by `pipeline.trial.engine_pass.measure_config`).
+The baseline's figures come from its MLflow run, read once by the trial (`pipeline.records.trial_runs.read_baseline`:
+any driver on any node finds them there); the I/O here is the chunked measurement (`measure_phase`, called by
+`pipeline.trial.engine_pass.measure_config`).
 Finalist re-runs are never watched.
 Chunks are `concurrency` requests (1 at the search level the rule applies to), each one `run_phase`, laid end to end
 in the phase window: the pause between chunks (the rule, Tune's report) is left out of the window, so a watched
@@ -26,9 +27,8 @@ from pipeline.measure.load import LoadRequest, run_phase
 from pipeline.measure.server_info import ServerInfo
 from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize
 from pipeline.measure.openloop import run_open_loop
-from pipeline.records.tracking import Tracker
-from pipeline.records.trial_runs import baseline_requests
 from pipeline.vocabulary.outcome import MEASURING
+from pipeline.decide.equivalence import StoredBaseline
 from pipeline.decide.stopping import BaselineFigures, StoppingPolicy, StopResult, VerifyCost, baseline_figures, check, rule_off
 from serve.spec import draft_token_count
 
@@ -114,10 +114,12 @@ def measure_phase(url: str, items: list[Any], kwargs: dict[str, Any], watch: Wat
     return records, None
 
 
-def trial_watch(study: StudyConfig, tracker: Tracker, parent_run_id: str, measure: Sequence[LoadRequest],
-                config: TrialConfig, progress: Progress | None) -> tuple[Watch | None, str]:
+def trial_watch(study: StudyConfig, baseline: StoredBaseline | None, measure: Sequence[LoadRequest],
+                config: TrialConfig, progress: Progress | None, unread: str | None = None) -> tuple[Watch | None, str]:
     """The watch for one search trial and a note for its MLflow tag `early_stopping` (on, or why not).
-    None when early stopping is off: the trial is then measured in one piece, as before the switch existed."""
+    None when early stopping is off: the trial is then measured in one piece, as before the switch existed.
+    `baseline`: the study's COMPLETE baseline as read before the trial (None: none yet, or `unread` says why it could
+    not be read: the tracking store's trouble turns the rule off rather than failing the trial)."""
     budget = study.budget
     if not budget.early_stopping:
         return None, "off (budget.early_stopping: false)"
@@ -126,16 +128,11 @@ def trial_watch(study: StudyConfig, tracker: Tracker, parent_run_id: str, measur
                       "follows the offered rate)")
     off = rule_off(enabled=True, algorithm=config.spec.algorithm, concurrency=config.concurrency)
     figures = None
-    if off is None:
-        try:
-            run, records = baseline_requests(tracker, parent_run_id) or (None, [])
-        except Exception as exc:  # noqa: BLE001 - the tracking store's trouble must not fail the trial: no stopping
-            run, off = None, f"the baseline's run could not be read ({type(exc).__name__}: {str(exc)[:200]})"
-        if off is None and run is None:
-            off = "no baseline trial has completed yet: nothing to compare with"
-        elif off is None and run is not None:
-            figures = baseline_figures(run.tput_tok_s, records, budget.early_stopping_sigma)
-            off = None if figures else "the baseline measured no throughput"
+    if off is None and baseline is None:
+        off = unread or "no baseline trial has completed yet: nothing to compare with"
+    elif off is None and baseline is not None:
+        figures = baseline_figures(baseline.tput_tok_s, baseline.requests, budget.early_stopping_sigma)
+        off = None if figures else "the baseline measured no throughput"
     policy = StoppingPolicy()
     watch = Watch(baseline=figures, total_requests=len(measure), draft_tokens=draft_token_count(config.spec),
                   max_new_tokens=max((r.max_new_tokens for r in measure), default=1), policy=policy,

@@ -43,31 +43,6 @@ import httpx
 from serve.engines.base import ReplicaConfig
 from serve.replica.placement import actor_options, unplaceable
 from serve.replica.status import MISSING, STARTING, app_state, wait_for_app
-from serve.replica.sharing import launch_config
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How a trial's engine started, from the replica's `/replica/argv`: a launch of its own or one shared with an
-    earlier config, each start phase's seconds (`start_<phase>_s`), and the config the engine was launched with (the
-    effective-settings diff compares against it: a shared launch may differ from the trial in what cannot matter)."""
-
-    shared: bool
-    timings: dict[str, float]
-    config: ReplicaConfig
-
-    @property
-    def launches(self) -> int:
-        return 0 if self.shared else 1
-
-
-def launch_of(answer: dict[str, Any], config: ReplicaConfig) -> Launch:
-    """The `Launch` in a replica's `/replica/argv` answer for a start of `config`. Pure."""
-    launch = answer.get("launch") or {}
-    launched = launch.get("launched")
-    timings = {f"start_{k}_s": float(v) for k, v in (answer.get("phases") or {}).items()}
-    base = ReplicaConfig.model_validate(launched) if isinstance(launched, dict) else config
-    return Launch(bool(launch.get("shared")), timings, launch_config(base))
 
 
 @dataclass(frozen=True)

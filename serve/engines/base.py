@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -208,6 +208,12 @@ class Engine:
     def native_deploy_files(self, config: ReplicaConfig, host: str, port: int) -> dict[str, str]:
         """Deploy files (name -> text) beyond the engine command line, for an engine whose own server can run
         without our wrapper (llama.cpp: the bare `llama-server` command). Empty by default."""
+        return {}
+
+    def level_deploy_files(self, served: Mapping[int, ReplicaConfig], host: str, port: int) -> dict[str, str]:
+        """Deploy files for a study of several concurrency levels, from the replica its policy serves at each
+        measured level (vLLM: the bare command of the second engine, and the per-level decision as vLLM's own
+        per-batch-size table). Empty by default."""
         return {}
 
     def start_env(self, config: ReplicaConfig) -> dict[str, str]:

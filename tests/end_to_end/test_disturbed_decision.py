@@ -2,7 +2,10 @@
 SQLite), whose every measured window is disturbed and whose decision is forced to PROMOTE:
 - disturbed: the CPU engine's `--test-fault busy-neighbours=1` starts busy processes pinned to the engine's own CPUs
   at its first measured request (the one after the single warm-up request) until the next flush, in every fresh
-  engine, and `workload.remeasure: 0` keeps that window: every run the decision rests on is flagged `disturbed`;
+  engine, and `workload.remeasure: 0` keeps that window: every run the decision rests on is flagged `disturbed`.
+  Every engine runs on CPU 0 alone (`engine.cpus`), so one busy process (one per CPU the engine may use) takes its
+  core from it: on a 2-core CI machine the other test worker keeps the other core (with the engine free to run
+  anywhere, two busy processes took both cores through each of the 8 disturbed windows);
 - promoted: the baseline engine runs 3x slower (`slow-steps=3@baseline`), so any lossless NGRAM config beats it
   (beside busy neighbours and another study on 2 cores, NGRAM measured 5.3x a 4x-slowed baseline).
 What is checked: the headline, the report, the MLflow study run and the registered version say the decision is
@@ -33,7 +36,7 @@ STUDY = {"name": NAME, "budget": {"max_trials": 2, "early_stopping": False},
          "workload": {"source": "free-text", "warmup_prompts": 1, "measure_prompts": 3, "max_new_tokens": 6,
                       "remeasure": 0},
          "promotion": {"finalists": 1, "runs": 3, "spread_reruns": 0},
-         "engine": {"start_timeout_s": 300, "threads": TEST_THREADS,
+         "engine": {"start_timeout_s": 300, "threads": TEST_THREADS, "cpus": [0],
                     "extra_flags": ["--verify-probe-seconds", "0", "--test-fault", "busy-neighbours=1",
                                     "--test-fault", "slow-steps=3@baseline"]}}
 

@@ -27,7 +27,9 @@ baseline beside another test's study). `slow-after=N` slows an engine from its (
   1.4826 MAD of 10 requests, under the bar on a loaded machine).
 With the first study's outcome forced, its runs are not re-measured when they disagree (`spread_reruns: 0`): a re-run
 only cost another slowed baseline engine.
-Small on purpose: 2 trials a study, 4 measured prompts of 8 tokens on ~40-token prompts (a slowed baseline's runs
+Small on purpose: 2 trials in the first study, 1 in the re-tune (its baseline, the candidate: with finalists 0
+nothing else it measured could be chosen, and production's config it seeds is re-tuned for real in
+tests/end_to_end/test_loop_retune.py), 4 measured prompts of 8 tokens on ~40-token prompts (a slowed baseline's runs
 cost most of the first study: slowed over its whole pass, 6x against 3x, its 4 runs took 90 of the study's 140 s),
 Y's contexts ~190 tokens (production's answers in the canary are 6x-slowed prefills), canary of one step at share
 0.75 deciding on 10 candidate requests in 3 blocks. The loop's accept-length detector runs too (the engine's
@@ -279,7 +281,7 @@ def test_drift_retune_canary_promote(tmp_path: Path):
         loop = spawn(["-m", "pipeline.loop", "--endpoint", base_url, "--tracking-uri", uri, "--every", "off",
                       "--min-gap", "0", "--poll", "1s", "--state-dir", str(state_a), "--settings",
                       str(tmp_path / "loop.yaml"), "--study", str(study_file(tmp_path, uri, "retune-a", [], 0)),
-                      "--trials", "2", "--measure-prompts", str(MEASURE_PROMPTS), "--warmup-prompts", "2"], loop_log,
+                      "--trials", "1", "--measure-prompts", str(MEASURE_PROMPTS), "--warmup-prompts", "2"], loop_log,
                      env)
         done = wait_until("the first cycle's outcome", lambda: (s := load_state(state_a)).outcome and s, loop_log)
         stop(loop)

@@ -4,7 +4,13 @@ beside it), with HOME a fresh folder (no `~/.ray` left by earlier runs: each Ray
 kernel cache stays the machine's, `SPECDEC_CACHE`, or the endpoint would fetch and convert the model again: 2 of the
 test's 4 minutes). The study runs to its decision, and the endpoint answers before, during and after it; neither
 joins or stops the other's Ray. One baseline trial on two short prompts: what is checked is the two processes side by
-side, not the study."""
+side, not the study.
+
+The study runs with `--quiet` (`specdec-tune --quiet`, as a user runs it from a shell: tests/cli_run.py's
+environment), so the same command also shows the quiet console: the decision and where to look, nothing of the
+progress, while `<output>/study.log` holds everything, the progress and the internals included, without a progress
+bar (the levels themselves are unit-tested: tests/unit/test_console_log.py). One study for both: each is a whole
+study's start-up, search and finalize."""
 
 from __future__ import annotations
 
@@ -12,23 +18,39 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from pipeline.console_log import LOG_FILE
 from serve.engines.base import ReplicaConfig, child_env
 from serve.model_store import cache_root
 from serve.ports import free_port
 from serve.serving import Provenance, ServingConfig
+from tests.cli_run import clean_env
 from tests.integration.production_helpers import alive, app_processes, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 REPO = Path(__file__).resolve().parents[2]
+LINKS = ("report: ", "deploy files: ", "promoted config: ", "compare the trials", "  runs table: ")
 
 
-def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(tmp_path):
+@dataclass
+class Beside:
+    study: subprocess.CompletedProcess[str]  # `python -m pipeline.tune --quiet`, run to its end
+    output: Path  # the study's output folder
+    answers: bool  # the endpoint answered right after the study
+    engines: list[psutil.Process]  # the endpoint's engine processes, found before the study
+    engines_alive: list[psutil.Process]  # those of them still running after it
+
+
+@pytest.fixture(scope="module")
+def beside(tmp_path_factory) -> Iterator[Beside]:
+    tmp_path = tmp_path_factory.mktemp("beside")
     home = tmp_path / "home"
     home.mkdir()
     env = {**{k: v for k, v in child_env().items() if k not in ("SPECDEC_API_KEYS", "RAY_AUTH_MODE",
@@ -68,13 +90,13 @@ def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(tmp_path):
         study.write_text(f"name: beside\nsearch_space: {space}\nbudget: {{max_trials: 1}}\n"
                          "workload: {warmup_prompts: 1, measure_prompts: 2, max_new_tokens: 4, remeasure: 0}\n"
                          "engine: {threads: 1, start_timeout_s: 300}\npromotion: {finalists: 0}\n")
+        # the study as a user types it in a shell (tests/cli_run.py: PATH, the locale, this HOME, the caches): no
+        # TQDM_DISABLE or other setting of this process's that would hide a progress bar the command failed to quiet
         done = subprocess.run([sys.executable, "-m", "pipeline.tune", "--study", str(study), "--output",
-                               str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=1200)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "decision:" in done.stdout
-        assert answers()  # the endpoint's Ray and engine were neither joined nor stopped by the study's
-        assert alive(engines) == engines
+                               str(tmp_path / "out"), "--quiet"], cwd=REPO, env=clean_env(home), capture_output=True,
+                              text=True, timeout=1200)
+        (tmp_path / "tune.log").write_text(done.stdout + done.stderr)  # kept with the test's folder for a failure's reader
+        yield Beside(done, tmp_path / "out", answers(), engines, alive(engines))
     finally:
         if endpoint.poll() is None:
             os.killpg(endpoint.pid, signal.SIGINT)
@@ -85,3 +107,28 @@ def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(tmp_path):
                 endpoint.wait(timeout=60)
         for proc in alive(everything):
             proc.kill()
+
+
+def test_a_study_runs_to_its_decision_beside_a_serving_endpoint(beside):
+    done = beside.study
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "decision:" in done.stdout
+    assert beside.answers  # the endpoint's Ray and engine were neither joined nor stopped by the study's
+    assert beside.engines_alive == beside.engines
+
+
+def test_a_quiet_study_prints_its_decision_last_and_logs_the_rest(beside):
+    result = beside.study
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    out = result.stdout
+    assert "decision: " in out, out[-3000:]
+    for progress in ("[trial 1/1]", "starting the engine", "study 'beside'", "search: "):
+        assert progress not in out, out[-3000:]
+    lines = out.rstrip().splitlines()
+    rule = max(i for i, line in enumerate(lines) if set(line) == {"="})  # the headline's closing rule
+    after = lines[rule + 1:]
+    assert after and all(line.startswith(LINKS) for line in after), after
+    logged = (beside.output / LOG_FILE).read_text()
+    for kept in ("[trial 1/1]", "(the baseline)", "HEADLINE", "decision: "):
+        assert kept in logged, logged[-3000:]
+    assert "\r" not in logged

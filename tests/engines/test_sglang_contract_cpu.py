@@ -17,7 +17,7 @@ from serve.engines.sglang.engine import run_preflight, sglang_argv
 from serve.replica.deployment import EngineProcess
 from serve.spec import NgramSpec
 from tests.sglang_contract import CORPUS, SglangContract
-from tests.sglang_servers import needs_sglang_cpu, owned_engine
+from tests.sglang_servers import needs_sglang_cpu, owned_engine, unkept_verdicts
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines, needs_sglang_cpu]
 NGRAM = NgramSpec(num_draft_tokens=4, max_bfs_breadth=2, capacity=200_000)
@@ -119,7 +119,8 @@ def test_preflight_refuses_a_bad_argv_with_sglangs_words_before_any_launch(tmp_p
     corpus.write_text('"def add(a, b):\\n    return a + b"\\n')
     too_big = CONFIG.model_copy(update={"spec": NgramSpec(num_draft_tokens=4, external_corpus=str(corpus),
                                                           external_sam_budget=5)})
-    (result,) = run_preflight([sglang_argv(too_big, "127.0.0.1", 1)], python=str(sglang_cpu.venv_python())) or []
+    with unkept_verdicts():  # the argv names this test's temporary corpus
+        (result,) = run_preflight([sglang_argv(too_big, "127.0.0.1", 1)], python=str(sglang_cpu.venv_python())) or []
     assert result.rejected and result.stage == "resolve" and "external_sam_budget" in (result.error or "")
     assert not list(tmp_path.glob("engine-*.log"))  # refused in the replica's preflight: nothing was launched
 

@@ -20,9 +20,9 @@ import pytest
 
 from pipeline.config import TrialConfig, load_study
 from pipeline.records.tracking import Tracker
+from pipeline.records.trial_runs import NOISE_ARTIFACT
 from pipeline.vocabulary.resolution import Resolution
 from pipeline.study.driver import build_context, connect_ray
-from pipeline.trial.gate import NOISE_ARTIFACT
 from pipeline.trial.lifecycle import run_trial
 from pipeline.vocabulary.outcome import Outcome
 from pipeline.trial.replicas import delete_study_apps

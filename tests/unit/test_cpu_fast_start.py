@@ -5,6 +5,7 @@ tokenizer). Tiny models and tokenizers built here; no download."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -70,7 +71,10 @@ def test_another_thread_count_or_rewritten_weights_is_another_entry(cache_dir, t
     assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, SIZES)["source"] == "measured"
     torch.set_num_threads(1)
     weights = tiny_dir / "model.safetensors"
+    before = weights.stat().st_mtime_ns
     weights.write_bytes(weights.read_bytes())  # a re-conversion: same bytes, new mtime
+    # the file system stamps with a coarse clock: a rewrite within one tick of the first write keeps its mtime
+    os.utime(weights, ns=(before + 1_000_000_000, before + 1_000_000_000))
     assert probe.cached_verify_cost(runner, tiny_dir, "float32", 0.0, SIZES)["source"] == "measured"
     assert len(list((cache_dir / "probe").glob("*.json"))) == 3
 

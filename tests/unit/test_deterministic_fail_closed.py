@@ -19,14 +19,14 @@ import pytest
 
 from pipeline.config import TrialConfig, load_study
 from pipeline.errors import PipelineError
-from pipeline.measure.summary import RequestRecord
+from pipeline.measure.measurement import Measurement
+from pipeline.measure.summary import RequestRecord, records_json
 from pipeline.records.tracking import Tracker
 from pipeline.search.space import load_space
 from pipeline.study.backend import decide_backend
 from pipeline.study.finalists import Pass, judge_level
-from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, effective_mode, records_json
+from pipeline.trial.gate import DETERMINISTIC_ARTIFACT, effective_mode
 from pipeline.trial.lifecycle import Checked
-from pipeline.trial.context import Measurement
 from pipeline.vocabulary.outcome import Outcome
 from serve.engines.sglang.engine import sglang_argv
 from serve.engines.sglang.check import installed_version, run_preflight

@@ -16,7 +16,7 @@ from pipeline.measure.server_info import ServerInfo
 from pipeline.measure.summary import RequestRecord, chunks, continue_records, summarize, to_table
 from pipeline.trial.pruning import Watch, intermediate_report, stop_metrics, trial_watch
 from pipeline.records.tracking import Tracker
-from pipeline.records.trial_runs import baseline_trial
+from pipeline.records.trial_runs import baseline_trial, read_baseline
 from pipeline.vocabulary.outcome import MEASURING, Outcome
 from pipeline.decide.stopping import (BaselineFigures, StopResult, StoppingPolicy, baseline_figures, decode_step_s,
                                       rule_off)
@@ -161,24 +161,27 @@ def test_a_trial_watch_reads_the_completed_baselines_figures_from_mlflow(tracker
     study = load_study(None)
     measure = tuple(LoadRequest(i, "p", TOKENS) for i in range(4))
     ngram = TrialConfig(spec=NgramSpec(num_draft_tokens=4))
-    watch, note = trial_watch(study, tracker, parent, measure, ngram, None)
+    assert read_baseline(tracker, parent) is None
+    watch, note = trial_watch(study, None, measure, ngram, None)
     assert watch is not None and watch.baseline is None  # measured in chunks, never stopped: nothing to compare with
     assert note == "not applied: no baseline trial has completed yet: nothing to compare with"
     log_trial(tracker, parent, TrialConfig(), Outcome.UNHEALTHY, {"tput_tok_s": 50.0}, [record(0, 50.0)])
     assert baseline_trial(tracker, parent) is None  # only a COMPLETE baseline counts
     base_records = [record(0, 10.0, ttft=0.1), record(1, 11.0, ttft=0.1)]
     log_trial(tracker, parent, TrialConfig(), Outcome.COMPLETE, {"tput_tok_s": 10.2}, base_records)
-    watch, note = trial_watch(study, tracker, parent, measure, ngram, None)
+    baseline = read_baseline(tracker, parent)
+    assert baseline is not None and baseline.requests == tuple(base_records)
+    watch, note = trial_watch(study, baseline, measure, ngram, None)
     assert watch is not None and watch.baseline is not None
     assert (watch.baseline.tput_tok_s, watch.baseline.sigma, watch.baseline.runs) == (10.2, 0.05, 1)
     assert watch.baseline.step_s == pytest.approx(decode_step_s(base_records))
     assert (watch.total_requests, watch.draft_tokens, watch.max_new_tokens) == (4, 3, TOKENS)
     assert note.startswith("on (alpha 0.001, sigma 0.05, baseline 10.20 tok/s, step ")
-    base_watch, base_note = trial_watch(study, tracker, parent, measure, TrialConfig(), None)
+    base_watch, base_note = trial_watch(study, baseline, measure, TrialConfig(), None)
     assert base_watch is not None
     assert base_watch.baseline is None and base_note == "not applied: the baseline is never stopped"
     off = load_study(None, {"budget.early_stopping": False})
-    assert trial_watch(off, tracker, parent, measure, ngram, None) == (None, "off (budget.early_stopping: false)")
+    assert trial_watch(off, baseline, measure, ngram, None) == (None, "off (budget.early_stopping: false)")
 
 
 def test_the_switch_and_the_noise_are_validated_study_keys():
@@ -243,11 +246,14 @@ def test_a_tracking_store_that_cannot_be_read_turns_the_rule_off_for_the_trial_i
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")  # SQLite cannot create its database under a file
     tracker = Tracker(f"sqlite:///{blocked / 'mlflow.db'}", "s")
+    with pytest.raises(Exception) as raised:  # the reader says so; the trial turns the rule off (test_trial_flow.py)
+        read_baseline(tracker, "no-parent")
+    unread = f"the baseline's run could not be read ({type(raised.value).__name__})"
     measure = (LoadRequest(0, "p", TOKENS),)
-    watch, note = trial_watch(load_study(None), tracker, "no-parent", measure,
-                              TrialConfig(spec=NgramSpec(num_draft_tokens=4)), None)
+    watch, note = trial_watch(load_study(None), None, measure, TrialConfig(spec=NgramSpec(num_draft_tokens=4)), None,
+                              unread)
     assert watch is not None and watch.baseline is None
-    assert note.startswith("not applied: the baseline's run could not be read (")
+    assert note == f"not applied: {unread}"
 
 
 def test_a_bound_beyond_any_float_means_continue_and_is_not_logged():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.decide.equivalence import check_equivalence, common_prefix
-from pipeline.measure.summary import RequestRecord, to_table
+from pipeline.measure.summary import RequestRecord, records_from_json, records_json, to_table
 
 
 def out(prompt: int, ids, *, phase="measure", error=None, n=0) -> RequestRecord:
@@ -98,3 +98,8 @@ def test_nothing_to_compare_does_not_pass():
 def test_threshold_outside_zero_one_is_rejected(threshold):
     with pytest.raises(ValueError, match="threshold .* must be in \\(0, 1\\]"):
         check_equivalence(BASE, BASE, threshold=threshold)
+
+
+def test_a_pass_kept_as_json_reads_back_as_the_same_measured_requests():
+    warm = out(2, [4, 4], phase="warmup")
+    assert records_from_json(records_json([*BASE, warm])) == BASE  # a pass's artifact holds its measured requests

@@ -11,10 +11,12 @@ import pytest
 
 from pipeline.config import PromotionPolicy
 from pipeline.config.policy import min_items
-from pipeline.decide.equivalence import judge
+from pipeline.decide.equivalence import Gate, StoredBaseline, judge, judge_pass
 from pipeline.decide.noise import (agreement, binomial_tail, noise_test, pair_divergence, run_outputs,
                                    self_divergence)
+from pipeline.measure.measurement import Measurement
 from pipeline.measure.summary import RequestRecord
+from pipeline.vocabulary.outcome import Outcome
 from serve.spec import NgramSpec, NoSpec
 
 BASE = {(p, 0): tuple(range(10 * p, 10 * p + 10)) for p in range(8)}
@@ -111,6 +113,26 @@ def test_judge_per_mode():
     assert deterministic.mode == "deterministic" and not deterministic.passed  # the worst run decides
 
 
+def test_a_trials_gate_compares_with_the_baselines_noise_pass_and_without_one_claims_nothing():
+    other = changed(BASE, {1: 6, 5: 3})
+    drift = changed(BASE, {2: 4, 6: 7}, fill=-2)
+    gate = Gate(setting="baseline-noise", algorithm="ngram", temperature=0.0, threshold=1.0, alpha=0.05)
+    assert gate.stored_pass == "noise" and gate.reference_pass is None
+    trial = Measurement(records=records(drift))
+    without = judge_pass(trial, gate, StoredBaseline(tput_tok_s=10.0, requests=tuple(records(BASE))))
+    assert (without.outcome, without.report) == (Outcome.COMPLETE, None)
+    assert without.reason == "not compared: the baseline has no second pass to measure its own noise with"
+    baseline = StoredBaseline(tput_tok_s=10.0, requests=tuple(records(BASE)), noise=tuple(records(other)))
+    noisy = judge_pass(trial, gate, baseline)
+    assert noisy.outcome is Outcome.COMPLETE and noisy.reason == "" and noisy.report == judge(
+        "baseline-noise", records(BASE), [records(drift)], baseline_others=[records(other)])
+    wrong = judge_pass(Measurement(records=records(changed(BASE, dict.fromkeys(range(8), 0), fill=-3))), gate,
+                       baseline)
+    assert wrong.outcome is Outcome.NOT_EQUIVALENT and wrong.reason.startswith("failed: ")
+    # the same mode on a batch-invariant engine runs as itself; `deterministic` without flags runs as `exact`
+    assert Gate(setting="deterministic", algorithm="ngram", temperature=0.0, threshold=1.0, alpha=0.05).mode == "exact"
+
+
 def test_the_policy_keeps_the_threshold_for_exact_only():
     assert PromotionPolicy(equivalence_threshold=0.9).equivalence == "exact"
     with pytest.raises(ValueError, match="applies to equivalence: exact only"):
@@ -153,7 +175,6 @@ def test_a_not_equivalent_trial_never_tells_the_search_its_measurement():
     # tree mask, so a NOT_EQUIVALENT verdict is not a false reject by luck alone: the worst value, as in every mode.
     from pipeline.config import load_study
     from pipeline.trial.gate import effective_mode
-    from pipeline.vocabulary.outcome import Outcome
 
     assert [o for o in Outcome if o.reports_measurement] == [Outcome.COMPLETE, Outcome.PRUNED]
     # the CPU engine in fp32 is batch-invariant: deterministic equivalence is exact equivalence, no extra launch
@@ -169,8 +190,7 @@ def test_finalist_runs_are_judged_against_the_baseline_at_their_own_level():
     from pipeline.config import TrialConfig, load_study
     from pipeline.study.finalists import Pass, judge_level
     from pipeline.trial.lifecycle import Checked
-    from pipeline.trial.context import Measurement, TrialContext
-    from pipeline.vocabulary.outcome import Outcome
+    from pipeline.trial.context import TrialContext
 
     def passes(level, outputs_per_run, spec=None):
         config = TrialConfig(spec=spec or NgramSpec(num_draft_tokens=4), concurrency=level)

@@ -12,7 +12,8 @@ from pipeline.config import TrialConfig, load_study
 from pipeline.vocabulary.resolution import Resolution
 from pipeline.trial.corpus import CorpusFile, corpus_record
 from pipeline.trial.launches import plan_launches
-from pipeline.trial.replicas import LiveApp, launch_of, overdue, wait_started
+from pipeline.trial.engine_pass import launch_of
+from pipeline.trial.replicas import LiveApp, overdue, wait_started
 from serve.engines.base import ReplicaConfig
 from serve.engines.phases import StartState
 from serve.replica.sharing import can_share, launch_config

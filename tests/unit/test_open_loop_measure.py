@@ -175,7 +175,7 @@ def test_open_loop_switches_early_stopping_off():
     from serve.spec import NgramSpec
 
     config = TrialConfig(spec=NgramSpec(num_draft_tokens=4))
-    watch, note = trial_watch(study, None, "parent", [ITEMS[0]], config, None)  # type: ignore[arg-type]
+    watch, note = trial_watch(study, None, [ITEMS[0]], config, None)
     assert watch is None and note.startswith("off (workload.arrival.mode: poisson")
     arrival = study.workload.arrival
     watched = Watch(baseline=None, total_requests=1, draft_tokens=4, max_new_tokens=2, policy=StoppingPolicy())

@@ -140,3 +140,13 @@ def test_the_search_baseline_gap_pools_the_search_run_with_the_reruns():
     assert pooled == 30.7  # median of 25.5, 30.4, 31.0, 32.4
     assert round(gap, 4) == -0.1774  # the search run, 17.7% below the re-runs' median (31.0)
     assert baseline_gap(30.0, [30.0]) == (30.0, 0.0)
+
+
+def test_the_search_baseline_gap_leaves_out_reruns_that_measured_nothing():
+    """A re-run that failed (launch failed, engine unhealthy) records 0 tok/s; the gap is over the ones that measured,
+    and a study whose baseline re-runs all failed is not stopped by a division by zero (a vLLM suffix study was)."""
+    from pipeline.study.finalize import baseline_gap
+
+    assert baseline_gap(5.0, [10.0, 0.0, 0.0]) == (7.5, -0.5)
+    with pytest.raises(ValueError, match="no re-run"):
+        baseline_gap(5.0, [0.0, 0.0])

@@ -7,6 +7,9 @@ replica's check refuses the config; SGLang's resolution accepts every adaptive p
 an adaptive winner is served as measured (issue 59), the steps its level table suggests (0 where the baseline won)
 said beside it; a spec's candidate steps load with its `_load_adaptive_config`, and the deployed engine command names
 them and parses with SGLang's parser.
+
+SGLang's resolution as an sm90 GPU is asked once for the module (`on_sm90`: one preflight subprocess, 6-12 s of
+importing SGLang's argument code on 2 cores, instead of one per test); each test asserts on its own argvs' answers.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from pipeline.decide.levels import Candidate, LevelInput, RunFigures, decide_lev
 from pipeline.search.space import load_space, resolve
 from serve.engines.base import ReplicaConfig, child_env
 from serve.engines.sglang.engine import ADAPTIVE_CONFIG_FILE, SglangEngine, resolved_problem, sglang_argv, write_adaptive_config
-from serve.engines.sglang.check import check_adaptive_config, installed_version, run_preflight
+from serve.engines.sglang.check import Preflight, check_adaptive_config, installed_version, run_preflight
 from serve.serving import COMMAND_FILE, Provenance, deploy_files, serving_config
 from serve.spec import DEFAULT_ADAPTIVE_STEPS, Eagle3Spec, EagleSpec, validate_spec
+from tests.sglang_servers import unkept_verdicts
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_sglang = pytest.mark.skipif(installed_version() is None,
@@ -36,14 +40,78 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
 
 
-@pytest.fixture
-def model(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(tmp_path)
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(folder)
 
 
 def gpu(model: str, spec) -> ReplicaConfig:
     return ReplicaConfig(engine="sglang", device="cuda", model=model, attention_backend="flashinfer", spec=spec)
+
+
+def off_cases(model: str) -> list[EagleSpec | Eagle3Spec]:
+    return [Eagle3Spec(draft_model=model, adaptive=True),  # SGLang: topk 1, the middle candidate
+            Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=1, num_draft_tokens=4),
+            Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=4, num_draft_tokens=8),  # off: topk 4
+            EagleSpec(draft_model=model, adaptive=True, num_steps=2, topk=1, num_draft_tokens=3)]  # 2: no candidate
+
+
+def eagle3_points(model: str) -> tuple[list[str], list[str]]:
+    """The argvs of the eagle3 space's adaptive point and of a static tree point, as the study resolves them."""
+    space = load_space(ROOT / "search_spaces" / "eagle3.yaml")
+    study = load_study(None, {"engine.kind": "sglang", "model.target": model, "model.drafts": {"eagle3": model}})
+    adaptive = resolve(space, {"algorithm": "eagle3", "eagle3.adaptive": True}, study)
+    static = resolve(space, {"algorithm": "eagle3", "eagle3.adaptive": False, "eagle3.num_steps": 3,
+                             "eagle3.topk": 4, "eagle3.num_draft_tokens": 8}, study)
+    assert adaptive.valid and static.valid
+    assert adaptive.config is not None and static.config is not None
+    return (sglang_argv(gpu(model, adaptive.config.spec), "127.0.0.1", 30000),
+            sglang_argv(gpu(model, static.config.spec), "h", 1))
+
+
+def tuned_replica(model: str, log_dir: Path) -> ReplicaConfig:
+    """The adaptive winner of `adaptive_study_decision` with its tuned steps, as a replica runs it."""
+    decision, specs = adaptive_study_decision(model)
+    tuned = tuned_adaptive_steps(decision, "adaptive", specs)
+    return ReplicaConfig(engine="sglang", device="cuda", model=model, attention_backend="flashinfer",
+                         spec=specs["adaptive"].model_copy(update={"adaptive_steps": tuned}), log_dir=str(log_dir))
+
+
+class Sm90:
+    """SGLang's resolution of argvs as an sm90 GPU: the argvs given at construction in one preflight, any other argv
+    when a test asks it."""
+
+    def __init__(self, argvs: list[list[str]]) -> None:
+        self.answers: dict[str, Preflight] = {}
+        self.ask(argvs)
+
+    def ask(self, argvs: list[list[str]]) -> list[Preflight]:
+        missing = [a for a in argvs if json.dumps(a) not in self.answers]
+        if missing:
+            with unkept_verdicts():  # every argv names this module's temporary folders
+                results = run_preflight(missing, gpu_arch="sm90")
+            assert results is not None and len(results) == len(missing)
+            self.answers.update(zip(map(json.dumps, missing), results))
+        return [self.answers[json.dumps(a)] for a in argvs]
+
+
+@pytest.fixture(scope="module")
+def replica_dir(tmp_path_factory) -> Path:
+    """The tuned replica's log folder, where it writes its adaptive config (the file's path is in its argv)."""
+    return tmp_path_factory.mktemp("replica")
+
+
+@pytest.fixture(scope="module")
+def on_sm90(model, replica_dir) -> Sm90:
+    """Every sm90 question of this module, asked together: the off cases, the eagle3 space's points, and the tuned
+    adaptive replica's argv with the adaptive config the replica writes."""
+    served = tuned_replica(model, replica_dir)
+    path = write_adaptive_config(served)
+    assert path is not None
+    return Sm90([sglang_argv(gpu(model, s), "127.0.0.1", 30000) for s in off_cases(model)]
+                + list(eagle3_points(model)) + [sglang_argv(served, "127.0.0.1", 30000, adaptive_config=path)])
 
 
 @needs_sglang
@@ -57,15 +125,9 @@ def test_our_default_tiers_are_sglangs():
 
 
 @needs_sglang
-def test_where_sglang_turns_adaptive_off_our_validation_and_the_replica_refuse_the_point(model):
-    cases: list[EagleSpec | Eagle3Spec] = [
-        Eagle3Spec(draft_model=model, adaptive=True),  # SGLang: topk 1, the middle candidate
-        Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=1, num_draft_tokens=4),
-        Eagle3Spec(draft_model=model, adaptive=True, num_steps=3, topk=4, num_draft_tokens=8),  # off: topk 4
-        EagleSpec(draft_model=model, adaptive=True, num_steps=2, topk=1, num_draft_tokens=3)]  # 2: no candidate
-    results = run_preflight([sglang_argv(gpu(model, s), "127.0.0.1", 30000) for s in cases], gpu_arch="sm90")
-    assert results is not None
-    on, chain, tree, off_candidates = results
+def test_where_sglang_turns_adaptive_off_our_validation_and_the_replica_refuse_the_point(model, on_sm90):
+    cases = off_cases(model)
+    on, chain, tree, off_candidates = on_sm90.ask([sglang_argv(gpu(model, s), "127.0.0.1", 30000) for s in cases])
     assert on.ok and on.resolved["speculative_adaptive"] is True and on.resolved["speculative_eagle_topk"] == 1
     assert chain.ok and chain.resolved["speculative_adaptive"] is True and resolved_problem(chain.resolved) is None
     assert validate_spec(cases[0]) == [] and validate_spec(cases[1]) == []
@@ -80,18 +142,10 @@ def test_where_sglang_turns_adaptive_off_our_validation_and_the_replica_refuse_t
 
 
 @needs_sglang
-def test_every_adaptive_point_of_the_eagle3_space_resolves_adaptive_in_sglang(model):
-    space = load_space(ROOT / "search_spaces" / "eagle3.yaml")
-    study = load_study(None, {"engine.kind": "sglang", "model.target": model, "model.drafts": {"eagle3": model}})
-    adaptive = resolve(space, {"algorithm": "eagle3", "eagle3.adaptive": True}, study)
-    static = resolve(space, {"algorithm": "eagle3", "eagle3.adaptive": False, "eagle3.num_steps": 3,
-                             "eagle3.topk": 4, "eagle3.num_draft_tokens": 8}, study)
-    assert adaptive.valid and static.valid
-    assert adaptive.config is not None and static.config is not None
-    argv = sglang_argv(gpu(model, adaptive.config.spec), "127.0.0.1", 30000)
+def test_every_adaptive_point_of_the_eagle3_space_resolves_adaptive_in_sglang(model, on_sm90):
+    argv, static = eagle3_points(model)
     assert "--speculative-adaptive" in argv and "--speculative-num-steps" not in argv
-    results = run_preflight([argv, sglang_argv(gpu(model, static.config.spec), "h", 1)], gpu_arch="sm90")
-    assert results is not None
+    results = on_sm90.ask([argv, static])
     assert all(r.ok for r in results), [r.error for r in results]
     assert results[0].resolved["speculative_adaptive"] is True
     assert results[1].resolved["speculative_adaptive"] is False
@@ -150,12 +204,9 @@ def test_an_adaptive_winner_is_served_as_its_finalist_runs_measured_it(model):
 
 
 @needs_sglang
-def test_the_tuned_config_round_trips_through_sglangs_loader_and_the_deployed_command_names_it(model, tmp_path):
-    decision, specs = adaptive_study_decision(model)
-    tuned = tuned_adaptive_steps(decision, "adaptive", specs)
-    served = ReplicaConfig(engine="sglang", device="cuda", model=model, attention_backend="flashinfer",
-                           spec=specs["adaptive"].model_copy(update={"adaptive_steps": tuned}),
-                           log_dir=str(tmp_path / "replica"))
+def test_the_tuned_config_round_trips_through_sglangs_loader_and_the_deployed_command_names_it(model, tmp_path,
+                                                                                               replica_dir, on_sm90):
+    served = tuned_replica(model, replica_dir)
     assert validate_spec(served.spec) == []
     serving = serving_config(served, Provenance(study="s", decision="promote", source="adaptive", workload="w",
                                                 workload_digest="0" * 16))
@@ -171,11 +222,14 @@ def test_the_tuned_config_round_trips_through_sglangs_loader_and_the_deployed_co
     assert f"--speculative-adaptive-config {ADAPTIVE_CONFIG_FILE}" in command and 'cd "$(dirname "$0")"' in command
     assert "--speculative-adaptive " in command
     exported = SglangEngine().command_argv(serving.replica, "127.0.0.1", 30000)
-    assert run_preflight([exported], parse_only=True) is not None
+    with unkept_verdicts():
+        assert run_preflight([exported], parse_only=True) is not None
     # The replica writes the same document on its node and SGLang resolves the engine with it.
     path = write_adaptive_config(served)
     assert path is not None and json.loads(Path(path).read_text()) == json.loads(files[ADAPTIVE_CONFIG_FILE])
-    (result,) = run_preflight([sglang_argv(served, "127.0.0.1", 30000, adaptive_config=path)], gpu_arch="sm90") or []
+    # asked with the module's other sm90 questions (`on_sm90`: the same document at the same path); SGLang is asked
+    # here only if this argv differs from that one
+    (result,) = on_sm90.ask([sglang_argv(served, "127.0.0.1", 30000, adaptive_config=path)])
     assert result.ok and result.resolved["speculative_adaptive"] is True, result.error
     assert result.resolved["speculative_adaptive_config"] == path
 

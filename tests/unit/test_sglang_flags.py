@@ -7,12 +7,17 @@ plus seeded random full points, must parse with zero unrecognized or ambiguous f
 its own, so covering every (flag, value) pair covers every point's flags. Flags are rendered from the ServerArgs
 fields of the version that parses them (never from a version number). Resolution: a table of cases where SGLang
 rewrites or rejects settings is checked against what our validation says.
+
+Each preflight is a subprocess that imports SGLang's argument code (6-12 s on 2 cores), so the module asks once per
+question kind: one parse of every argv per SGLang (the installed one's with the removed flags' argvs too), one
+resolution of every resolution case (`parsed`, `resolved`); each test asserts on its own argvs' answers.
 """
 
 import json
 import os
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ from serve.engines.spec_flags import SETTINGS, UnsupportedSetting, render_spec
 from serve.engines.sglang.engine import (SglangEngine, installed_version, launcher, run_preflight, server_arg_fields,
                                   sglang_argv)
 from serve.spec import EagleSpec, NgramSpec, StandaloneSpec, validate_spec
+from tests.sglang_servers import unkept_verdicts
 
 needs_sglang = pytest.mark.skipif(installed_version() is None, reason="sglang is not installed (CI installs it --no-deps)")
 SIDE_BY_SIDE = Path(os.environ.get("SPECDEC_SGLANG_PARSERS", Path.home() / ".cache/specdec-tuner/sglang"))
@@ -120,14 +126,38 @@ def test_every_bundled_point_renders_with_exact_names(tmp_path):
             assert "--speculative-num-steps" not in argv and "--speculative-eagle-topk" not in argv
 
 
+# Flags SGLang removed (a prefix of a flag it still has: ambiguous; a flag it dropped: unrecognized), parsed by the
+# installed SGLang in the same preflight as the bundled points' argvs.
+REMOVED = (["--cuda-graph-max-bs", "8"], ["--speculative-ngram-branch-length", "4"])
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory) -> Callable[[str | None], tuple[dict, list, list]]:
+    """`parsed(sglang_path)`: (the bundled points' argvs rendered from that SGLang's fields, its parser's verdict on
+    each, its verdict on each `REMOVED` argv -- the installed SGLang's only, else []), asked once per SGLang for the
+    module."""
+    model = tmp_path_factory.mktemp("model")
+    asked: dict[str | None, tuple[dict, list, list]] = {}
+
+    def ask(path: str | None) -> tuple[dict, list, list]:
+        if path not in asked:
+            fields = server_arg_fields(path)
+            assert fields and "speculative_ngram_max_trie_depth" in fields  # 0.5.22 too: the match-window flags are older
+            argvs = all_argvs(model, fields)
+            removed = [["sglang", "serve", "--model-path", str(model), *flags] for flags in REMOVED] if path is None \
+                else []
+            with unkept_verdicts():  # every argv names this module's temporary folder
+                results = run_preflight([json.loads(k) for k in argvs] + removed, parse_only=True, sglang_path=path)
+            assert results is not None and len(results) == len(argvs) + len(removed)
+            asked[path] = (argvs, results[:len(argvs)], results[len(argvs):])
+        return asked[path]
+
+    return ask
+
+
 @pytest.mark.parametrize("version", TESTED_VERSIONS)
-def test_every_bundled_point_parses_with_each_tested_sglang(tmp_path, version):
-    path = sglang_path(version)
-    fields = server_arg_fields(path)
-    assert fields and "speculative_ngram_max_trie_depth" in fields  # 0.5.22 too: the match-window flags are older
-    argvs = all_argvs(tmp_path, fields)
-    results = run_preflight([json.loads(k) for k in argvs], parse_only=True, sglang_path=path)
-    assert results is not None
+def test_every_bundled_point_parses_with_each_tested_sglang(parsed, version):
+    argvs, results, _ = parsed(sglang_path(version))
     bad = [(argvs[k], r.error) for k, r in zip(argvs, results) if not r.ok]
     assert bad == [], bad[:5]
 
@@ -176,25 +206,39 @@ def test_launcher_is_the_script_next_to_the_interpreter_never_a_name_on_path(tmp
 
 
 @needs_sglang
-def test_removed_flags_are_rejected_by_sglang(tmp_path):
-    base = ["sglang", "serve", "--model-path", str(tmp_path)]
-    results = run_preflight([base + ["--cuda-graph-max-bs", "8"], base + ["--speculative-ngram-branch-length", "4"]],
-                            parse_only=True)
-    assert results is not None
+def test_removed_flags_are_rejected_by_sglang(parsed):
+    _, _, results = parsed(None)
     assert "ambiguous option" in (results[0].error or "")
     assert "unrecognized arguments" in (results[1].error or "")
 
 
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> tuple[str, dict]:
+    """(a tiny model folder with a corpus file, {case: (spec, argv, SGLang's resolution of it)}) for the resolution
+    tests below, resolved by the installed SGLang in one preflight."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text('"def add(a, b):\\n    return a + b"\n')
+    model = str(folder)
+    specs = {"ngram": NgramSpec(num_draft_tokens=16, max_bfs_breadth=4, min_bfs_breadth=2),
+             "chain_fix": StandaloneSpec(draft_model=model, num_steps=3, topk=1, num_draft_tokens=8),
+             "partial": EagleSpec(draft_model=model, num_steps=3),
+             "corpus_good": NgramSpec(num_draft_tokens=8, external_corpus=str(corpus), external_sam_budget=3),
+             "corpus_too_big": NgramSpec(num_draft_tokens=4, external_corpus=str(corpus), external_sam_budget=5)}
+    argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000)
+             for s in specs.values()]
+    with unkept_verdicts():  # every argv names this module's temporary folder
+        results = run_preflight(argvs) or []
+    assert len(results) == len(specs)
+    return model, {case: (spec, argv, result) for (case, spec), argv, result in zip(specs.items(), argvs, results)}
+
+
 @needs_sglang
-def test_sglang_resolution_matches_our_rules(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    model = str(tmp_path)
-    ngram = NgramSpec(num_draft_tokens=16, max_bfs_breadth=4, min_bfs_breadth=2)
-    chain_fix = StandaloneSpec(draft_model=model, num_steps=3, topk=1, num_draft_tokens=8)
-    partial = EagleSpec(draft_model=model, num_steps=3)
-    specs = [ngram, chain_fix, partial]
-    argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000) for s in specs]
-    r_ngram, r_chain, r_partial = run_preflight(argvs) or []
+def test_sglang_resolution_matches_our_rules(resolved):
+    model, cases = resolved
+    (ngram, _, r_ngram), (chain_fix, _, r_chain), (partial, _, r_partial) = (cases[c] for c in
+                                                                              ("ngram", "chain_fix", "partial"))
 
     # NGRAM: SGLang copies max_bfs_breadth into topk and derives steps = draft // breadth; sets 48 running requests.
     assert r_ngram.ok, r_ngram.error
@@ -213,16 +257,10 @@ def test_sglang_resolution_matches_our_rules(tmp_path):
 
 
 @needs_sglang
-def test_external_corpus_flags_resolve_and_sglangs_budget_rule_is_ours(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('"def add(a, b):\\n    return a + b"\n')
-    model = str(tmp_path)
-    good = NgramSpec(num_draft_tokens=8, external_corpus=str(corpus), external_sam_budget=3)
-    too_big = NgramSpec(num_draft_tokens=4, external_corpus=str(corpus), external_sam_budget=5)
-    argvs = [sglang_argv(ReplicaConfig(engine="sglang", device="cuda", model=model, spec=s), "127.0.0.1", 30000) for s in (good, too_big)]
-    assert "--speculative-ngram-external-corpus-path" in argvs[0]
-    r_good, r_big = run_preflight(argvs) or []
+def test_external_corpus_flags_resolve_and_sglangs_budget_rule_is_ours(resolved):
+    _, cases = resolved
+    (good, good_argv, r_good), (too_big, _, r_big) = cases["corpus_good"], cases["corpus_too_big"]
+    assert "--speculative-ngram-external-corpus-path" in good_argv
     assert r_good.ok, r_good.error
     assert r_good.resolved["speculative_ngram_external_sam_budget"] == 3
     assert not r_big.ok and r_big.stage in ("resolve", "check") and "external_sam_budget" in (r_big.error or "")

@@ -17,7 +17,7 @@ from pipeline.simulate.replay import replay
 from pipeline.simulate.simulator import Simulator
 from pipeline.simulate.workload import answers_of, phases_for
 from serve.ngram import compiled
-from serve.spec import LlamaNgramSimpleSpec, NgramSpec
+from serve.spec import LlamaNgramSimpleSpec, NgramSpec, VllmNgramSpec
 
 STUDY = load_study(None, {"workload.source": "code-edit", "workload.measure_prompts": 4,
                           "workload.warmup_prompts": 4})
@@ -41,7 +41,7 @@ def configs(count: int, capacities: tuple[int, ...] = (40, 300, 100_000)) -> lis
 def replay_one(trial: TrialConfig, i: int):
     """The i-th of a list's replays: a lag of 1 round every other one, a prefix cache every third."""
     phases = phases_for(trial, WARMUP, MEASURE, ANSWERS, lag=i % 2)
-    assert isinstance(trial.spec, (NgramSpec, LlamaNgramSimpleSpec))
+    assert isinstance(trial.spec, (NgramSpec, LlamaNgramSimpleSpec, VllmNgramSpec))
     return replay(trial.spec, phases, max_running=trial.max_running_requests,
                   prefix=PrefixCache(page_size=1) if i % 3 == 0 else None)
 
@@ -75,18 +75,24 @@ def test_capacities_a_trie_never_came_near_share_one_replay_and_one_prediction()
     assert shared.replay(at[10**5]) is shared.replay(at[10**7]) is not small
 
 
-def test_ngram_simple_configs_that_differ_in_draft_length_search_each_history_once():
-    from pipeline.simulate import replay as module
+def test_chain_drafted_configs_that_differ_in_draft_length_search_each_history_once():
+    from pipeline.simulate import chains as module
 
-    trials = [TrialConfig(spec=LlamaNgramSimpleSpec(size_n=n, size_m=m)) for n in (1, 2, 3) for m in (2, 5, 16, 48)]
-    module._MATCHES.clear()
-    shared = replays(trials)  # the matches of one size_n are searched once and reused for every size_m
-    assert len(module._MATCHES) < sum(len(r.rounds) for r in shared)
-    alone = []
-    for i, trial in enumerate(trials):  # each with nothing remembered
-        module._MATCHES.clear()
-        alone.append(replay_one(trial, i))
-    assert alone == shared
+    for memo, trials in (
+            (module._SIMPLE, [TrialConfig(spec=LlamaNgramSimpleSpec(size_n=n, size_m=m)) for n in (1, 2, 3)
+                              for m in (2, 5, 16, 48)]),
+            # vLLM's ngram: one search per prompt_lookup_max, whatever K and prompt_lookup_min
+            (module._VLLM, [TrialConfig(spec=VllmNgramSpec(num_speculative_tokens=k, prompt_lookup_min=low,
+                                                           prompt_lookup_max=3))
+                            for k in (1, 4, 8) for low in (1, 3)])):
+        memo.clear()
+        shared = replays(trials)  # the matches of one setting are searched once and reused for every other
+        assert len(memo) < sum(len(r.rounds) for r in shared)
+        alone = []
+        for i, trial in enumerate(trials):  # each with nothing remembered
+            memo.clear()
+            alone.append(replay_one(trial, i))
+        assert alone == shared
 
 
 def test_a_bundled_space_is_predicted_in_full():

@@ -28,7 +28,7 @@ CPU_RUNS = {"standalone.yaml": ["--model", "qwen2.5-coder-1.5b", "--set", "model
                                       "model.drafts.standalone=qwen2.5-coder-0.5b"]}
 OTHER_ENGINE = {"eagle3.yaml": "--engine sglang", "llama-cpp-draft.yaml": "--engine llama_cpp",
                 "llama-cpp-ngram.yaml": "--engine llama_cpp", "llama-cpp-ngram-simple.yaml": "--engine llama_cpp",
-                "vllm-ngram.yaml": "--engine vllm"}
+                "vllm-ngram.yaml": "--engine vllm", "vllm-suffix.yaml": "--engine vllm"}
 
 
 @pytest.mark.parametrize("path", sorted(SEARCH_SPACES_DIR.glob("*.yaml")), ids=lambda p: p.name)

@@ -36,7 +36,7 @@ def test_the_spec_parses_validates_and_counts_its_draft_tokens():
 
 def test_the_kind_is_registered_through_the_engine_interface():
     engine = engine_for("vllm")
-    assert engine.kind == "vllm" and algorithms_of("vllm") == {"none", "vllm_ngram"}
+    assert engine.kind == "vllm" and algorithms_of("vllm") == {"none", "vllm_ngram", "vllm_suffix"}
     assert validate_trial(TrialConfig(spec=VllmNgramSpec()), "vllm") == []
     assert validate_trial(TrialConfig(spec=NoSpec()), "vllm") == []
     (problem,) = validate_trial(TrialConfig(spec=NgramSpec()), "vllm")  # SGLang's NGRAM is not vLLM's ngram

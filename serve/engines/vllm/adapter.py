@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from serve.engines.base import ConfigRejected, Engine, ReplicaConfig, python_module_argv
 from serve.engines.sglang.cpu.launch import model_folder
-from serve.engines.vllm import check, flags, install
-from serve.spec import VLLM_ALGORITHMS, validate_spec
+from serve.engines.vllm import check, deploy, flags, install
+from serve.spec import VLLM_ALGORITHMS, VllmSuffixSpec, validate_spec
 
-VLLM_COMMAND_FILE = "vllm_command.sh"
+VLLM_COMMAND_FILE = deploy.VLLM_COMMAND_FILE
 
 
 class VllmEngine(Engine):
@@ -25,6 +25,9 @@ class VllmEngine(Engine):
     model_forms = ("a local HF folder (with config.json and the model's own safetensors only) or a model id of the "
                    "CPU engine's store (converted once)")
     recommended_space = "vllm-ngram.yaml"
+    # the verify-cost probe's dialect (pipeline/measure/shape.py): vLLM's own `/v1/completions` (token-id prompts in
+    # one call, prompt logprobs), reached through the shim's forward; its prefix-cache hits from `/metrics`
+    extend_api = "openai"
     # docs/vllm.md, "Measured": ready after 53 s to 4 min on the 2-vCPU reference box shared with other work (26 s of
     # it vLLM's config check); its decode speed against the CPU engine's is not measured on a quiet box yet, so the
     # CPU engine's is taken
@@ -75,15 +78,16 @@ class VllmEngine(Engine):
         """`vllm_command.sh`: the winner's vLLM server alone (no shim), serving vLLM's own OpenAI routes on host:port
         with the environment the trial gave it (values of `engine.env` by name only)."""
         argv = [*self.server_argv(config), "--host", host, "--port", str(port)]
-        ours = flags.engine_env(self.cpus(config), config.threads)
-        env_lines = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in ours.items()
-                            if name not in config.env)
-        env_note = "".join(f"#   {name} must be set in vLLM's environment (engine.env / env_from)\n"
-                           for name in [*config.env, *config.env_from])
-        return {VLLM_COMMAND_FILE: (
-            "#!/bin/sh\n# vLLM's server exactly as the winning trial ran it behind the shim. The interpreter and model "
-            f"folder are those of\n# the machine that ran the study ({install.INSTALL_COMMAND} makes the venv; the "
-            "model store converts the folder).\n" + env_note + env_lines + "exec " + shlex.join(argv) + "\n")}
+        return deploy.winner_files(config, argv, self.tuned_env(config))
+
+    def level_deploy_files(self, served: Mapping[int, ReplicaConfig], host: str, port: int) -> dict[str, str]:
+        """A several-level policy's vLLM files: the second engine's bare command, the per-level K and, where one
+        server can express it, vLLM's per-batch-size table and its command (serve/engines/vllm/deploy.py)."""
+        return deploy.level_files(served, self.server_argv, self.tuned_env, host, port)
+
+    def tuned_env(self, config: ReplicaConfig) -> dict[str, str]:
+        """vLLM's variables as the tuner sets them for `config` (without the study's `engine.env`)."""
+        return flags.engine_env(self.cpus(config), config.threads)
 
     def actor_options(self, config: ReplicaConfig) -> dict[str, Any]:
         # vLLM uses its node's cores; the replica actor only proxies (as for the CPU engine and llama.cpp).
@@ -105,6 +109,9 @@ class VllmEngine(Engine):
         if problems:
             raise ConfigRejected("; ".join(map(str, problems)))
         python = install.require_python()
+        arctic = install.arctic_problem() if isinstance(config.spec, VllmSuffixSpec) else None
+        if arctic:  # the node lacks a package, the config is fine: a launch failure, not INVALID
+            raise install.VllmMissing(arctic)
         server = argv[argv.index("--") + 1:]
         folder = Path(server[server.index("--model") + 1])
         if not (folder / "config.json").is_file():

@@ -23,6 +23,9 @@ MARKER = "SPECDEC_VLLM_CHECK "
 TIMEOUT_S = 300.0  # vLLM's import and config resolution: ~10-30 s on 2 busy cores
 _VERDICTS: dict[tuple[str, ...], dict[str, Any]] = {}
 # The variables vLLM's config resolution reads that the adapter sets; the verdict is kept per their values.
+# vLLM's suffix-decoding keys of its SpeculativeConfig, reported as vLLM resolved them
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 _KEYED_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
               "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
@@ -78,6 +81,8 @@ def _resolve(flags: list[str]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - vLLM's config classes raise ValueError, TypeError, pydantic errors
         return {"error": f"{type(exc).__name__}: {exc}"}
     spec = config.speculative_config
+    suffix = {} if spec is None or spec.method != "suffix" else {
+        name: getattr(spec, name) for name in SUFFIX_FIELDS}
     return {
         "max_num_seqs": config.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
@@ -89,7 +94,7 @@ def _resolve(flags: list[str]) -> dict[str, Any]:
             "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
             "prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max,
             "num_speculative_tokens_per_batch_size": _table(getattr(spec, "num_speculative_tokens_per_batch_size",
-                                                                    None))},
+                                                                    None)), **suffix},
     }
 
 

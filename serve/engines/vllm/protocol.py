@@ -15,7 +15,9 @@ As in SGLang, the keys appear only when speculation is on and the request had a 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
+
+from serve.spec import VllmSuffixSpec
 
 
 class BadRequest(ValueError):
@@ -138,3 +140,35 @@ def metrics_since(now: dict[str, float], base: dict[str, float]) -> dict[str, fl
     """Counters since `base` (the shim's last flush): vLLM's counters only grow while it runs."""
     return {name: value - base.get(name, 0.0) for name, value in now.items()}
 
+
+
+GENERATED = "vllm:generation_tokens_total"
+
+
+def generated_tokens(text: str) -> float:
+    """vLLM's output tokens since its start, from a `/metrics` page (summed over label sets)."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is not None and match["name"] == GENERATED:
+            try:
+                total += float(match["value"])
+            except ValueError:
+                continue
+    return total
+
+
+def keeps_requests(spec: Any) -> bool:
+    """Whether vLLM's drafter carries anything from one request to the next: suffix decoding's global tree of earlier
+    outputs does (unless `suffix_decoding_max_cached_requests` is 0, which turns it off); the n-gram proposer reads
+    the request's own tokens only."""
+    return isinstance(spec, VllmSuffixSpec) and spec.suffix_decoding_max_cached_requests > 0
+
+
+def flush_action(spec: Any, generated_since_start: float) -> Literal["reset", "restart"]:
+    """What `/flush_cache` must do so that the next request meets an empty engine. `reset`: vLLM's
+    `/reset_prefix_cache` (the KV prefix cache). `restart`: a new vLLM process, because vLLM 0.32.0 has no route that
+    empties the suffix decoding cache (`/reset_prefix_cache` resets the scheduler's KV blocks only; `/collective_rpc`
+    calls worker methods by name and none reaches the drafter), and what the drafter kept from earlier requests would
+    feed the next measurement's drafts. A server that has generated nothing since its start holds nothing: reset."""
+    return "restart" if keeps_requests(spec) and generated_since_start > 0 else "reset"

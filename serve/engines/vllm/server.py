@@ -11,8 +11,11 @@ log), and serves:
   speculation counters from `/metrics` since the last flush and `internal_states[0].avg_spec_accept_length`;
 - `POST /flush_cache?timeout=S`: waits up to S for in-flight requests (400 if they remain, as SGLang answers), then
   empties vLLM's prefix cache (`/reset_prefix_cache`, served in its dev mode) and starts the counters afresh. vLLM's
-  n-gram drafter keeps nothing between requests, so nothing else holds state; unlike llama.cpp's shim it does not
-  restart the server (minutes on a CPU);
+  n-gram drafter keeps nothing between requests, so that is all it holds. Suffix decoding keeps earlier requests'
+  outputs in its global tree and vLLM 0.32.0 has no route that empties it (`protocol.flush_action`), so a suffix
+  server that generated anything since its start is restarted instead (1-4 min on 2 cores; `/health` answers 200
+  "flushing" meanwhile, as llama.cpp's shim does, so Serve does not replace the replica). That answer is an event
+  stream (`_restart_events`): a comment every few seconds while vLLM starts, then the result;
 - `POST /generate`: SGLang's native route, translated to `/v1/completions` by `protocol.py` (streaming included);
 - every other route (`/v1/*` OpenAI routes, `/metrics`, `/tokenize`, `/version`) is forwarded as it is.
 If vLLM exits on its own, the shim exits with its code, so the replica sees a dead engine.
@@ -42,6 +45,7 @@ from serve.spec import NoSpec, parse_spec
 from serve.sse import SseDecoder
 
 READY_POLL_S = 0.5
+HEARTBEAT_S = 5.0  # between the comments of a flush's restart stream (the trial's flush waits 35 s for a byte)
 
 
 def _say(message: str) -> None:
@@ -113,11 +117,18 @@ class Shim:
         self.metrics_base: dict[str, float] = {}
         self.version: str | None = None
         self.client: httpx.AsyncClient | None = None
+        self.restarting = False
+        self.starts = 0
 
     async def start_child(self) -> None:
+        self.ready = False
         self.child.start()
         await self.child.wait_ready(self.ready_timeout_s)
+        if self.client is not None:
+            await self.client.aclose()
         self.client = httpx.AsyncClient(base_url=self.child.url, timeout=httpx.Timeout(None, connect=10))
+        self.starts += 1
+        self.totals = Totals()
         with contextlib.suppress(httpx.HTTPError, ValueError):
             self.version = (await self.client.get("/version", timeout=10)).json().get("version")
         self.metrics_base = await self.metrics()
@@ -135,11 +146,11 @@ class Shim:
                 self.idle.set()
 
     async def watch_child(self) -> None:
-        """Exit with vLLM's code if it dies on its own."""
+        """Exit with vLLM's code if it dies on its own (not during a flush's restart)."""
         while True:
             await asyncio.sleep(0.5)
             process = self.child.process
-            if process is not None and process.poll() is not None:
+            if not self.restarting and process is not None and process.poll() is not None:
                 _say(f"vLLM exited with code {process.returncode}; the shim exits too")
                 os._exit(process.returncode or 1)
 
@@ -150,7 +161,23 @@ class Shim:
             return protocol.spec_metrics((await self.client.get("/metrics", timeout=10)).text)
         return {}
 
-    async def flush(self) -> dict[str, Any]:
+    async def flush_action(self) -> str:
+        """`reset` or `restart` (protocol.flush_action), from vLLM's output tokens since its start."""
+        assert self.client is not None
+        page = (await self.client.get("/metrics", timeout=10)).text
+        return protocol.flush_action(self.spec, protocol.generated_tokens(page))
+
+    async def restart(self) -> dict[str, Any]:
+        """A new vLLM process: its suffix cache, KV cache and counters all start empty."""
+        self.restarting = True
+        try:
+            self.child.stop()
+            await self.start_child()
+        finally:
+            self.restarting = False
+        return {"flushed": True, "restarted": True, "vllm_starts": self.starts}
+
+    async def reset(self) -> dict[str, Any]:
         assert self.client is not None
         answer = await self.client.post("/reset_prefix_cache", timeout=60)
         if answer.status_code != 200:
@@ -158,7 +185,7 @@ class Shim:
                                "(it is served only with VLLM_SERVER_DEV_MODE=1, which the adapter sets)")
         self.totals = Totals()
         self.metrics_base = await self.metrics()
-        return {"flushed": True}
+        return {"flushed": True, "restarted": False, "vllm_starts": self.starts}
 
     async def server_info(self) -> dict[str, Any]:
         argv = self.child.argv
@@ -170,6 +197,7 @@ class Shim:
             "max_running_requests": int(seqs) if seqs is not None else None,
             "dtype": argv[argv.index("--dtype") + 1] if "--dtype" in argv else None,
             "spec": self.spec.model_dump(mode="json"), "vllm_argv": argv, "model_name": self.model_name,
+            "vllm_starts": self.starts,
             "vllm_metrics": protocol.metrics_since(await self.metrics(), self.metrics_base),
             "internal_states": [self.totals.internal_state()],
         }
@@ -198,6 +226,10 @@ def build_app(shim: Shim) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if shim.restarting:
+            # a suffix server's flush restarts vLLM on purpose: the engine is not unhealthy, and a failed Serve health
+            # check here would replace the replica mid-trial
+            return JSONResponse({"status": "flushing"})
         if not shim.ready or shim.client is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         try:
@@ -214,7 +246,7 @@ def build_app(shim: Shim) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache(timeout: float = 0.0) -> Response:
-        if not shim.ready:
+        if not shim.ready or shim.restarting:
             return JSONResponse({"error": "starting"}, status_code=503)
         if shim.inflight:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -223,7 +255,9 @@ def build_app(shim: Shim) -> FastAPI:
             return JSONResponse({"error": f"{shim.inflight} request(s) in flight; flush refused (SGLang answers "
                                           "the same; pass ?timeout= to wait for idle)"}, status_code=400)
         try:
-            return JSONResponse(await shim.flush())
+            if await shim.flush_action() == "restart":
+                return StreamingResponse(_restart_events(shim), media_type="text/event-stream")
+            return JSONResponse(await shim.reset())
         except (RuntimeError, httpx.HTTPError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=500)
 
@@ -252,6 +286,29 @@ def build_app(shim: Shim) -> FastAPI:
 
     add_forward_route(app, shim)
     return app
+
+
+def _restart_events(shim: Shim) -> AsyncIterator[bytes]:
+    """A flush's restart as an event stream: a comment every HEARTBEAT_S while vLLM starts again (a minute or more on
+    a CPU), then the result. The trial's flush waits 35 s for a byte (pipeline/trial/engine_pass.py) and the replica
+    relays only event streams as they come, so a silent minute would read as a dead engine. A restart that fails
+    ends the shim, as a failed first start does: the replica then sees a dead engine."""
+
+    async def events() -> AsyncIterator[bytes]:
+        task = asyncio.ensure_future(shim.restart())
+        while not task.done():
+            yield b": restarting vLLM to empty its suffix cache\n\n"
+            await asyncio.wait({task}, timeout=HEARTBEAT_S)
+        try:
+            result = task.result()
+        except Exception as exc:  # noqa: BLE001 - any restart failure ends the engine with its reason in the log
+            _say(f"restart failed: {exc}")
+            shim.child.stop()
+            os._exit(3)
+        _say(f"flushed: vLLM restarted at {shim.child.url} (start {shim.starts})")
+        yield sse_event(result)
+
+    return events()
 
 
 def _stream(shim: Shim, body: dict[str, Any]) -> Response:
