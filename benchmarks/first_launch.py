@@ -9,10 +9,12 @@ Not a test.
     python benchmarks/first_launch.py study --engine sglang --runs 3        # SGLang 0.5.23's own server on the CPU
     python benchmarks/first_launch.py study --engine cpu --runs 3           # the CPU engine (its own round table)
     python benchmarks/first_launch.py study --engine llama_cpp --runs 3     # llama-server, ngram-simple
+    python benchmarks/first_launch.py study --engine vllm --runs 3          # vLLM's CPU server, its ngram lookup
     python benchmarks/first_launch.py probe --engine llama_cpp --levels 1,4  # the probe alone, on a fresh engine
 
 `study`: each run is a whole study (`search_spaces/default.yaml`; on llama-server
-`search_spaces/llama-cpp-ngram-simple.yaml`, the llama.cpp n-gram type the simulator replays; the templated workload
+`search_spaces/llama-cpp-ngram-simple.yaml`, the llama.cpp n-gram type the simulator replays; on vLLM
+`search_spaces/vllm-ngram.yaml`, its prompt lookup, replayed by pipeline/simulate/vllm_ngram.py; the templated workload
 -- answers repeat across requests, so the trie copies -- with its defaults, `budget.max_trials: 2`: the baseline and
 the best predicted config, no finalists) under `--output`/run-<i>; then its MLflow records are read back. `probe`:
 one engine started as a replica starts it (the baseline, no speculation), the probe run against it, the table
@@ -45,6 +47,10 @@ def study_overrides(engine: str, name: str, output: Path, threads: int | None) -
         over.update({"engine.kind": "sglang", "engine.device": "cpu", "engine.start_timeout_s": 600})
     elif engine == "llama_cpp":
         over.update({"engine.kind": "llama_cpp", "search_space": "llama-cpp-ngram-simple.yaml"})
+    elif engine == "vllm":
+        # vLLM sizes its own OpenMP pool (serve/engines/vllm/flags.py): its default thread count is the study's too
+        over.update({"engine.kind": "vllm", "search_space": "vllm-ngram.yaml", "engine.start_timeout_s": 900,
+                     "engine.threads": None})
     return over
 
 
@@ -56,6 +62,7 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
 
     from pipeline.config import load_study
     from pipeline.config.study import resolve_space_path
+    from pipeline.measure.server_info import ServerInfo
     from pipeline.measure.summary import to_records
     from pipeline.records.tracking import Tracker
     from pipeline.search.space import baseline_point, load_space, resolve
@@ -75,7 +82,8 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
     launch = next(r for r in runs if r.data.params.get("spec.algorithm") not in (None, "none"))
     with tempfile.TemporaryDirectory() as tmp:
         records = to_records(pq.read_table(client.download_artifacts(baseline.info.run_id, "requests.parquet", tmp)))
-        info = json.loads(Path(client.download_artifacts(baseline.info.run_id, "server_info.json", tmp)).read_text())
+        info = ServerInfo.from_text(
+            Path(client.download_artifacts(baseline.info.run_id, "server_info.json", tmp)).read_text())
     warmup, measure = workload_requests(study, prompt_ids=True)
     baseline_config = resolve(space, {"algorithm": "none", **baseline_point(space)}, study).config
     config = resolve(space, json.loads(launch.data.tags["optuna.params"]), study).config
@@ -84,8 +92,8 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
     # "online": what the study predicted and logged (prefills charged for what the engine's prefix cache did not
     # hold, when it has one), re-derived as a check; "prompt": the same with every prompt token charged (the model
     # before the prefix cache); "prior": the online prediction with the prior shape
-    for name, verify_cost, held in (("online", info.get("verify_cost"), prefix),
-                                    ("prompt", info.get("verify_cost"), None), ("prior", None, prefix)):
+    for name, verify_cost, held in (("online", info.verify_cost, prefix),
+                                    ("prompt", info.verify_cost, None), ("prior", None, prefix)):
         simulator = Simulator(answers_of(records), warmup, measure, arrival=study.workload.arrival, seed=study.seed,
                               lag=study.search.simulate.lag_rounds, prefix=held)
         base = base_cost(records, verify_cost, study.search_concurrency, prefix=held,
@@ -99,13 +107,13 @@ def read_back(output: Path, name: str) -> dict[str, Any]:
         launched = to_records(pq.read_table(client.download_artifacts(launch.info.run_id, "requests.parquet", tmp)))
     decode_measured = sum(r.e2e_s - (r.ttft_s or 0.0) for r in launched if r.phase == "measure")
     ttft_measured = [r.ttft_s for r in launched if r.phase == "measure"]
-    vc = info.get("verify_cost") or {}
+    vc = info.verify_cost or {}
     m, bm = launch.data.metrics, baseline.data.metrics
     return {"config": launch.data.tags.get("mlflow.runName", ""), "measured": m.get("tput_tok_s"),
             "logged_prediction": m.get("predicted_tput_tok_s"), "online": predicted["online"],
             "prompt": predicted["prompt"], "prior": predicted["prior"],
             "prefix_cache": prefix.model_dump() if prefix is not None else None,
-            "disable_radix_cache": info.get("disable_radix_cache"), "page_size": info.get("page_size"),
+            "disable_radix_cache": info.raw.get("disable_radix_cache"), "page_size": info.raw.get("page_size"),
             "predicted_ttft_p50_ms": m.get("predicted_ttft_p50_ms"), "measured_ttft_s": ttft_measured,
             "decode_measured_s": decode_measured, "spread": m.get("tput_spread"),
             "flag": launch.data.tags.get("measurement_flag"), "baseline": bm.get("tput_tok_s"),
@@ -207,12 +215,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     study = sub.add_parser("study", help="simulate-first studies; the first launch's predictions against it")
-    study.add_argument("--engine", choices=("sglang", "cpu", "llama_cpp"), default="sglang")
+    study.add_argument("--engine", choices=("sglang", "cpu", "llama_cpp", "vllm"), default="sglang")
     study.add_argument("--runs", type=int, default=3)
     study.add_argument("--threads", type=int, default=1, help="engine.threads (the engines' own tests use 1 here)")
     study.add_argument("--output", default="runs/first-launch")
     probe = sub.add_parser("probe", help="the HTTP probe alone on a freshly started baseline engine")
-    probe.add_argument("--engine", choices=("sglang", "llama_cpp", "cpu"), default="sglang")
+    probe.add_argument("--engine", choices=("sglang", "llama_cpp", "cpu", "vllm"), default="sglang")
     probe.add_argument("--levels", default="1", help="concurrency levels the plan covers (comma-separated)")
     probe.add_argument("--runs", type=int, default=2)
     probe.add_argument("--threads", type=int, default=1)

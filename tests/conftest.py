@@ -34,7 +34,8 @@ LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract,
             "end_to_end": "the closed loop and the endpoint's side of it, levels, distributed (PostgreSQL), "
                           "2-node cluster, serve deploy, the production driver and rolls, the fault study, "
                           "open-loop, corpus and STANDALONE simulate-first studies, an interrupted study resumed, "
-                          "a study beside an endpoint, a baseline queued again, re-runs that disagree"}
+                          "a study beside an endpoint, a baseline queued again, re-runs that disagree, the endpoint's "
+                          "engine killed and paused, the MLflow UI in a browser"}
 EVERY_TIER = "python -m pytest -q -n 2 --dist loadfile tests"
 
 

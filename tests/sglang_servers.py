@@ -21,13 +21,14 @@ import pytest
 from serve.engines.sglang import cpu as sglang_cpu
 from serve.engines.base import PROJECT_ROOT, ReplicaConfig
 
+
 @contextlib.contextmanager
 def unkept_verdicts() -> Iterator[None]:
     """SGLang asked afresh and its answers not kept (`SPECDEC_SGLANG_VERDICTS=0`), for questions that name a test's
     temporary folder: no later question can ever match them, and the machine's store
     (`serve.engines.sglang.verdicts`) drops its oldest-written half past 4,000 answers -- the long-kept ones that
     studies and engine starts read back at every run -- so each of them would only push a useful answer out
-    (a test of every bundled point wrote 860 per run). Questions without a temporary path (`server_arg_fields`)
+    (the test of every bundled point wrote 866 per run). Questions without a temporary path (`server_arg_fields`)
     still read the store."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_SGLANG_VERDICTS", "0")

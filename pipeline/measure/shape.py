@@ -35,7 +35,8 @@ CPU: torch's fp32 GEMM on 2 or 3 rows is slower than on 4 (SmolLM2-135M's LM hea
 (`dips`). What other work bends, the window check catches: the probe checks itself as a measurement window does
 (`pipeline.measure.window.judge_window` on the engine's node around it), and a disturbed table, or one with a step
 measured at no cost, is measured again (`attempts` in all) and the cleanest kept, flagged when none was clean.
-The plan, the bodies, the answers' checks and the table are pure; `probe_shape` does the I/O.
+The plan, the bodies, the answers' checks and the table are pure; `measure_shape` does the I/O, on the engine a
+trial already holds (`probe_shape`: on one known by its kind only).
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ from pipeline.measure.vllm_probe import (VLLM_PASSES, VLLM_WIDTHS, as_lines, cac
                                          completion_body, line_problem)
 from pipeline.measure.window import Window, judge_window
 from serve.engines import engine_for
+from serve.engines.base import Engine
 from serve.engines.round_table import first_dip
 from serve.replica.usage import Usage
 
 __all__ = ["Attempt", "BATCHES", "CONTEXT_TOKENS", "Call", "DECODE_TOKENS", "LONG_CONTEXT_TOKENS", "PASSES", "Plan",
-           "Prompts", "WIDTHS", "assemble", "body", "calls", "check_answer", "choose", "dips", "plan_for",
-           "probe_shape", "table_problem"]
+           "Prompts", "WIDTHS", "assemble", "body", "calls", "check_answer", "choose", "dips",
+           "measure_shape", "plan_for", "probe_shape", "table_problem"]
 
 CONTEXT_TOKENS = 128  # the CPU engine's round table's context (serve/engines/cpu/probe.py)
 LONG_CONTEXT_TOKENS = 512
@@ -100,13 +102,13 @@ class Call:
     rows: bool = False
 
 
-def plan_for(engine_kind: str, levels: Sequence[int], max_running: int | None = None) -> Plan:
-    """The plan for an engine kind and the study's concurrency levels: rows of 2 and 4 requests only where a level
+def plan_for(engine: Engine, levels: Sequence[int], max_running: int | None = None) -> Plan:
+    """The plan for an engine and the study's concurrency levels: rows of 2 and 4 requests only where a level
     puts that many in flight (the cost model extrapolates past the largest row), never past the engine's cap."""
     top = max(levels or [1])
     cap = max_running if max_running and max_running > 0 else top
     batches = tuple(b for b in BATCHES if b == 1 or (b < 2 * top and b <= cap))
-    dialect = engine_for(engine_kind).extend_api
+    dialect = engine.extend_api
     if dialect == VLLM:
         return Plan(dialect=dialect, batches=batches, widths=VLLM_WIDTHS, head_rows=VLLM_WIDTHS, passes=VLLM_PASSES)
     return Plan(dialect=dialect, batches=batches)
@@ -321,16 +323,22 @@ def _measure(client: httpx.Client, plan: Plan, prompts: Prompts, wait_limit: flo
     return Attempt(table, window, table_problem(table), repeated, time.monotonic() - started)
 
 
-def probe_shape(url: str, engine_kind: str, levels: Sequence[int], *, max_running: int | None = None,
-                attempts: int = 3, wait_limit: float = 0.15, timeout_s: float = 300.0, seed: int = 0
-                ) -> dict[str, Any]:
-    """The engine's round table measured at `url` (the trial's route to its engine), as a `verify_cost` record:
+def probe_shape(url: str, engine_kind: str, levels: Sequence[int], **options: Any) -> dict[str, Any]:
+    """`measure_shape` of the engine of kind `engine_kind` at `url`, for a caller that knows its kind only (a
+    benchmark, an engine's own test); a trial hands in the engine it holds instead."""
+    return measure_shape(url, engine_for(engine_kind), levels, **options)
+
+
+def measure_shape(url: str, engine: Engine, levels: Sequence[int], *, max_running: int | None = None,
+                  attempts: int = 3, wait_limit: float = 0.15, timeout_s: float = 300.0, seed: int = 0
+                  ) -> dict[str, Any]:
+    """`engine`'s round table measured at `url` (the trial's route to it), as a `verify_cost` record:
     `round_cost` (the table), `source` "http-probe", `disturbance` (the kept attempt's run-queue wait and steal
     shares), `flag` (clean, re-measured, disturbed, suspect or unchecked), `dips` (a cell below a narrower or smaller
     one), `attempts`, `repeated` (calls repeated after a cache miss), `seconds`.
     Never raises: an engine that cannot be probed gives a record with `error` and no table (the cost model then
     takes its prior)."""
-    plan = plan_for(engine_kind, levels, max_running)
+    plan = plan_for(engine, levels, max_running)
     started = time.monotonic()
     tried: list[Attempt] = []
     prompts = Prompts(seed)

@@ -22,7 +22,7 @@ from pipeline.config import StudyConfig, TrialConfig
 from pipeline.measure.load import LoadRequest, run_phase
 from pipeline.measure.measurement import Measurement
 from pipeline.measure.server_info import PlainSteps, ServerInfo
-from pipeline.measure.shape import probe_shape
+from pipeline.measure.shape import measure_shape
 from pipeline.measure.summary import RequestRecord, summarize
 from pipeline.measure.window import judge_window, step_ratio
 from pipeline.records.console import note_phase
@@ -106,12 +106,13 @@ def measure_config(ctx: TrialContext, trial: TrialConfig, label: str, log_dir: P
             config, corpus = shipped_replica_config(ctx.study, trial, ctx.warmup, log_dir)
         except ValueError as exc:
             raise TrialFailure(Outcome.INVALID, str(exc)) from None
-        problem = cluster_cannot_host(config)
+        problem = cluster_cannot_host(config, ctx.engine)
         if problem:
             raise TrialFailure(Outcome.LAUNCH_FAILED, problem)
         note_phase(log_dir, "engine", config=config_label(trial))
         try:  # `trial_wait_s`: a cold node's allowance too
-            live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config, trial_wait_s(config))
+            live, out.replica = start_engine(ctx.study.name, label, ctx.serve_url, config,
+                                             trial_wait_s(config, ctx.engine), ctx.engine)
         except TimeoutError as exc:
             raise TrialFailure(Outcome.TIMEOUT, str(exc)) from None
         except RuntimeError as exc:
@@ -282,10 +283,10 @@ def _measure(ctx: TrialContext, trial: TrialConfig, url: str, watch: Watch | Non
         # one attempt more when the window was disturbed (none with `workload.remeasure: 0`): what held the CPU during
         # the baseline's windows (a study's own start-up work) often still holds it, and each attempt costs about as
         # much as the baseline's measurement
-        probed = probe_shape(url, study.engine.kind, study.concurrency,
-                             max_running=out.server_info.max_running_requests,
-                             attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
-                             timeout_s=study.engine.request_timeout_s, seed=study.seed)
+        probed = measure_shape(url, ctx.engine, study.concurrency,
+                               max_running=out.server_info.max_running_requests,
+                               attempts=1 + min(1, study.workload.remeasure), wait_limit=study.workload.wait_limit,
+                               timeout_s=study.engine.request_timeout_s, seed=study.seed)
         out.server_info = out.server_info.with_keys(verify_cost=probed)
         out.timings["shape_probe_s"] = time.monotonic() - phase_start
         note_phase(log_dir, "shape-probe", check=probed.get("window"))

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from serve.engines.base import ReplicaConfig
+from serve.engines.base import Engine, ReplicaConfig
 from serve.replica.placement import actor_options, unplaceable
 from serve.replica.status import MISSING, STARTING, app_state, wait_for_app
 
@@ -163,13 +163,14 @@ def launch_fresh(study_name: str) -> None:
 
 
 def start_engine(study_name: str, label: str, serve_url: str, config: ReplicaConfig,
-                 timeout_s: float) -> tuple[LiveApp, str]:
+                 timeout_s: float, engine: Engine) -> tuple[LiveApp, str]:
     """This trial's engine running and healthy, in this process's live app of the study ("reused"), in the study's
     standby replica ("standby") or in a fresh app named after `label` ("new"); `timeout_s` bounds a replica actor's
     placement (the engine's start follows its phases, `wait_started`). Raises like `deploy`: TimeoutError,
     RuntimeError with the engine's reason (ConfigRejected's marker when the engine refused the config). On a raise
-    the app tried stays `live_app`, so the caller can fetch its engine log before `release`."""
-    options = actor_options(config)
+    the app tried stays `live_app`, so the caller can fetch its engine log before `release`. `engine`: `config`'s,
+    as the trial holds it (`TrialContext.engine`): the replica's options come from it, not from its kind again."""
+    options = engine.actor_options(config)
     fresh_launch = study_name in FRESH
     FRESH.discard(study_name)
     live = LIVE.get(study_name)
@@ -292,8 +293,9 @@ def deploy(live: LiveApp, config: ReplicaConfig, timeout_s: float) -> None:
     from serve.replica.deployment import EngineReplica
 
     name = live.name
-    # @serve.deployment made the class a Deployment (mypy sees the class)
-    target = EngineReplica.options(ray_actor_options=actor_options(config)).bind(  # type: ignore[attr-defined]
+    # @serve.deployment made the class a Deployment (mypy sees the class); the options `live` was named with, copied:
+    # Serve keeps the dict it is given, and `can_reuse` compares `live.options` with the next trial's
+    target = EngineReplica.options(ray_actor_options=dict(live.options)).bind(  # type: ignore[attr-defined]
         config.to_replica(), standby=True)
     serve.run_many([serve.RunTarget(target, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
     # just deployed: MISSING (not registered yet) and DELETING (a previous app of the name going) are still starting
@@ -328,11 +330,11 @@ def teardown(name: str, wait: bool = True) -> None:
         pass
 
 
-def cluster_cannot_host(config: ReplicaConfig) -> str | None:
+def cluster_cannot_host(config: ReplicaConfig, engine: Engine) -> str | None:
     """Checked from the cluster's totals before deploying, not on a node: a replica no node can host would wait for
-    resources until the deploy timeout."""
+    resources until the deploy timeout. `engine`: as `start_engine`'s."""
     # lazy: Ray takes seconds to import; only the paths that use the cluster pay for it
     import ray
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    return unplaceable(actor_options(config), nodes)
+    return unplaceable(engine.actor_options(config), nodes)

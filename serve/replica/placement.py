@@ -15,7 +15,9 @@ LOG_TAIL_BYTES = 8000
 
 
 def actor_options(config: ReplicaConfig) -> dict[str, Any]:
-    """`ray_actor_options` of the replica that owns `config`'s engine (its engine kind decides)."""
+    """`ray_actor_options` of the replica that owns `config`'s engine (its engine kind decides), for a caller that
+    holds a config only (the production roll, the replica itself, the driver's standby); a trial asks the engine it
+    holds (`Engine.actor_options`)."""
     return engine_for(config.engine).actor_options(config)
 
 

@@ -14,6 +14,7 @@ import pytest
 from pipeline.measure.shape import (CONTEXT_TOKENS, VLLM_WIDTHS, Call, Prompts, body, cache_hits, check_answer,
                                     plan_for, probe_shape)
 from pipeline.simulate.cost import round_table
+from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 from serve.engines.vllm import install
 from serve.replica.deployment import EngineProcess
@@ -48,7 +49,7 @@ def test_the_probe_measures_vllms_table_on_cached_contexts_and_its_lm_head_apart
 
 
 def test_a_context_vllm_never_cached_is_a_cache_miss_by_its_own_metrics(baseline):
-    plan, prompts = plan_for("vllm", [1]), Prompts(seed=99)
+    plan, prompts = plan_for(engine_for("vllm"), [1]), Prompts(seed=99)
     call = Call(1, 2, 1, CONTEXT_TOKENS)
     verdicts = []
     with httpx.Client(base_url=baseline.url, timeout=300) as client:

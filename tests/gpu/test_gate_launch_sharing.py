@@ -20,11 +20,13 @@ import pytest
 
 from pipeline.study.driver import connect_ray
 from pipeline.trial.replicas import delete_study_apps, launch_fresh, release, start_engine
+from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 from serve.engines.sglang.engine import installed_version
 
 MODEL = os.environ.get("SPECDEC_GPU_MODEL")
 STUDY = "gpu-sharing"
+ENGINE = engine_for("sglang")  # the engine of `config`'s replicas
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="no GPU (nvidia-smi not found)"),
@@ -45,20 +47,20 @@ def test_sglang_starts_report_phases_and_equal_settings_share_one_launch(tmp_pat
     ngram = {"algorithm": "ngram", "num_draft_tokens": 8, "max_bfs_breadth": 4, "external_sam_budget": 2}
     try:
         first_app, _ = start_engine(STUDY, "a", serve_url,
-                                    config(tmp_path, "a", {**ngram, "external_corpus": str(corpus)}), 2000)
+                                    config(tmp_path, "a", {**ngram, "external_corpus": str(corpus)}), 2000, ENGINE)
         first = httpx.get(f"{first_app.url}/replica/argv", timeout=30).json()
         assert {"preflight", "loading", "corpus"} <= set(first["phases"]) and not first["launch"]["shared"]
         listed = httpx.get(f"{first_app.url}/list_external_corpora", timeout=30).json()
         assert listed["success"] and listed["corpus_token_counts"] == {str(corpus):
                                                                        first["corpus"]["loaded_token_count"]}
-        second_app, _ = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), 2000)
+        second_app, _ = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), 2000, ENGINE)
         second = httpx.get(f"{second_app.url}/replica/argv", timeout=30).json()
         assert second["launch"]["shared"] and second["pid"] == first["pid"]
         assert httpx.get(f"{second_app.url}/list_external_corpora", timeout=30).json()["corpus_token_counts"] == {}
         body = {"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
         assert httpx.post(f"{second_app.url}/generate", json=body, timeout=300).status_code == 200
         launch_fresh(STUDY)
-        third_app, _ = start_engine(STUDY, "c", serve_url, config(tmp_path, "c", ngram), 2000)
+        third_app, _ = start_engine(STUDY, "c", serve_url, config(tmp_path, "c", ngram), 2000, ENGINE)
         third = httpx.get(f"{third_app.url}/replica/argv", timeout=30).json()
         assert not third["launch"]["shared"] and third["pid"] != first["pid"]
         assert third["phases"]["stopping"] >= 0 and third["phases"]["loading"] > 0

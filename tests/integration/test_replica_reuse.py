@@ -22,6 +22,7 @@ from pipeline.trial.replicas import (
     start_standby,
 )
 from pipeline.study.driver import connect_ray
+from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 from serve.replica.placement import actor_options
 from tests.integration.conftest import SMOL, TEST_THREADS
@@ -29,6 +30,7 @@ from tests.integration.conftest import SMOL, TEST_THREADS
 pytestmark = pytest.mark.integration
 STUDY = "it-reuse"
 TIMEOUT_S = 360.0
+ENGINE = engine_for("cpu")  # the engine of `config`'s replicas
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +66,20 @@ def generate(url: str) -> str:
     return response.json()["text"]
 
 
+def torch_default_threads() -> int:
+    """torch's thread count in a process started without `OMP_NUM_THREADS` (every core)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                              capture_output=True, text=True, check=True, timeout=120).stdout)
+
+
 def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fresh_app(serve_url, tmp_path):
     from ray import serve
 
     # The driver's standby (no engine): the first trial process claims it and starts its engine there; nobody else
     # gets it.
     assert start_standby(STUDY, config(tmp_path, "standby"))
-    first, how = start_engine(STUDY, "a", serve_url, config(tmp_path, "a"), TIMEOUT_S)
+    first, how = start_engine(STUDY, "a", serve_url, config(tmp_path, "a"), TIMEOUT_S, ENGINE)
     assert how == "standby" and first.name == standby_name(STUDY)
     assert claim_standby(STUDY, serve_url, actor_options(config(tmp_path, "x")), TIMEOUT_S) is None
     before = replica_of(first.url)
@@ -78,7 +87,7 @@ def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fre
     generate(first.url)
 
     ngram = {"algorithm": "ngram", "num_draft_tokens": 3, "max_bfs_breadth": 1}
-    second, how = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), TIMEOUT_S)
+    second, how = start_engine(STUDY, "b", serve_url, config(tmp_path, "b", ngram), TIMEOUT_S, ENGINE)
     after = replica_of(second.url)
     assert how == "reused" and second == first  # same app, same route
     assert after["replica_pid"] == before["replica_pid"]  # the same actor: no new Ray worker
@@ -89,20 +98,23 @@ def test_engine_restarts_in_the_live_replica_and_any_failure_falls_back_to_a_fre
     # A start that fails: the trial gets the engine's reason, and the failed engine's own log stays readable.
     with pytest.raises(RuntimeError, match="exited with code 3"):
         start_engine(STUDY, "c", serve_url, config(tmp_path, "c", extra=("--test-fault", "exit-at-start")),
-                     TIMEOUT_S)
+                     TIMEOUT_S, ENGINE)
     failed = live_app(STUDY)
     assert failed is not None and failed.name == first.name
     log = httpx.get(f"{failed.url}/replica/log", timeout=30)
     assert log.status_code == 200 and "TEST FAULT exit-at-start" in log.text
     release(STUDY)  # what a trial does after any failure
 
-    third, how = start_engine(STUDY, "d", serve_url, config(tmp_path, "d"), TIMEOUT_S)
+    # The fresh app's engine with `threads: None` gets torch's own default (every core), not the `OMP_NUM_THREADS=1`
+    # Ray sets in the replica actor (0.1 CPU) that starts it: checked on this launch, not on one more of its own.
+    third, how = start_engine(STUDY, "d", serve_url, config(tmp_path, "d", threads=None), TIMEOUT_S, ENGINE)
     assert how == "new" and third.name == app_name(STUDY, "d")
     assert replica_of(third.url)["replica_pid"] != before["replica_pid"]
+    assert httpx.get(f"{third.url}/server_info", timeout=30).json()["torch_threads"] == torch_default_threads()
     generate(third.url)
 
     # Other ray_actor_options (resources, placement are the actor's): a fresh app, the old one deleted.
-    fourth, how = start_engine(STUDY, "e", serve_url, config(tmp_path, "e", replica_cpus=0.2), TIMEOUT_S)
+    fourth, how = start_engine(STUDY, "e", serve_url, config(tmp_path, "e", replica_cpus=0.2), TIMEOUT_S, ENGINE)
     assert how == "new" and fourth.name == app_name(STUDY, "e")
     generate(fourth.url)
     deadline = time.monotonic() + 120  # the delete did not wait (no GPU): the controller finishes it
@@ -129,7 +141,7 @@ def test_phases_are_reported_and_equal_engine_settings_share_one_launch(serve_ur
     corpus.write_text('"def add(a, b):\\n    return a + b"\n')
     ngram = {"algorithm": "ngram", "num_draft_tokens": 4, "max_bfs_breadth": 1, "external_sam_budget": 2}
     first_app, _ = start_engine(STUDY, "p", serve_url, config(tmp_path, "p", {**ngram, "external_corpus": str(corpus)}),
-                                TIMEOUT_S)
+                                TIMEOUT_S, ENGINE)
     first = replica_of(first_app.url)
     assert first["launch"]["shared"] is False and first["startup_s"] > 0
     assert {"stopping", "preflight", "loading", "corpus"} <= set(first["phases"])
@@ -141,7 +153,7 @@ def test_phases_are_reported_and_equal_engine_settings_share_one_launch(serve_ur
     log = httpx.get(f"{first_app.url}/replica/log", timeout=30).text
     assert "[replica] start done: stopping" in log and "loading" in log
 
-    second_app, _ = start_engine(STUDY, "q", serve_url, config(tmp_path, "q", ngram), TIMEOUT_S)
+    second_app, _ = start_engine(STUDY, "q", serve_url, config(tmp_path, "q", ngram), TIMEOUT_S, ENGINE)
     second = replica_of(second_app.url)
     assert second["launch"]["shared"] is True and second["pid"] == first["pid"] and second["startup_s"] is None
     assert httpx.get(f"{second_app.url}/list_external_corpora", timeout=30).json()["corpus_token_counts"] == {}
@@ -149,19 +161,7 @@ def test_phases_are_reported_and_equal_engine_settings_share_one_launch(serve_ur
     assert "launch shared" in httpx.get(f"{second_app.url}/replica/log", timeout=30).text
 
     launch_fresh(STUDY)
-    third_app, _ = start_engine(STUDY, "r", serve_url, config(tmp_path, "r", ngram), TIMEOUT_S)
+    third_app, _ = start_engine(STUDY, "r", serve_url, config(tmp_path, "r", ngram), TIMEOUT_S, ENGINE)
     third = replica_of(third_app.url)
     assert third["launch"]["shared"] is False and third["pid"] != first["pid"] and not group_alive(first["pid"])
     assert generate(third_app.url)
-
-
-def test_unset_threads_give_the_engine_every_core_not_the_actors_one(serve_url, tmp_path):
-    """`threads: None` is torch's own default in the engine process (every core), not the `OMP_NUM_THREADS=1` Ray
-    sets in the replica actor (0.1 CPU) that starts it."""
-    release(STUDY)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
-                                 capture_output=True, text=True, check=True, timeout=120).stdout)
-    app, _ = start_engine(STUDY, "t", serve_url, config(tmp_path, "t", threads=None), TIMEOUT_S)
-    info = httpx.get(f"{app.url}/server_info", timeout=30).json()
-    assert info["torch_threads"] == default

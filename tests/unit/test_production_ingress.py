@@ -24,6 +24,7 @@ from serve.closed_loop.capture import Capture
 from serve.http_errors import EngineUnavailable, RequestRejected, failure_answer
 from serve.http_limits import MAX_JSON_DEPTH, BadJson, check_max_tokens, fill_max_tokens, parse_json, read_body
 from serve.production.settings import ProductionSettings
+from serve.production.stream_relay import relay
 
 
 def _global_names(code):
@@ -97,6 +98,93 @@ def test_a_dead_engine_is_a_503_with_retry_after_and_is_counted():
     assert response.status_code == 503 and response.headers["retry-after"] == str(obj.settings.retry_after_s)
     assert "exited with code -9" in json.loads(response.body)["error"]["message"]
     assert obj.metrics.requests.labels("/v1/completions", "503")._value.get() == 1
+
+
+class _HealthCall:
+    """A Serve handle call to an engine's /health: answers `answer` (an exception is raised), or never answers when
+    it is None, as a paused engine; records its cancellation."""
+
+    def __init__(self, answer: tuple | BaseException | None) -> None:
+        self.answer, self.cancelled = answer, False
+
+    def __await__(self):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if self.answer is None:
+            yield from asyncio.Event().wait().__await__()
+        return self.answer
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _EngineHandle:
+    def __init__(self, answer: tuple | BaseException | None) -> None:
+        self.answer, self.call = answer, self
+        self.calls: list[_HealthCall] = []
+
+    def remote(self, method: str, path: str) -> _HealthCall:
+        assert (method, path) == ("GET", "/health")
+        self.calls.append(_HealthCall(self.answer))
+        return self.calls[-1]
+
+
+def _health(obj) -> Any:
+    return asyncio.run(asyncio.wait_for(obj.health(), 60))  # a /health that hangs fails here instead
+
+
+def test_health_is_503_for_a_dead_engine_and_a_bounded_504_for_one_that_never_answers():
+    # The cheap check of what tests/end_to_end/test_production_faults.py does to a real engine (SIGKILL, SIGSTOP).
+    obj = _bare_ingress()
+    obj.settings = ProductionSettings(config_file="unused.json", health_timeout_s=0.05)
+    obj.gap = None
+    healthy: tuple[int, dict, bytes] = (200, {}, b"")
+    obj.engines = {"low": _EngineHandle(healthy), "high": _EngineHandle(healthy)}
+    assert _health(obj).status_code == 200
+    obj.engines["high"] = _EngineHandle(EngineUnavailable("the engine exited with code -9"))
+    gone = _health(obj)
+    assert gone.status_code == 503 and gone.headers["retry-after"] == str(obj.settings.retry_after_s)
+    assert "exited with code -9" in json.loads(gone.body)["error"]["message"]
+    paused = obj.engines["high"] = _EngineHandle(None)  # healthy only when every engine is
+    wedged = _health(obj)
+    error = json.loads(wedged.body)["error"]
+    assert wedged.status_code == 504 and error["code"] == 504 and "health_timeout_s=0.05" in error["message"]
+    assert paused.calls[-1].cancelled
+    assert [obj.metrics.requests.labels("/health", s)._value.get() for s in ("200", "503", "504")] == [1, 1, 1]
+
+
+class _DyingStream:
+    """A Serve streaming call that gives one chunk cut mid-event, then fails as a killed engine's call does."""
+
+    def __init__(self) -> None:
+        self.sent, self.cancelled = False, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.sent:
+            self.sent = True
+            return b'data: {"choices": [{"text": "one,'
+        raise EngineUnavailable("the engine exited with code -9")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_stream_whose_engine_dies_ends_with_a_503_event_then_done():
+    stream, failed, released = _DyingStream(), list[int](), list[bool]()
+
+    async def scenario() -> list[bytes]:
+        return [chunk async for chunk in relay(stream, 60, lambda: released.append(True), failed.append)]
+
+    chunks = asyncio.run(scenario())
+    assert len(chunks) == 2 and chunks[0].startswith(b"data: ")
+    # the cut event is closed first, so that the client reads the error as an event of its own
+    assert chunks[1].startswith(b"\n\ndata: ") and chunks[1].endswith(b"data: [DONE]\n\n")
+    error = json.loads(chunks[1].split(b"data: ")[1])["error"]
+    assert error["code"] == 503 and "exited with code -9" in error["message"]
+    assert failed == [503] and stream.cancelled and released == [True]
 
 
 def test_failures_map_to_their_cause():

@@ -13,36 +13,37 @@ from pipeline.measure.server_info import ServerInfo
 from pipeline.measure.window import Window
 from pipeline.simulate.cost import CostModel, round_table
 from pipeline.simulate.replay import Round
+from serve.engines import engine_for
 
 
 def test_the_plan_measures_the_batches_the_study_puts_in_flight_in_the_engines_dialect():
-    assert plan_for("sglang", [1]).batches == (1,)
-    assert plan_for("sglang", [2]).batches == (1, 2)
-    assert plan_for("sglang", [1, 4]).batches == (1, 2, 4)  # the finalists' levels are predicted too
-    assert plan_for("sglang", [8], max_running=2).batches == (1, 2)  # never past the engine's cap
-    sglang, llama = plan_for("sglang", [1]), plan_for("llama_cpp", [1])
+    assert plan_for(engine_for("sglang"), [1]).batches == (1,)
+    assert plan_for(engine_for("sglang"), [2]).batches == (1, 2)
+    assert plan_for(engine_for("sglang"), [1, 4]).batches == (1, 2, 4)  # the finalists' levels are predicted too
+    assert plan_for(engine_for("sglang"), [8], max_running=2).batches == (1, 2)  # never past the engine's cap
+    sglang, llama = plan_for(engine_for("sglang"), [1]), plan_for(engine_for("llama_cpp"), [1])
     assert (sglang.dialect, sglang.all_rows) == ("generate", True)
     assert (llama.dialect, llama.all_rows) == ("completion", False)
 
 
 def test_each_pass_times_the_step_pairs_and_every_width():
-    sglang = calls(plan_for("sglang", [2]))
+    sglang = calls(plan_for(engine_for("sglang"), [2]))
     assert Call(2, 1, 1, CONTEXT_TOKENS) in sglang and Call(2, 1, DECODE_TOKENS, CONTEXT_TOKENS) in sglang
     assert [c.width for c in sglang if c.rows and c.batch == 2] == list(WIDTHS)  # width 1 with every row's logits
     assert sglang[-2:] == [Call(1, 1, 1, LONG_CONTEXT_TOKENS), Call(1, 1, DECODE_TOKENS, LONG_CONTEXT_TOKENS)]
-    llama = calls(plan_for("llama_cpp", [1]))
+    llama = calls(plan_for(engine_for("llama_cpp"), [1]))
     assert not any(c.rows for c in llama)
     assert [c.width for c in llama if c.generate == 1 and c.context == CONTEXT_TOKENS] == list(WIDTHS)  # no twin
 
 
 def test_the_bodies_ask_for_one_batched_call_with_every_rows_logits_where_the_api_has_them():
     prompts = [[1, 2, 3], [4, 5, 6]]
-    route, sglang = body(plan_for("sglang", [2]), Call(2, 2, 1, 1, rows=True), prompts)
+    route, sglang = body(plan_for(engine_for("sglang"), [2]), Call(2, 2, 1, 1, rows=True), prompts)
     assert route == "/generate" and sglang["input_ids"] == prompts
     assert sglang["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
     assert sglang["return_logprob"] is True and sglang["logprob_start_len"] == 1
-    assert "return_logprob" not in body(plan_for("sglang", [2]), Call(2, 1, 9, 1), prompts)[1]
-    route, llama = body(plan_for("llama_cpp", [2]), Call(2, 2, 9, 1), prompts)
+    assert "return_logprob" not in body(plan_for(engine_for("sglang"), [2]), Call(2, 1, 9, 1), prompts)[1]
+    route, llama = body(plan_for(engine_for("llama_cpp"), [2]), Call(2, 2, 9, 1), prompts)
     assert route == "/completion" and llama["prompt"] == prompts and llama["n_predict"] == 9
     assert llama["cache_prompt"] is True and llama["ignore_eos"] is True
 
@@ -52,12 +53,12 @@ def sglang_answer(cached: int, generated: int = 1) -> dict:
 
 
 def test_an_answer_is_a_sample_only_when_every_request_extended_its_cached_context():
-    plan, call = plan_for("sglang", [2]), Call(2, 4, 1, CONTEXT_TOKENS)
+    plan, call = plan_for(engine_for("sglang"), [2]), Call(2, 4, 1, CONTEXT_TOKENS)
     assert check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS)] * 2) is None
     assert (check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS), sglang_answer(3)]) or "").startswith("cache miss")
     assert "expected 2 result(s)" in (check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS)]) or "")
     assert "generated 2 token(s)" in (check_answer(plan, call, [sglang_answer(CONTEXT_TOKENS, 2)] * 2) or "")
-    llama = plan_for("llama_cpp", [1])
+    llama = plan_for(engine_for("llama_cpp"), [1])
     one = {"tokens_predicted": 1, "timings": {"cache_n": CONTEXT_TOKENS}}
     assert check_answer(llama, Call(1, 4, 1, CONTEXT_TOKENS), one) is None  # one prompt: one object, not a list
     assert check_answer(llama, Call(1, 4, 1, CONTEXT_TOKENS), {**one, "timings": {"cache_n": 0}}) is not None
@@ -77,7 +78,7 @@ def truth_times(plan, outside) -> dict[Call, float]:
 
 
 def test_the_table_holds_forward_costs_whatever_each_call_costs_outside_the_forward():
-    plan = plan_for("sglang", [1, 4])
+    plan = plan_for(engine_for("sglang"), [1, 4])
     table = assemble(plan, truth_times(plan, lambda b: 30.0 + 4.0 * b))
     assert table == assemble(plan, truth_times(plan, lambda b: 200.0 * b))  # the outside cost cancels
     for i, b in enumerate(plan.batches):
@@ -90,7 +91,7 @@ def test_the_table_holds_forward_costs_whatever_each_call_costs_outside_the_forw
 
 
 def test_a_step_at_no_cost_is_refused_and_a_dip_is_named_and_kept_as_measured():
-    plan = plan_for("sglang", [1])
+    plan = plan_for(engine_for("sglang"), [1])
     table = assemble(plan, truth_times(plan, lambda b: 30.0))
     assert "no cost" in (table_problem({**table, "short_context_ms": -2.0}) or "")
     assert "no cost" in (table_problem({**table, "ms": [[0.0, *table["ms"][0][1:]]]}) or "")
@@ -102,7 +103,8 @@ def test_a_step_at_no_cost_is_refused_and_a_dip_is_named_and_kept_as_measured():
     assert model.shape_of(Round((), 4, (3,), (CONTEXT_TOKENS,))) == pytest.approx(59.0)
     assert model.shape_of(Round((), 3, (2,), (CONTEXT_TOKENS,))) == pytest.approx(80.0)
     assert dips(table) is None
-    two = assemble(plan_for("sglang", [2]), truth_times(plan_for("sglang", [2]), lambda b: 30.0))
+    plan = plan_for(engine_for("sglang"), [2])
+    two = assemble(plan, truth_times(plan, lambda b: 30.0))
     assert "below a smaller batch's" in (dips({**two, "ms": [two["ms"][0], [x / 2 for x in two["ms"][1]]]}) or "")
 
 

@@ -21,6 +21,7 @@ from pipeline.simulate.cost import CostModel, round_table
 from pipeline.simulate.replay import Answer, ClosedLoop, Phase, Round, replay
 from pipeline.simulate.simulator import Simulator, base_cost
 from pipeline.simulate.vllm_ngram import replay_request
+from serve.engines import engine_for
 from serve.spec import VllmNgramSpec
 
 
@@ -104,7 +105,7 @@ def test_a_config_is_predicted_from_the_baselines_tokens_and_the_measured_lm_hea
 
 
 def test_the_vllm_probe_extends_cached_contexts_and_measures_the_lm_head_apart():
-    plan = plan_for("vllm", [1])
+    plan = plan_for(engine_for("vllm"), [1])
     assert (plan.dialect, plan.all_rows, plan.widths, plan.head_rows) == ("openai", False, VLLM_WIDTHS, VLLM_WIDTHS)
     every = calls(plan)
     assert [c.width for c in every if c.context == CONTEXT_TOKENS and c.generate == 1] == list(VLLM_WIDTHS)
@@ -136,7 +137,7 @@ def probe_times(plan, noise=lambda c: 0.0) -> dict[Call, float]:
 
 
 def test_the_vllm_table_adds_the_lm_heads_rows_to_the_cells():
-    plan = plan_for("vllm", [1])
+    plan = plan_for(engine_for("vllm"), [1])
     table = assemble(plan, probe_times(plan))
     assert table["ms"][0][:3] == [30.0, 31.0, 32.0] and table["lm_head_ms"][:3] == [3.0, 6.0, 9.0]
     assert table["long_context_ms"] == 40.0 and table_problem(table) is None
@@ -146,7 +147,7 @@ def test_the_vllm_table_adds_the_lm_heads_rows_to_the_cells():
 
 
 def test_noisy_columns_are_read_as_their_lines_and_a_row_at_no_cost_is_refused():
-    plan = plan_for("vllm", [1])
+    plan = plan_for(engine_for("vllm"), [1])
     # +-20 ms on alternate calls: larger than a row's cost, as on the shared box
     table = assemble(plan, probe_times(plan, lambda c: 20.0 * ((c.width + c.rows) % 2)))
     assert table["ms_measured"][0] != table["ms"][0]  # the cells as measured stay in the record

@@ -8,6 +8,7 @@ from __future__ import annotations
 import yaml
 
 from pipeline.promote import _parser, deploy_wait_s
+from serve.engines import engine_for
 from serve.engines.base import ReplicaConfig
 from serve.engines.sglang.engine import COLD_START_ALLOWANCE_S
 from serve.engines.waits import TRIAL_MARGIN_S, engine_start_s, trial_wait_s
@@ -28,8 +29,9 @@ def serving(**replica) -> ServingConfig:
 def test_every_wait_covers_a_cold_start_of_the_seed_engine():
     replica = ReplicaConfig(**SEED)
     cold = 1800 + COLD_START_ALLOWANCE_S["cuda"]
-    assert engine_start_s(replica) == cold
-    assert trial_wait_s(replica) == cold + TRIAL_MARGIN_S  # the trial's wait for its replica
+    engine = engine_for(replica.engine)
+    assert engine_start_s(replica, engine) == cold
+    assert trial_wait_s(replica, engine) == cold + TRIAL_MARGIN_S  # the trial's wait for its replica
     roll = deploy_timeout_s(serving(**SEED))
     assert roll > cold  # the production roll's deadline: 1800 s alone would give up on a cold node
     default_poll = ProductionSettings.model_fields["follow_alias_s"].default
@@ -38,7 +40,7 @@ def test_every_wait_covers_a_cold_start_of_the_seed_engine():
 
 def test_the_cpu_engine_has_no_allowance_and_its_waits_follow_its_timeout():
     replica = ReplicaConfig(model="smollm2-135m", start_timeout_s=90)
-    assert engine_start_s(replica) == 90
+    assert engine_start_s(replica, engine_for(replica.engine)) == 90
     assert deploy_timeout_s(serving(model="smollm2-135m", start_timeout_s=90)) < \
         deploy_timeout_s(serving(model="smollm2-135m", start_timeout_s=900))
 

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,67 +35,36 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serve.engines.child import ChildServer
 from serve.engines.llama_cpp import protocol
-from serve.ports import free_port
 from serve.engines.shim_routes import Totals, add_forward_route, sse_event
 from serve.spec import NoSpec, parse_spec
 from serve.sse import SseDecoder
 
 READY_POLL_S = 0.2
+STOP_GRACE_S = 10.0
 
 
 def _say(message: str) -> None:
     print(f"[llama-cpp shim] {message}", file=sys.stderr, flush=True)
 
 
-class Child:
+class Child(ChildServer):
     """One llama-server run. `start` picks a port and (if asked) a fresh dynamic lookup-cache file."""
 
     def __init__(self, argv: list[str], dynamic_cache: bool, workdir: Path) -> None:
-        self.base_argv = argv
+        super().__init__(argv, name="llama-server", say=_say, ready_poll_s=READY_POLL_S, stop_grace_s=STOP_GRACE_S)
         self.dynamic_cache = dynamic_cache
         self.workdir = workdir
-        self.process: subprocess.Popen | None = None
-        self.argv: list[str] = []
-        self.url = ""
-        self.starts = 0
 
-    def start(self) -> None:
-        port = free_port()
-        self.starts += 1
-        self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(port)]
-        if self.dynamic_cache:
-            cache = self.workdir / f"lookup-dynamic-{self.starts}.bin"
-            # llama-server aborts on a missing cache file ("Couldn't read dynamic lookup cache"); an empty one is an
-            # empty cache
-            cache.write_bytes(b"")
-            self.argv += ["--lookup-cache-dynamic", str(cache)]
-        self.url = f"http://127.0.0.1:{port}"
-        _say("starting: " + " ".join(self.argv))
-        self.process = subprocess.Popen(self.argv, stdout=sys.stdout, stderr=sys.stderr)
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
-            while time.monotonic() < deadline:
-                if self.process is None or self.process.poll() is not None:
-                    code = None if self.process is None else self.process.returncode
-                    raise RuntimeError(f"llama-server exited with code {code} before it was ready")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/health")).status_code == 200:
-                        return
-                await asyncio.sleep(READY_POLL_S)
-        raise RuntimeError(f"llama-server not ready after {timeout_s:.0f} s")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=grace_s)
+    def run_argv(self) -> list[str]:
+        if not self.dynamic_cache:
+            return []
+        cache = self.workdir / f"lookup-dynamic-{self.starts}.bin"
+        # llama-server aborts on a missing cache file ("Couldn't read dynamic lookup cache"); an empty one is an
+        # empty cache
+        cache.write_bytes(b"")
+        return ["--lookup-cache-dynamic", str(cache)]
 
 
 class Shim:

@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any, AsyncIterator
@@ -38,13 +37,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serve.engines.child import ChildServer
 from serve.engines.vllm import protocol
-from serve.ports import free_port
 from serve.engines.shim_routes import Totals, add_forward_route, sse_event
 from serve.spec import NoSpec, parse_spec
 from serve.sse import SseDecoder
 
 READY_POLL_S = 0.5
+STOP_GRACE_S = 15.0
 HEARTBEAT_S = 5.0  # between the comments of a flush's restart stream (the trial's flush waits 35 s for a byte)
 
 
@@ -60,44 +60,14 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-class Child:
+class Child(ChildServer):
     """The vLLM server process, on a private port."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.base_argv = argv
-        self.process: subprocess.Popen | None = None
-        self.argv: list[str] = []
-        self.url = ""
+        super().__init__(argv, name="vLLM", say=_say, ready_poll_s=READY_POLL_S, stop_grace_s=STOP_GRACE_S)
 
-    def start(self) -> None:
-        port = free_port()
-        self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(port)]
-        self.url = f"http://127.0.0.1:{port}"
-        _say("starting: " + " ".join(self.argv))
-        self.process = subprocess.Popen(self.argv, stdout=sys.stdout, stderr=sys.stderr, env=child_environment())
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
-            while time.monotonic() < deadline:
-                if self.process is None or self.process.poll() is not None:
-                    code = None if self.process is None else self.process.returncode
-                    raise RuntimeError(f"vLLM exited with code {code} before it was ready")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/health")).status_code == 200:
-                        return
-                await asyncio.sleep(READY_POLL_S)
-        raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s")
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=grace_s)
+    def environment(self) -> dict[str, str]:
+        return child_environment()
 
 
 class Shim:

@@ -11,6 +11,10 @@ A bare experiment URL is not the path checked: MLflow 3.17's UI ignores the expe
 browser on the GenAI overview for every experiment (see `pipeline.records.tracking.WORKFLOW_PARAM`), so the printed link is
 where a user starts.
 Screenshots go to `$SPECDEC_TEST_ARTIFACTS/test_mlflow_ui/` (default `<repo>/test-artifacts/test_mlflow_ui/`).
+
+Placed by cost in the end-to-end tier (an `mlflow ui` server and Chromium, 30-90 s on a shared 2-core box); the
+default run keeps the cheap check of the same contract, the link's workflow and the shared view's comparison columns
+in the store (tests/unit/test_record_ui.py).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from tests.integration.ui_helpers import (
 
 sync_api = browser_api()
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 
 METRIC = "tput_tok_s"
 SHOWN_METRICS = [METRIC, "vs_baseline", "accept_len", "ttft_p50_ms"]

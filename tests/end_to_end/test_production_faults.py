@@ -5,7 +5,12 @@ Expected: every answer is a 200 or a 503 with `Retry-After` in OpenAI's error sh
 connection), a stream in flight ends with an error event and `[DONE]`, `/health` says 503 (engine gone) or 504
 (engine not answering within `health_timeout_s`) and the endpoint serves again once Serve has replaced the replica;
 requests sent to a paused engine are answered when it resumes. Loops are bounded by deadlines; the only fixed wait is
-the length of the pause itself (the fault), which must outlast the engine's 5 s keep-alive."""
+the length of the pause itself (the fault), which must outlast the engine's 5 s keep-alive.
+
+Placed by cost in the end-to-end tier (a real engine killed and replaced by Serve, another paused: 30-50 s); the
+default run keeps the cheap checks of the same answers: tests/unit/test_production_ingress.py (a dead engine's 503 with
+`Retry-After`, `/health` 503 and its bounded 504, a stream's error event and `[DONE]`) and
+tests/unit/test_production_engine_client.py (an engine that never answers, or leaves a stream mid-answer)."""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from serve.production.app import deploy
 from serve.serving import Provenance, ServingConfig
 from tests.integration.production_helpers import alive, app_processes, metric, openai_error, stream_outcome, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.end_to_end]
 KEY = "faults-key-0123456789abcdef"
 MODEL = "smollm2-135m"
 APP = "faults"
