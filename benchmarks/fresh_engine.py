@@ -1,12 +1,12 @@
 """Fresh engines of one config, one after another, with what each process was given: is a slow run the engine
 process as a whole, and what about it differs? Not a test.
 
-Each run starts the CPU engine as a replica starts it (the study's default config, the baseline: no speculation),
-sends the default study's warm-up requests, then its measured requests (concurrency 1), and stops it. Beside the
-throughput, each run records the engine process's own view of itself: CPU seconds and context switches over the
-measured window (`/proc/<pid>/stat`, `status`), page faults, resident memory by kind (`smaps_rollup`), and its
-threads' CPUs. Conditions alternate run by run (A B A B ...), so whatever moves the machine over the minutes moves
-both:
+Each run starts the CPU engine as a replica starts it (`--config`: the default study's baseline, or the NGRAM
+config its studies promote), sends the config's warm-up requests, then the study's measured requests (concurrency
+1), and stops it. Beside the throughput, each run records the engine process's own view of itself: CPU seconds and
+context switches over the measured window (`/proc/<pid>/stat`, `status`), page faults, resident memory by kind
+(`smaps_rollup`), and how often its two compute threads sat on one CPU (each thread's CPU read every 20 ms).
+Conditions alternate run by run (A B A B ...), so whatever moves the machine over the minutes moves both:
 
 - `default`: as the study starts it;
 - `norandom`: the engine started with address-space randomization off (`personality(ADDR_NO_RANDOMIZE)`, inherited
@@ -83,12 +83,6 @@ def process_view(pid: int) -> dict[str, float]:
         key, _, value = line.partition(":")
         if key in ("Rss", "Anonymous", "AnonHugePages", "FilePmdMapped", "Shared_Clean", "Private_Clean"):
             view[key + "_mb"] = int(value.split()[0]) / 1024
-    threads = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        threads.append((int(fields[11]) + int(fields[12]), int(fields[36])))
-    busy = sorted(threads, reverse=True)[:2]
-    view["busy_thread_cpus"] = float(busy[0][1] * 10 + (busy[1][1] if len(busy) > 1 else 0))
     return view
 
 
@@ -189,7 +183,7 @@ def one_run(condition: str, config: Any, warmup: Any, measure: Any) -> dict[str,
         row["cores"] = (after["cpu_s"] - before["cpu_s"]) / wall
         for key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "minflt", "majflt"):
             row[key] = after[key] - before[key]
-        row.update({k: v for k, v in after.items() if k.endswith("_mb") or k in ("Threads", "busy_thread_cpus")})
+        row.update({k: v for k, v in after.items() if k.endswith("_mb") or k == "Threads"})
     return row
 
 
@@ -216,7 +210,10 @@ def main() -> None:
     study = load_study(None, {})
     space = load_space(resolve_space_path(study.search_space))
     point = NGRAM if args.config == "ngram" else {"algorithm": "none", **baseline_point(space)}
-    trial = resolve(space, point, study).config
+    resolved = resolve(space, point, study)
+    if resolved.config is None:
+        raise SystemExit(f"the {args.config} point does not resolve on this study: {resolved}")
+    trial = resolved.config
     warmup, measure = workload_requests(study)
     warmup = warmup[:trial.warmup_requests]
     # the config's replica, exactly as a trial builds it

@@ -30,7 +30,8 @@ def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
 # The tiers, fastest first: a file's tier is its folder. The default run (pyproject's testpaths) is unit, model,
 # integration and gpu; `python -m pytest -q -n 2 --dist loadfile tests` adds the engines and end-to-end tiers.
 TIERS = ("unit", "model", "integration", "engines", "end_to_end", "gpu")
-LEFT_OUT = {"engines": "SGLang's own server on a CPU and llama-server: contract, studies, production",
+LEFT_OUT = {"engines": "SGLang's own server on a CPU, llama-server and vLLM (where its venv is installed): contract, "
+                       "studies, production",
             "end_to_end": "the closed loop and the endpoint's side of it, levels, distributed (PostgreSQL), "
                           "2-node cluster, serve deploy, the production driver and rolls, the fault study, "
                           "open-loop, corpus and STANDALONE simulate-first studies, an interrupted study resumed, "

@@ -67,7 +67,8 @@ class WorkloadSettings(FrozenModel):
                            "for its cores, or the hypervisor took them) is measured again at most this often, after a "
                            "flush and the same warm-up; 0 = record it as it is, flagged")
     wait_limit: float = Field(0.15, gt=0, lt=1, description="a window is disturbed when the engine's threads waited "
-                              "for a core more than this share of their runnable time")
+                              "for a core more than this share of their runnable time, beyond what their own demand "
+                              "past the node's cores makes them wait")
     steal_limit: float = Field(0.05, gt=0, lt=1, description="a window is disturbed when the hypervisor took more than "
                                "this share of the node's CPU time (steal); raise it on a VM whose steal never drops")
     step_limit: float = Field(1.5, gt=1, description="a window is disturbed when its lone plain decode steps, timed "

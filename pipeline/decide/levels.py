@@ -66,6 +66,9 @@ class RunFigures(_Frozen):
     # whether other work disturbed the run's recorded window (its `measurement_flag` was "disturbed"); None = not
     # recorded. The decision's caveat counts these (pipeline.decide.headline.disturbance)
     disturbed: bool | None = None
+    # the recorded window's plain steps over the engine's calibrated step (`window_step_ratio`); None where the engine
+    # timed none (a speculative run, an engine without a round table): what the search's baseline gap is read against
+    step_ratio: float | None = Field(None, gt=0)
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, float | None]) -> RunFigures:

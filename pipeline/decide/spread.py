@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MIN_RUNS", "ORDERS", "RunOrder", "Suspect", "paired_ratios", "run_order", "spread", "suspect_run"]
+__all__ = ["MIN_RUNS", "ORDERS", "RunOrder", "Suspect", "gap_at_equal_steps", "paired_ratios", "run_order", "spread",
+           "suspect_run"]
 
 RunOrder = Literal["interleaved", "sequential"]
 ORDERS: tuple[RunOrder, ...] = ("interleaved", "sequential")
@@ -91,3 +92,21 @@ def paired_ratios(baseline: Sequence[float], runs: Sequence[float]) -> list[floa
     """Each run's throughput over its paired baseline run's (run k with baseline run k), for the pairs where both
     were measured (throughput > 0)."""
     return [t / b for t, b in zip(runs, baseline) if t > 0 and b > 0]
+
+
+def gap_at_equal_steps(search: tuple[float, float | None], reruns: Sequence[tuple[float, float | None]]
+                       ) -> float | None:
+    """How far the search's baseline run was from its re-runs' median had every window run the engine's plain steps
+    at one speed: each (tok/s, step ratio) taken as tok/s x its window's step ratio (the steps' time over the
+    engine's calibrated step, pipeline/measure/window.py), the same -0.1 = 10% below as the raw gap. None unless the
+    search run and every measured re-run timed their steps.
+
+    On the CPU engine a baseline window's throughput follows the speed its plain steps ran at: over four default
+    studies on one 2-core AMD EPYC, tok/s x step ratio stayed within 1.3-3.0% across each study's baseline windows
+    while the raw figures spread up to 19% (docs/benchmarks.md, "Three in a row"). A raw gap that this one
+    does not share is the machine's speed when each window ran, which the window check measured, not the config."""
+    measured = [(t, r) for t, r in reruns if t > 0]
+    if not measured or search[1] is None or any(r is None for _, r in measured):
+        return None
+    steady = statistics.median(t * (r or 0.0) for t, r in measured)
+    return search[0] * search[1] / steady - 1 if steady > 0 else None

@@ -235,7 +235,8 @@ def choose(attempts: Sequence[Attempt]) -> Attempt | None:
             return a
     if not with_table:
         return None
-    return min(with_table, key=lambda a: (a.problem is not None, a.window.wait_share or 0.0))
+    return min(with_table, key=lambda a: (a.problem is not None,
+                                          (a.window.wait_share or 0.0) - (a.window.own_wait_share or 0.0)))
 
 
 @dataclass

@@ -225,7 +225,8 @@ def _log(ctx: TrialContext, name: str, p: Pass, verdict: tuple[bool | None, str,
     # the run's window checks, as a trial's: the promotion rule decides on these figures
     window_metrics, window_tags, window_texts = window_record(m.windows)
     disturbed = window_tags.get("measurement_flag") == "disturbed" if window_tags else None
-    out.runs.append(figures.model_copy(update={"order": p.order, "disturbed": disturbed}))
+    out.runs.append(figures.model_copy(update={"order": p.order, "disturbed": disturbed,
+                                               "step_ratio": window_metrics.get("window_step_ratio")}))
     texts.update(window_texts)
     metrics = dict(c.summary.to_metrics()) if c.summary else {}
     metrics.update({f"time_{k}": v for k, v in m.timings.items()})

@@ -28,9 +28,10 @@ from pipeline.decide.disturbance import MEASUREMENT_TAG, disturbance, withhold
 from pipeline.decide.headline import (Deploy, Headline, decision_sentence, level_table, levels_headline,
                                       search_only_headline)
 from pipeline.study.finalists import measure_levels
-from pipeline.decide.levels import (BASELINE, LEVELS_ARTIFACT, LevelsDecision, decide_levels,
+from pipeline.decide.levels import (BASELINE, LEVELS_ARTIFACT, LevelInput, LevelsDecision, decide_levels,
                                     routing_policy)
 from pipeline.decide.pareto import choose_finalists
+from pipeline.decide.spread import gap_at_equal_steps
 from pipeline.records.console import phase_echo, rerun_name
 from pipeline.records.gaps import missing
 from pipeline.records.labels import slug
@@ -166,7 +167,7 @@ def finalize_study(ctx: TrialContext, ot_study: Any) -> int:
     levels_decision = decide_levels(inputs, study.promotion, study.objective.constraints, finalists=explanation,
                                     labels=labels, room=room)
     table = level_table(levels_decision)
-    gap = _baseline_gap(ctx, rows, base_row, levels_decision)
+    gap = _baseline_gap(ctx, base_row, levels_decision, inputs)
     # every view shows a finalist's speed-up as the decision read it, the search's beside it
     rows = with_decided(rows, levels_decision, names, study.search_concurrency)
     ctx.tracker.log_vs_baseline({r.run_id: r.vs_baseline for r in rows if r.vs_baseline},
@@ -326,10 +327,11 @@ def baseline_gap(search_tok_s: float, reruns_tok_s: Sequence[float]) -> tuple[fl
     return statistics.median([search_tok_s, *measured]), search_tok_s / reruns - 1
 
 
-def _baseline_gap(ctx: TrialContext, rows: Sequence[TrialRow], base_row: TrialRow,
-                  levels: LevelsDecision) -> dict[str, float]:
+def _baseline_gap(ctx: TrialContext, base_row: TrialRow, levels: LevelsDecision,
+                  inputs: Sequence[LevelInput]) -> dict[str, float]:
     """Say how far the search's baseline was from its re-runs (the search compared each trial with that one run;
-    the finalists' figures come from run-by-run pairs instead). Returns the study run's metrics of it."""
+    the finalists' figures come from run-by-run pairs instead), and how far at equal step speed where every window
+    timed its plain steps (`gap_at_equal_steps`). Returns the study run's metrics of it."""
     level = next((r for r in levels.levels if r.level == ctx.study.search_concurrency), None)
     row = next((r for r in level.rows if r.id == BASELINE), None) if level else None
     search = base_row.tput_tok_s
@@ -337,10 +339,23 @@ def _baseline_gap(ctx: TrialContext, rows: Sequence[TrialRow], base_row: TrialRo
     if not measured or not search:  # no re-run measured anything (each failed): there is no gap to state
         return {}
     pooled, gap = baseline_gap(search, measured)
+    entry = next((e for e in inputs if e.level == ctx.study.search_concurrency), None)
+    runs = [(r.tput_tok_s, r.step_ratio) for r in entry.baseline if r.tput_tok_s > 0] if entry else []
+    search_ratio = base_row.figures.get("window_step_ratio")
+    steady = gap_at_equal_steps((search, search_ratio), runs)
+    why = ""
+    if steady is not None and search_ratio is not None:
+        ratios = sorted(r for _, r in runs if r is not None)
+        why = (f"; at equal step speed {steady:+.1%} (the engine's plain steps ran {search_ratio:.2f}x its calibrated "
+               f"step in the search's window, {ratios[0]:.2f}-{ratios[-1]:.2f}x in the re-runs': the rest of the "
+               "gap is the machine's speed when each ran)")
     say(f"\nbaseline: the search measured {search:.2f} tok/s, its {len(measured)} measured re-runs a median of "
-        f"{statistics.median(measured):.2f} ({gap:+.1%}): the finalists' speed-ups are the re-runs', "
+        f"{statistics.median(measured):.2f} ({gap:+.1%}){why}: the finalists' speed-ups are the re-runs', "
         "the other trials' the search's (labelled as such)")
-    return {"search_baseline_tok_s": search, "search_baseline_gap": gap, "baseline_pooled_tok_s": pooled}
+    out = {"search_baseline_tok_s": search, "search_baseline_gap": gap, "baseline_pooled_tok_s": pooled}
+    if steady is not None:
+        out["search_baseline_gap_equal_steps"] = steady
+    return out
 
 
 def _report(ctx: TrialContext, decision: Decision, model_name: str, version: str | None, failures: list[str],

@@ -150,3 +150,19 @@ def test_the_search_baseline_gap_leaves_out_reruns_that_measured_nothing():
     assert baseline_gap(5.0, [10.0, 0.0, 0.0]) == (7.5, -0.5)
     with pytest.raises(ValueError, match="no re-run"):
         baseline_gap(5.0, [0.0, 0.0])
+
+
+def test_the_gap_at_equal_step_speed_takes_out_what_the_windows_step_timer_measured():
+    """Study q1 on a 2-core AMD EPYC: the search's baseline 26.81 tok/s at steps 1.04x its calibration, the re-runs
+    25.70, 24.50, 22.51 at 1.11x, 1.16x, 1.23x: +9.4% raw, -1.9% at equal step speed. A run that failed is left out;
+    without every window's step ratio there is no such figure."""
+    from pipeline.decide.spread import gap_at_equal_steps
+
+    runs = [(25.70, 1.11), (24.50, 1.16), (22.51, 1.23)]
+    steady = gap_at_equal_steps((26.81, 1.04), runs)
+    assert steady is not None and round(steady, 3) == -0.019  # 27.88 against the median of 28.53, 28.42, 27.69
+    assert gap_at_equal_steps((26.81, 1.04), [*runs, (0.0, None)]) == steady
+    # a search window that ran slow steps reads as the machine's, not the config's: equal at equal speed
+    assert gap_at_equal_steps((20.0, 1.5), [(30.0, 1.0), (30.0, 1.0)]) == 0.0
+    assert gap_at_equal_steps((26.81, None), runs) is None
+    assert gap_at_equal_steps((26.81, 1.04), [(25.70, 1.11), (24.50, None)]) is None
